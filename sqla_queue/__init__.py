@@ -1,0 +1,48 @@
+"""sqla_queue: a durable PostgreSQL job queue in a table you own, for SQLAlchemy.
+
+    class EmailJob(Base, JobMixin):          # your model, your columns
+        __tablename__ = "email_jobs"
+
+    session.enqueue(EmailJob(...))           # commits with your business writes
+    Worker(engine, EmailJob, handler).run()  # leases, retries, dead letter
+
+Statement builders for every transition live in :mod:`sqla_queue.sql`.
+"""
+
+from .errors import (
+    DeadLetter,
+    EnqueueError,
+    InvalidPayload,
+    LeaseLost,
+    NotAQueueModel,
+    RetryLater,
+    SqlaQueueError,
+    UnknownTask,
+)
+from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
+from .session import QueueSession, enqueue, notify_on_commit
+from .sql import Backoff, ClaimToken
+
+__all__ = [
+    "FINISHED_STATUSES",
+    "Backoff",
+    "ClaimToken",
+    "DeadLetter",
+    "EnqueueError",
+    "InvalidPayload",
+    "JobMixin",
+    "JobStatus",
+    "LeaseLost",
+    "NotAQueueModel",
+    "QueueSession",
+    "RetryLater",
+    "SqlaQueueError",
+    "TaskMixin",
+    "UnknownTask",
+    "archive_table",
+    "enqueue",
+    "notify_on_commit",
+    "queue_table",
+]
+
+__version__ = "0.1.0"

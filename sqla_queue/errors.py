@@ -1,0 +1,69 @@
+"""The exceptions sqla_queue raises, and the ones handlers raise to steer their job.
+
+Every error the library raises derives from :class:`SqlaQueueError`, and also from the
+built-in class a caller would expect (``TypeError`` for a wrong kind of object,
+``ValueError`` for a wrong value), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+
+class SqlaQueueError(Exception):
+    """Base class of every exception raised by sqla_queue."""
+
+
+class NotAQueueModel(SqlaQueueError, TypeError):
+    """The object or class is not a model built on :class:`~sqla_queue.JobMixin`."""
+
+
+class EnqueueError(SqlaQueueError, ValueError):
+    """A job, one of its values or an enqueue option is invalid.
+
+    Raised by ``enqueue()`` before anything is added to the session, so the caller's
+    transaction is untouched and can still be committed or rolled back.
+    """
+
+
+class InvalidPayload(EnqueueError):
+    """A JSON column of the job holds a value that cannot be stored as JSON."""
+
+
+class LeaseLost(SqlaQueueError):
+    """The worker no longer owns the job: its lease expired and it was swept or re-claimed.
+
+    Raised to transactional handlers when their fenced completion matches no row; the
+    handler's transaction is rolled back, so its writes never land twice.
+    """
+
+
+class UnknownTask(SqlaQueueError, LookupError):
+    """A task row names a task that is not registered with the worker's :class:`Tasks`."""
+
+
+class RetryLater(Exception):
+    """Raise from a handler to retry the job after ``delay`` instead of the backoff policy.
+
+    The attempt still counts: a job that keeps asking for retries ends in ``failed``
+    once ``max_attempts`` is used up.
+    """
+
+    def __init__(self, delay: timedelta | float, reason: str = "retry requested") -> None:
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        if seconds < 0:
+            raise ValueError(f"RetryLater delay must not be negative, got {seconds}s")
+        super().__init__(reason)
+        self.delay = timedelta(seconds=seconds)
+        self.reason = reason
+
+
+class DeadLetter(Exception):
+    """Raise from a handler to move the job to ``failed`` at once, whatever attempts remain.
+
+    For errors that retrying cannot fix (bad input, a deleted account).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

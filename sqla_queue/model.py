@@ -1,0 +1,319 @@
+"""The queue mixins: columns, a CHECK and partial indexes added to a model the user owns.
+
+``JobMixin`` turns any declarative model into a queue table; the user keeps their own
+columns, foreign keys and ``__table_args__``. The schema objects that must exist on every
+queue table (the status CHECK and the partial indexes of the hot paths) are attached from
+a propagating mapper event rather than a ``__table_args__`` on the mixin, because a model
+that declares its own ``__table_args__`` would silently drop the mixin's.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import (
+    JSON,
+    MetaData,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+    event,
+    false,
+    func,
+    inspect,
+    literal_column,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, Mapper, mapped_column
+from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.naming import conv
+
+from .errors import NotAQueueModel
+
+__all__ = [
+    "FINISHED_STATUSES",
+    "archive_table",
+    "JobMixin",
+    "JobStatus",
+    "QueueTable",
+    "TaskMixin",
+    "queue_table",
+]
+
+#: PostgreSQL truncates (and Alembic rejects) identifiers longer than this many bytes.
+MAX_IDENTIFIER_BYTES: Final = 63
+DEFAULT_QUEUE: Final = "default"
+DEFAULT_MAX_ATTEMPTS: Final = 20
+_INFO_KEY: Final = "sqla_queue"
+
+
+class JobStatus(str, enum.Enum):
+    """The life of a job. ``failed`` is the dead letter: no attempts left, kept for review."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: States a job never leaves on its own; only these are pruned or archived.
+FINISHED_STATUSES: Final = (JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+def status_literal(status: JobStatus) -> ColumnElement[str]:
+    """A status as an inline SQL literal, never a bound parameter.
+
+    A partial index ``WHERE status = 'pending'`` can only serve a query whose predicate
+    the planner can prove implies it; a bound ``status = $1`` under a generic prepared
+    plan (psycopg prepares repeated statements) does not, and the claim would fall back
+    to a scan of the whole table.
+    """
+    return literal_column(f"'{JobStatus(status).value}'", String)
+
+
+def constraint_name(table_name: str, suffix: str) -> str:
+    """``{prefix}_{table}_{suffix}``-style names that always fit in 63 bytes.
+
+    Long table names are cut and given a short hash, so two long names sharing a prefix
+    still get distinct index names.
+    """
+    name = f"{table_name}_{suffix}"
+    if len(name.encode()) <= MAX_IDENTIFIER_BYTES:
+        return name
+    digest = hashlib.sha1(table_name.encode()).hexdigest()[:8]
+    room = MAX_IDENTIFIER_BYTES - len(suffix.encode()) - len(digest) - 2
+    head = table_name.encode()[:room].decode(errors="ignore")
+    return f"{head}_{digest}_{suffix}"
+
+
+def _empty_payload() -> dict[str, Any]:
+    return {}
+
+
+class JobMixin:
+    """Queue columns for a declarative model the user owns.
+
+    Mix into any declarative class (``DeclarativeBase``, ``declarative_base()``,
+    Flask-SQLAlchemy ``db.Model``)::
+
+        class EmailJob(Base, JobMixin):
+            __tablename__ = "email_jobs"
+            order_id: Mapped[int] = mapped_column(ForeignKey("orders.id"))
+
+    The model may declare its own primary key (one column) instead of the BIGINT
+    identity ``id``; the claim orders ties by it.
+    """
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    queue: Mapped[str] = mapped_column(
+        String(128), default=DEFAULT_QUEUE, server_default=DEFAULT_QUEUE
+    )
+    status: Mapped[str] = mapped_column(
+        String(16), default=JobStatus.PENDING.value, server_default=JobStatus.PENDING.value
+    )
+    #: Higher runs first.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    #: Not claimed before this time (delays, scheduled jobs, retry backoff).
+    run_after: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    #: Attempts started so far; the claim increments it, so it is also the fencing token.
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    max_attempts: Mapped[int] = mapped_column(
+        Integer, default=DEFAULT_MAX_ATTEMPTS, server_default=text(str(DEFAULT_MAX_ATTEMPTS))
+    )
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    #: Set by the sweeper when an attempt ended with its lease expiring (its worker most
+    #: likely died). Such jobs are claimed one at a time and run alone, so a job that
+    #: crashes its worker burns only its own attempts, not those of its batch neighbours.
+    isolated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    created_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TaskMixin(JobMixin):
+    """A generic task table: a registered task name and a JSON payload (JSONB on PostgreSQL).
+
+    For applications that want one table for many kinds of work rather than typed columns.
+    The worker dispatches on ``task`` through a :class:`~sqla_queue.Tasks` registry and
+    never imports or evaluates the name.
+    """
+
+    task: Mapped[str] = mapped_column(String(200))
+    payload: Mapped[dict[str, Any]] = mapped_column(
+        JSON().with_variant(JSONB(), "postgresql"),
+        default=_empty_payload,
+        server_default=text("'{}'"),
+    )
+
+
+#: Columns every queue table must have; checked once per table.
+REQUIRED_COLUMNS: Final = (
+    "queue",
+    "status",
+    "priority",
+    "run_after",
+    "attempts",
+    "max_attempts",
+    "lease_owner",
+    "lease_expires_at",
+    "last_error",
+    "isolated",
+    "created_at",
+    "finished_at",
+)
+
+
+@dataclass(frozen=True)
+class QueueTable:
+    """A resolved queue table: the Table, its single primary-key column and its names."""
+
+    table: Table
+    pk: Column[Any]
+    channel: str
+    mapped_class: type[Any] | None = None
+
+    @property
+    def c(self) -> Any:
+        return self.table.c
+
+    @property
+    def is_task_table(self) -> bool:
+        return "task" in self.table.c and "payload" in self.table.c
+
+
+def notify_channel(table: Table) -> str:
+    """The LISTEN/NOTIFY channel of a queue table (schema-qualified, under 64 bytes)."""
+    return constraint_name(f"sqla_queue.{table.fullname}", "jobs")
+
+
+def _attach_schema_objects(table: Table) -> None:
+    """The CHECK and partial indexes every queue table carries, named after the table.
+
+    Names are wrapped in ``conv()`` so a user's ``MetaData(naming_convention=...)`` does
+    not prefix them a second time.
+    """
+    c = table.c
+    name = table.name
+    pending = c.status == status_literal(JobStatus.PENDING)
+    running = c.status == status_literal(JobStatus.RUNNING)
+    table.append_constraint(
+        CheckConstraint(
+            c.status.in_([s.value for s in JobStatus]),
+            name=conv(constraint_name(name, "status_check")),
+        )
+    )
+    pk = list(table.primary_key.columns)
+    order = [c.priority.desc(), c.run_after, *pk]
+    # The claim across all queues: ORDER BY priority DESC, run_after, pk LIMIT n reads
+    # the first n entries, whatever the number of finished or delayed rows.
+    Index(conv(constraint_name(name, "claim_idx")), *order, postgresql_where=pending)
+    # The claim restricted to one queue.
+    Index(
+        conv(constraint_name(name, "claim_queue_idx")),
+        c.queue,
+        *order,
+        postgresql_where=pending,
+    )
+    # Isolated jobs (their last attempt's lease expired) are few: a tiny index lets
+    # workers ask "is one waiting?" on every poll for free.
+    Index(
+        conv(constraint_name(name, "isolated_idx")),
+        *order,
+        postgresql_where=pending & c.isolated,
+    )
+    # The sweeper's lookup of expired leases.
+    Index(conv(constraint_name(name, "lease_idx")), c.lease_expires_at, postgresql_where=running)
+
+
+@event.listens_for(JobMixin, "instrument_class", propagate=True)
+def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
+    table = mapper.local_table
+    if not isinstance(table, Table) or table.info.get(_INFO_KEY):
+        return  # single-table inheritance: the parent's table already has them
+    missing = [col for col in REQUIRED_COLUMNS if col not in table.c]
+    if missing:
+        return  # an abstract base or a mapping that is not a queue table after all
+    table.info[_INFO_KEY] = True
+    _attach_schema_objects(table)
+
+
+_cache: dict[Table, QueueTable] = {}
+
+
+def queue_table(model: Any) -> QueueTable:
+    """Resolve a queue model class, an instance of one, or its ``Table``.
+
+    Raises :class:`~sqla_queue.NotAQueueModel` for anything else, naming what is missing.
+    """
+    mapped_class: type[Any] | None = None
+    if isinstance(model, Table):
+        table = model
+    else:
+        cls = model if isinstance(model, type) else type(model)
+        mapper: Any = inspect(cls, raiseerr=False)
+        if mapper is None or not isinstance(mapper, Mapper):
+            raise NotAQueueModel(f"{cls.__qualname__} is not a mapped class or a Table")
+        if not isinstance(mapper.local_table, Table):
+            raise NotAQueueModel(f"{cls.__qualname__} is not mapped to a single Table")
+        table = mapper.local_table
+        mapped_class = cls
+    cached = _cache.get(table)
+    if cached is not None and (mapped_class is None or cached.mapped_class is mapped_class):
+        return cached
+    missing = [col for col in REQUIRED_COLUMNS if col not in table.c]
+    if missing:
+        raise NotAQueueModel(
+            f"table {table.fullname!r} is not a queue table (missing columns: "
+            f"{', '.join(missing)}); mix sqla_queue.JobMixin into its model"
+        )
+    pk = list(table.primary_key.columns)
+    if len(pk) != 1:
+        raise NotAQueueModel(
+            f"queue table {table.fullname!r} needs a single-column primary key, has {len(pk)}"
+        )
+    resolved = QueueTable(
+        table=table, pk=pk[0], channel=notify_channel(table), mapped_class=mapped_class
+    )
+    _cache[table] = resolved
+    return resolved
+
+
+def archive_table(model: Any, name: str, metadata: MetaData | None = None) -> Table:
+    """A table for :func:`sqla_queue.sql.archive_finished`: the queue table's columns.
+
+    Same names and types, no defaults, identity or queue indexes (nothing claims from
+    an archive), plus ``archived_at``. Created in the queue table's ``MetaData`` unless
+    another is given, so Alembic autogenerate sees it.
+    """
+    qt = queue_table(model)
+    columns = [
+        Column(col.name, col.type, primary_key=col.primary_key, nullable=col.nullable, autoincrement=False)
+        for col in qt.table.c
+    ]
+    columns.append(
+        Column("archived_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+    )
+    target = metadata if metadata is not None else qt.table.metadata
+    return Table(name, target, *columns, schema=qt.table.schema)

@@ -1,0 +1,535 @@
+"""Statement builders: every state change of a job, as a SQLAlchemy Core statement.
+
+Each function takes a queue model (or its ``Table``) and returns an ``Executable`` that
+the caller can print, compose and run on any ``Connection`` or ``Session``, in their own
+transaction. Nothing here opens connections, sleeps or starts threads.
+
+Every transition after a claim is *fenced*: it matches only a row that is still
+``running``, still leased to ``owner``, and still on the attempt the caller claimed. A
+worker that lost its lease (it stalled, the sweeper returned the job, another worker
+re-claimed it) matches nothing, so it can neither extend, complete nor fail the job; and
+since the claim increments ``attempts``, not even the same owner can finish an attempt
+that is no longer current. Callers learn the outcome from ``RETURNING``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple, TypeAlias
+
+from sqlalchemy import (
+    CTE,
+    DateTime,
+    Delete,
+    Insert,
+    Interval,
+    Select,
+    String,
+    Table,
+    Update,
+    and_,
+    case,
+    cast,
+    delete,
+    func,
+    insert,
+    literal,
+    not_,
+    null,
+    select,
+    true,
+    tuple_,
+)
+from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
+from sqlalchemy.sql.elements import ColumnElement
+
+from .model import FINISHED_STATUSES, JobStatus, QueueTable, queue_table, status_literal
+
+__all__ = [
+    "Backoff",
+    "ClaimToken",
+    "archive_finished",
+    "cancel_pending",
+    "claim",
+    "complete_if_owner",
+    "extend_leases_if_owner",
+    "fail_if_owner",
+    "isolated_waiting",
+    "prune_finished",
+    "queue_stats",
+    "release_if_owner",
+    "requeue_failed",
+    "retry_if_owner",
+    "sweep_expired",
+]
+
+#: A queue model class or its Table.
+QueueModel: TypeAlias = Any
+Duration: TypeAlias = "timedelta | float"
+
+PENDING = JobStatus.PENDING
+RUNNING = JobStatus.RUNNING
+DONE = JobStatus.DONE
+FAILED = JobStatus.FAILED
+CANCELLED = JobStatus.CANCELLED
+
+
+class ClaimToken(NamedTuple):
+    """What a claim hands out and every later transition must present: id and attempt."""
+
+    job_id: Any
+    attempt: int
+
+
+def _seconds(value: Duration, what: str) -> timedelta:
+    delta = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+    if delta < timedelta(0):
+        raise ValueError(f"{what} must not be negative, got {delta}")
+    return delta
+
+
+def _interval(value: Duration, what: str) -> ColumnElement[timedelta]:
+    # An explicit cast, so the statement also prepares on its own (PREPARE, other drivers).
+    return cast(literal(_seconds(value, what), Interval()), Interval())
+
+
+def _clock() -> ColumnElement[datetime]:
+    # clock_timestamp(), not now(): a lease is measured from the moment the row changes,
+    # not from the start of a transaction that may have waited on locks.
+    return func.clock_timestamp(type_=DateTime(timezone=True))
+
+
+def _status(qt: QueueTable, status: JobStatus) -> ColumnElement[bool]:
+    column: ColumnElement[str] = qt.c.status
+    return column == status_literal(status)
+
+
+def _tokens(tokens: ClaimToken | Iterable[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    if isinstance(tokens, ClaimToken):
+        tokens = [tokens]
+    return [(job_id, int(attempt)) for job_id, attempt in tokens]
+
+
+def _fence(qt: QueueTable, owner: str, tokens: list[tuple[Any, int]]) -> ColumnElement[bool]:
+    """The guard of every post-claim transition: running, this owner, this attempt."""
+    if len(tokens) == 1:
+        (job_id, attempt), = tokens
+        match: ColumnElement[bool] = and_(qt.pk == job_id, qt.c.attempts == attempt)
+    else:
+        match = tuple_(qt.pk, qt.c.attempts).in_(tokens)
+    return and_(_status(qt, RUNNING), qt.c.lease_owner == owner, match)
+
+
+def _queue_filter(qt: QueueTable, queues: Sequence[str] | None) -> list[ColumnElement[bool]]:
+    if queues is None:
+        return []
+    if isinstance(queues, str):
+        raise TypeError("queues must be a sequence of queue names, not a single string")
+    names = list(queues)
+    if not names:
+        raise ValueError("queues must name at least one queue (or be None for all queues)")
+    if len(names) == 1:
+        return [qt.c.queue == names[0]]
+    return [qt.c.queue.in_(names)]
+
+
+def claim(
+    model: QueueModel,
+    *,
+    owner: str,
+    limit: int = 1,
+    lease: Duration = 30.0,
+    queues: Sequence[str] | None = None,
+    isolated: bool = False,
+) -> ReturningUpdate[Any]:
+    """Atomically claim up to ``limit`` runnable jobs for ``owner``.
+
+    ``UPDATE … FROM (SELECT pk … WHERE status='pending' AND run_after <= now()
+    ORDER BY priority DESC, run_after, pk LIMIT n FOR UPDATE SKIP LOCKED) … RETURNING *``:
+    concurrent claimers skip each other's rows instead of queueing behind them, and the
+    selection and the status change are one statement, so no lock is released in between.
+    The row's ``attempts`` is incremented; with ``owner`` it forms the fencing token.
+
+    ``isolated=True`` claims (one at a time) the jobs whose last attempt ended with an
+    expired lease; the default claim leaves them alone so they never share a batch.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    qt = queue_table(model)
+    c = qt.c
+    conditions = [
+        _status(qt, PENDING),
+        c.run_after <= func.now(),
+        c.isolated if isolated else not_(c.isolated),
+        *_queue_filter(qt, queues),
+    ]
+    claimable = (
+        select(qt.pk)
+        .where(*conditions)
+        .order_by(c.priority.desc(), c.run_after, qt.pk)
+        .limit(1 if isolated else limit)
+        .with_for_update(skip_locked=True)
+        .subquery("claimable")
+    )
+    return (
+        qt.table.update()
+        .where(qt.pk == claimable.c[qt.pk.name])
+        .values(
+            status=status_literal(RUNNING),
+            lease_owner=owner,
+            lease_expires_at=_clock() + _interval(lease, "lease"),
+            attempts=c.attempts + 1,
+        )
+        .returning(*qt.table.c)
+    )
+
+
+def isolated_waiting(model: QueueModel, *, queues: Sequence[str] | None = None) -> Select[Any]:
+    """``SELECT EXISTS`` a runnable isolated job: cheap, served by a tiny partial index."""
+    qt = queue_table(model)
+    c = qt.c
+    found = (
+        select(qt.pk)
+        .where(
+            _status(qt, PENDING), c.isolated, c.run_after <= func.now(), *_queue_filter(qt, queues)
+        )
+        .limit(1)
+    )
+    return select(found.exists())
+
+
+def extend_leases_if_owner(
+    model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]], lease: Duration
+) -> ReturningUpdate[Any]:
+    """Push the leases of ``owner``'s current attempts forward: one statement per heartbeat.
+
+    Returns the ids it extended; an id missing from the result is a lease already lost.
+    """
+    qt = queue_table(model)
+    return (
+        qt.table.update()
+        .where(_fence(qt, owner, _tokens(tokens)))
+        .values(lease_expires_at=_clock() + _interval(lease, "lease"))
+        .returning(qt.pk)
+    )
+
+
+def complete_if_owner(
+    model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]]
+) -> ReturningUpdate[Any]:
+    """Mark jobs ``done`` if ``owner`` still holds their current attempt.
+
+    Run it in the handler's own transaction to make the handler's writes and the
+    completion one atomic step: if it returns no row, roll back.
+    """
+    qt = queue_table(model)
+    return (
+        qt.table.update()
+        .where(_fence(qt, owner, _tokens(tokens)))
+        .values(
+            status=status_literal(DONE),
+            finished_at=_clock(),
+            lease_expires_at=null(),
+        )
+        .returning(qt.pk)
+    )
+
+
+def retry_if_owner(
+    model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str, delay: Duration
+) -> ReturningUpdate[Any]:
+    """Record a failed attempt: back to ``pending`` after ``delay``, or to ``failed``.
+
+    A job that has used ``max_attempts`` becomes ``failed`` (the dead letter). Returns
+    ``(pk, status)`` so the caller knows which it was, or nothing if the lease was lost.
+    """
+    qt = queue_table(model)
+    c = qt.c
+    exhausted = c.attempts >= c.max_attempts
+    return (
+        qt.table.update()
+        .where(_fence(qt, owner, _tokens([token])))
+        .values(
+            status=case(
+                (exhausted, status_literal(FAILED)), else_=status_literal(PENDING)
+            ),
+            run_after=case((exhausted, c.run_after), else_=_clock() + _interval(delay, "delay")),
+            finished_at=case((exhausted, _clock()), else_=null()),
+            last_error=error,
+            lease_owner=case((exhausted, c.lease_owner), else_=null()),
+            lease_expires_at=null(),
+            isolated=False,
+        )
+        .returning(qt.pk, c.status)
+    )
+
+
+def fail_if_owner(
+    model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str
+) -> ReturningUpdate[Any]:
+    """Dead-letter a job now (``failed``), whatever attempts remain."""
+    qt = queue_table(model)
+    return (
+        qt.table.update()
+        .where(_fence(qt, owner, _tokens([token])))
+        .values(
+            status=status_literal(FAILED),
+            finished_at=_clock(),
+            last_error=error,
+            lease_expires_at=null(),
+        )
+        .returning(qt.pk)
+    )
+
+
+def release_if_owner(
+    model: QueueModel,
+    *,
+    owner: str,
+    tokens: ClaimToken | Iterable[tuple[Any, int]],
+    refund_attempt: bool = True,
+) -> ReturningUpdate[Any]:
+    """Hand claimed jobs back to ``pending`` at once, e.g. on a worker's shutdown.
+
+    ``refund_attempt`` gives back the attempt of a job whose handler never started.
+    Only a worker that will not claim again may refund: the refunded attempt number is
+    handed out again by the next claim.
+    """
+    qt = queue_table(model)
+    c = qt.c
+    return (
+        qt.table.update()
+        .where(_fence(qt, owner, _tokens(tokens)))
+        .values(
+            status=status_literal(PENDING),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            attempts=c.attempts - 1 if refund_attempt else c.attempts,
+        )
+        .returning(qt.pk)
+    )
+
+
+def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[Any]:
+    """Return jobs whose lease expired to ``pending`` (or ``failed`` when exhausted).
+
+    Their worker stopped heartbeating: it died, froze or lost the database. The job is
+    marked ``isolated`` so its next attempt runs alone, and ``last_error`` says why.
+    Safe to run from many workers at once: rows another sweeper holds are skipped.
+    Returns ``(pk, status)`` of every job it moved.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    qt = queue_table(model)
+    c = qt.c
+    expired = (
+        select(qt.pk)
+        .where(_status(qt, RUNNING), c.lease_expires_at < _clock())
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .subquery("expired")
+    )
+    exhausted = c.attempts >= c.max_attempts
+    reason = (
+        literal("lease expired: worker ", String)
+        + func.coalesce(c.lease_owner, "?")
+        + literal(" did not finish attempt ", String)
+        + cast(c.attempts, String)
+        + literal(" of ", String)
+        + cast(c.max_attempts, String)
+    )
+    return (
+        qt.table.update()
+        .where(qt.pk == expired.c[qt.pk.name])
+        .values(
+            status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
+            finished_at=case((exhausted, _clock()), else_=null()),
+            last_error=reason,
+            lease_owner=null(),
+            lease_expires_at=null(),
+            isolated=true(),
+        )
+        .returning(qt.pk, c.status)
+    )
+
+
+def requeue_failed(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    delay: Duration = 0,
+) -> ReturningUpdate[Any]:
+    """Give dead-lettered (``failed``) jobs a fresh set of attempts.
+
+    ``last_error`` is kept for the record. Without ``ids`` every failed job (of
+    ``queues``) is requeued.
+    """
+    qt = queue_table(model)
+    c = qt.c
+    conditions = [_status(qt, FAILED), *_queue_filter(qt, queues)]
+    if ids is not None:
+        conditions.append(qt.pk.in_(list(ids)))
+    return (
+        qt.table.update()
+        .where(*conditions)
+        .values(
+            status=status_literal(PENDING),
+            attempts=0,
+            run_after=func.now() + _interval(delay, "delay"),
+            finished_at=null(),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            isolated=False,
+        )
+        .returning(qt.pk)
+    )
+
+
+def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[Any]:
+    """Cancel jobs that have not been claimed yet; running jobs are left to finish."""
+    qt = queue_table(model)
+    return (
+        qt.table.update()
+        .where(_status(qt, PENDING), qt.pk.in_(list(ids)))
+        .values(status=status_literal(CANCELLED), finished_at=_clock())
+        .returning(qt.pk)
+    )
+
+
+def _finished_before(
+    qt: QueueTable,
+    older_than: Duration | datetime,
+    statuses: Sequence[JobStatus | str],
+    limit: int,
+) -> Select[Any]:
+    wanted = [JobStatus(s) for s in statuses]
+    unfinished = [s for s in wanted if s not in FINISHED_STATUSES]
+    if unfinished or not wanted:
+        raise ValueError(
+            f"only finished jobs ({', '.join(s.value for s in FINISHED_STATUSES)}) can be "
+            f"removed, got {[s.value for s in wanted]}"
+        )
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if isinstance(older_than, datetime):
+        if older_than.tzinfo is None:
+            raise ValueError("older_than must be timezone-aware")
+        cutoff: ColumnElement[datetime] = literal(older_than, DateTime(timezone=True))
+    else:
+        cutoff = func.now() - _interval(older_than, "older_than")
+    return (
+        select(qt.pk)
+        .where(
+            qt.c.status.in_([status_literal(s) for s in wanted]),
+            qt.c.finished_at < cutoff,
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def prune_finished(
+    model: QueueModel,
+    *,
+    older_than: Duration | datetime,
+    statuses: Sequence[JobStatus | str] = (DONE, CANCELLED),
+    limit: int = 10_000,
+) -> Delete:
+    """Delete up to ``limit`` jobs that finished before ``older_than`` ago.
+
+    Dead letters (``failed``) are kept unless named in ``statuses``. Bounded, so a large
+    backlog is pruned in short transactions: run it until its rowcount is 0.
+    """
+    qt = queue_table(model)
+    doomed = _finished_before(qt, older_than, statuses, limit)
+    return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery()))
+
+
+def archive_finished(
+    model: QueueModel,
+    archive: Table | type[Any],
+    *,
+    older_than: Duration | datetime,
+    statuses: Sequence[JobStatus | str] = FINISHED_STATUSES,
+    limit: int = 10_000,
+) -> ReturningInsert[Any]:
+    """Move finished jobs into ``archive`` in one statement (``WITH moved AS (DELETE …
+    RETURNING …) INSERT INTO archive SELECT … FROM moved``).
+
+    Every column the two tables share by name is copied; see
+    :func:`sqla_queue.archive_table` for a ready-made archive table. Returns the ids it
+    moved; bounded by ``limit``, so run it until it returns none.
+    """
+    qt = queue_table(model)
+    target: Table = archive if isinstance(archive, Table) else archive.__table__
+    shared = [col.name for col in qt.table.c if col.name in target.c]
+    doomed = _finished_before(qt, older_than, statuses, limit)
+    moved: CTE = (
+        delete(qt.table)
+        .where(qt.pk.in_(doomed.scalar_subquery()))
+        .returning(*(qt.table.c[name] for name in shared))
+        .cte("moved")
+    )
+    return (
+        insert(target)
+        .from_select(shared, select(*(moved.c[name] for name in shared)), include_defaults=False)
+        .returning(target.c[qt.pk.name])
+    )
+
+
+def queue_stats(model: QueueModel) -> Select[Any]:
+    """Jobs per queue and status, with the age of the oldest runnable pending job."""
+    qt = queue_table(model)
+    c = qt.c
+    runnable = and_(_status(qt, PENDING), c.run_after <= func.now())
+    return (
+        select(
+            c.queue,
+            c.status,
+            func.count().label("jobs"),
+            (func.now() - func.min(c.run_after).filter(runnable)).label("oldest_runnable_age"),
+        )
+        .group_by(c.queue, c.status)
+        .order_by(c.queue, c.status)
+    )
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter and a cap: ``base * factor**(attempt-1)``.
+
+    The delay of attempt ``n`` is drawn uniformly from ``[d*(1-jitter), d*(1+jitter)]``
+    (jitter spreads retries of jobs that failed together) and never exceeds ``cap``.
+    """
+
+    base: float = 1.0
+    factor: float = 2.0
+    cap: float = 3600.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.base < 0 or self.cap < 0:
+            raise ValueError("base and cap must not be negative")
+        if self.factor < 1:
+            raise ValueError("factor must be at least 1")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("jitter must be between 0 and 1")
+
+    def bounds(self, attempt: int) -> tuple[float, float]:
+        """The smallest and largest delay (seconds) attempt ``attempt`` can get."""
+        exponent = max(attempt - 1, 0)
+        try:  # factor**exponent overflows a float for large attempts
+            raw = self.base * self.factor**exponent
+        except OverflowError:
+            raw = float("inf")
+        raw = min(raw, self.cap)
+        return min(raw * (1 - self.jitter), self.cap), min(raw * (1 + self.jitter), self.cap)
+
+    def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> timedelta:
+        """The delay before retrying after attempt ``attempt`` (1-based) failed."""
+        low, high = self.bounds(attempt)
+        return timedelta(seconds=low + (high - low) * rand())

@@ -1,0 +1,77 @@
+"""Test database: ``DATABASE_URL`` if set, else an embedded PostgreSQL started for the run.
+
+Each run works in a database of its own (created here, dropped at the end), so runs never
+see each other's rows; worker processes started by tests find it in ``SQLA_QUEUE_TEST_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from sqlalchemy import URL, Engine, create_engine, make_url, text
+
+from sqla_queue.embedded import EmbeddedPostgres
+
+from . import models
+from .helpers import Server
+
+
+def _admin_url() -> tuple[URL, EmbeddedPostgres | None]:
+    raw = os.environ.get("DATABASE_URL")
+    if raw:
+        url = make_url(raw)
+        if url.drivername in ("postgresql", "postgres"):
+            url = url.set(drivername="postgresql+psycopg")
+        return url, None
+    pg = EmbeddedPostgres().start()
+    return pg.url, pg
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    admin, embedded = _admin_url()
+    name = f"sqla_queue_test_{uuid.uuid4().hex[:10]}"
+    admin_engine = create_engine(admin, isolation_level="AUTOCOMMIT")
+    with admin_engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = admin.set(database=name)
+    os.environ["SQLA_QUEUE_TEST_URL"] = url.render_as_string(hide_password=False)
+    try:
+        yield Server(url=url, admin_url=admin, embedded=embedded)
+    finally:
+        with admin_engine.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin_engine.dispose()
+        if embedded is not None:
+            embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def _schema(server: Server) -> Iterator[Engine]:
+    engine = create_engine(server.url, pool_pre_ping=True)
+    models.Base.metadata.create_all(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def engine(_schema: Engine) -> Iterator[Engine]:
+    """The test database's engine, with every shared table emptied before the test."""
+    tables = ", ".join(f'"{t.name}"' for t in models.all_tables())
+    with _schema.begin() as conn:
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    yield _schema
+
+
+@pytest.fixture
+def listener(server: Server) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A raw autocommit psycopg connection, for LISTEN."""
+    conn = psycopg.connect(server.conninfo, autocommit=True)
+    try:
+        yield conn
+    finally:
+        conn.close()

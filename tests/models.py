@@ -1,0 +1,75 @@
+"""Models shared by the test suite and by the worker processes it starts."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Uuid
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from sqla_queue import JobMixin, TaskMixin
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    """A business table: the outbox tests write one beside each job."""
+
+    __tablename__ = "orders"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    customer: Mapped[str] = mapped_column(String(100))
+    confirmed: Mapped[bool] = mapped_column(default=False)
+
+
+class EmailJob(Base, JobMixin):
+    """A typed queue table with the user's own FK, column, index and CHECK."""
+
+    __tablename__ = "email_jobs"
+    __table_args__ = (
+        Index("ix_email_jobs_order", "order_id"),
+        CheckConstraint("length(recipient) > 0", name="ck_email_jobs_recipient"),
+    )
+
+    order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+    recipient: Mapped[str] = mapped_column(String(200), default="someone@example.com")
+
+
+class ReportJob(Base, JobMixin):
+    """A second queue table: queues of different tables never meet."""
+
+    __tablename__ = "report_jobs"
+
+    report: Mapped[str] = mapped_column(String(50), default="daily")
+
+
+class Task(Base, TaskMixin):
+    """A generic task table."""
+
+    __tablename__ = "tasks"
+
+
+class UuidJob(Base, JobMixin):
+    """A queue table whose primary key the user chose."""
+
+    __tablename__ = "uuid_jobs"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)  # type: ignore[assignment]
+
+
+class Effect(Base):
+    """Rows written by transactional handlers: one per handled job, never two."""
+
+    __tablename__ = "effects"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(index=True)
+    worker: Mapped[str] = mapped_column(String(200))
+    note: Mapped[str] = mapped_column(String(200), default="")
+
+
+def all_tables() -> list[Any]:
+    return list(Base.metadata.sorted_tables)

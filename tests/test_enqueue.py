@@ -1,0 +1,252 @@
+"""``enqueue()`` joins the caller's transaction and wakes workers only on commit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_queue import (
+    EnqueueError,
+    InvalidPayload,
+    NotAQueueModel,
+    QueueSession,
+    enqueue,
+    notify_on_commit,
+    queue_table,
+)
+
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
+from .models import EmailJob, Order, ReportJob, Task
+
+EMAIL_CHANNEL = queue_table(EmailJob).channel
+TASK_CHANNEL = queue_table(Task).channel
+
+
+@pytest.fixture
+def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
+    return sessionmaker(engine, class_=QueueSession)
+
+
+@pytest.fixture
+def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+    for channel in (EMAIL_CHANNEL, TASK_CHANNEL, queue_table(ReportJob).channel, SENTINEL_CHANNEL):
+        listener.execute(f'LISTEN "{channel}"')
+    yield listener
+
+
+def count(engine: Engine, model: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).select_from(model)) or 0)
+
+
+def test_commit_stores_job_with_business_row_and_notifies_once(
+    Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        order = Order(customer="ada")
+        session.add(order)
+        session.flush()
+        for n in range(3):
+            session.enqueue(EmailJob(order_id=order.id, recipient=f"ada{n}@example.com"))
+        session.commit()
+    assert count(engine, EmailJob) == 3 and count(engine, Order) == 1
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "default")]
+
+
+def test_rollback_leaves_no_job_and_no_notification(
+    Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="bob"))
+        session.enqueue(EmailJob(recipient="bob@example.com"))
+        session.flush()  # the INSERT reached the server...
+        session.rollback()  # ...and is undone with the business row
+    assert count(engine, EmailJob) == 0 and count(engine, Order) == 0
+    assert notifications_until_sentinel(listening, server.conninfo) == []
+
+
+def test_one_notification_per_table_and_queue(
+    Sessions: sessionmaker[QueueSession], listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.enqueue(EmailJob(), queue="mail")
+        session.enqueue(EmailJob(), queue="mail")
+        session.enqueue(EmailJob(), queue="bulk")
+        session.enqueue(Task(task="resize", payload={"w": 100}))
+        session.commit()
+    got = notifications_until_sentinel(listening, server.conninfo)
+    assert sorted(got) == sorted(
+        [(EMAIL_CHANNEL, "mail"), (EMAIL_CHANNEL, "bulk"), (TASK_CHANNEL, "default")]
+    )
+
+
+def test_plain_add_of_a_queue_object_also_notifies(
+    Sessions: sessionmaker[QueueSession], listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.add(EmailJob(queue="added"))
+        session.commit()  # no explicit flush: commit's own flush inserts it
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "added")]
+
+
+def test_enqueue_function_works_with_any_session(
+    engine: Engine, listening: Any, server: Server
+) -> None:
+    with Session(engine) as session:
+        job = enqueue(session, EmailJob(recipient="plain@example.com"), priority=5)
+        session.commit()
+        assert job.id is not None and job.priority == 5
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "default")]
+    with Session(engine) as session:  # the hooks of one session do not leak into another
+        session.add(Order(customer="x"))
+        session.commit()
+    assert notifications_until_sentinel(listening, server.conninfo) == []
+
+
+def test_savepoint_rollback_removes_the_job(
+    Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        with session.begin_nested() as savepoint:
+            session.enqueue(EmailJob())
+            session.flush()
+            savepoint.rollback()
+        session.commit()
+    assert count(engine, EmailJob) == 0 and count(engine, Order) == 1
+
+
+def test_notify_on_commit_for_core_inserts(
+    Sessions: sessionmaker[QueueSession], listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.execute(insert(EmailJob), [{"queue": "core"}, {"queue": "core"}])
+        notify_on_commit(session, EmailJob, "core")
+        session.commit()
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "core")]
+
+
+def test_options_set_queue_priority_attempts_and_delay(
+    Sessions: sessionmaker[QueueSession], engine: Engine
+) -> None:
+    with Sessions() as session:
+        delayed = session.enqueue(EmailJob(), queue="later", priority=-3, max_attempts=2, delay=90)
+        at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        scheduled = session.enqueue(EmailJob(), run_at=at)
+        session.commit()
+        now = session.scalar(select(func.now()))
+        assert (delayed.queue, delayed.priority, delayed.max_attempts) == ("later", -3, 2)
+        # the delay is measured by the database clock
+        assert timedelta(seconds=89) < delayed.run_after - now <= timedelta(seconds=90)
+        assert scheduled.run_after == at and scheduled.status == "pending"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"delay": -1}, "non-negative"),
+        ({"delay": float("nan")}, "non-negative"),
+        ({"delay": "soon"}, "seconds or a timedelta"),
+        ({"run_at": datetime(2030, 1, 1)}, "timezone-aware"),
+        ({"delay": 1, "run_at": datetime(2030, 1, 1, tzinfo=timezone.utc)}, "either delay or run_at"),
+        ({"priority": 2**40}, "32-bit"),
+        ({"priority": "high"}, "32-bit"),
+        ({"max_attempts": 0}, ">= 1"),
+        ({"queue": ""}, "non-empty"),
+    ],
+)
+def test_bad_options_fail_before_anything_is_added(
+    Sessions: sessionmaker[QueueSession], engine: Engine, options: dict[str, Any], message: str
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="still fine"))
+        with pytest.raises(EnqueueError, match=message):
+            session.enqueue(EmailJob(), **options)
+        assert not any(isinstance(o, EmailJob) for o in session.new)
+        session.commit()  # the caller's transaction is intact
+    assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
+
+
+def test_unknown_option_is_a_type_error(Sessions: sessionmaker[QueueSession]) -> None:
+    with Sessions() as session, pytest.raises(TypeError, match="prio"):
+        session.enqueue(EmailJob(), prio=3)  # type: ignore[call-arg]
+
+
+def test_not_a_queue_model(Sessions: sessionmaker[QueueSession]) -> None:
+    with Sessions() as session:
+        with pytest.raises(NotAQueueModel, match="Order"):
+            session.enqueue(Order(customer="x"))
+        with pytest.raises(NotAQueueModel):
+            session.enqueue({"task": "x"})
+        assert not session.new
+
+
+@pytest.mark.parametrize(
+    "payload", [{"when": datetime.now()}, {"x": float("nan")}, {"blob": b"bytes"}, {"s": {1, 2}}]
+)
+def test_payload_must_be_json(Sessions: sessionmaker[QueueSession], payload: dict[str, Any]) -> None:
+    with Sessions() as session:
+        with pytest.raises(InvalidPayload, match="payload is not JSON-serialisable"):
+            session.enqueue(Task(task="t", payload=payload))
+        assert not session.new
+
+
+def test_task_needs_a_name(Sessions: sessionmaker[QueueSession]) -> None:
+    with Sessions() as session, pytest.raises(EnqueueError, match="task name"):
+        session.enqueue(Task(payload={}))
+
+
+def test_managed_columns_and_persistent_jobs_are_refused(
+    Sessions: sessionmaker[QueueSession],
+) -> None:
+    with Sessions() as session:
+        with pytest.raises(EnqueueError, match="status"):
+            session.enqueue(EmailJob(status="done"))
+        with pytest.raises(EnqueueError, match="attempts"):
+            session.enqueue(EmailJob(attempts=3))
+        job = session.enqueue(EmailJob())
+        session.commit()
+        with pytest.raises(EnqueueError, match="already persistent"):
+            session.enqueue(job)
+
+
+def test_engine_json_serializer_is_respected(server: Server) -> None:
+    from sqlalchemy import create_engine
+
+    engine = create_engine(server.url, json_serializer=lambda v: __import__("json").dumps(v, default=str))
+    try:
+        with Session(engine) as session:
+            enqueue(session, Task(task="t", payload={"when": datetime(2030, 1, 1)}))
+            session.rollback()
+    finally:
+        engine.dispose()
+
+
+def test_async_session_enqueue_notifies_on_commit(
+    engine: Engine, listening: Any, server: Server
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    async def main() -> int:
+        async_engine = create_async_engine(server.url)
+        Sessions = async_sessionmaker(
+            async_engine, sync_session_class=QueueSession, expire_on_commit=False
+        )
+        try:
+            async with Sessions() as session:
+                job = enqueue(session, EmailJob(recipient="async@example.com"), queue="async")
+                await session.commit()
+                return job.id
+        finally:
+            await async_engine.dispose()
+
+    job_id = asyncio.run(main())
+    assert job_id is not None and count(engine, EmailJob) == 1
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "async")]

@@ -1,0 +1,470 @@
+"""Statement builders against real PostgreSQL: claims, fencing, retries, sweeps, cleanup."""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, Engine, func, insert, select, text, update
+from sqlalchemy.dialects import postgresql
+
+from sqla_queue import Backoff, ClaimToken, JobStatus, archive_table
+from sqla_queue import sql as q
+
+from . import claimers
+from .helpers import Server
+from .models import Base, EmailJob, ReportJob, UuidJob
+
+JOBS = EmailJob.__table__
+
+
+def add_jobs(conn: Connection, n: int, **values: Any) -> list[int]:
+    """Insert ``n`` jobs; ``values`` may hold SQL expressions such as ``func.now()``."""
+    rows = [{"recipient": f"r{i}@example.com"} for i in range(n)]
+    stmt = insert(JOBS).values(**values).returning(JOBS.c.id, sort_by_parameter_order=True)
+    return list(conn.scalars(stmt, rows))
+
+
+def status_of(conn: Connection, job_id: Any, table: Any = JOBS) -> str:
+    return str(conn.scalar(select(table.c.status).where(table.c.id == job_id)))
+
+
+def claim(conn: Connection, owner: str = "w1", limit: int = 10, **kw: Any) -> list[Any]:
+    return list(conn.execute(q.claim(EmailJob, owner=owner, limit=limit, **kw)))
+
+
+# -- claim ---------------------------------------------------------------------------------
+
+
+def test_claim_sets_owner_lease_and_attempt(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1)
+        (row,) = claim(conn, owner="worker-a", lease=60)
+        lease_left = conn.scalar(select(JOBS.c.lease_expires_at - func.clock_timestamp()))
+    assert row.id == job_id and row.status == "running" and row.lease_owner == "worker-a"
+    assert row.attempts == 1
+    assert timedelta(seconds=55) < lease_left <= timedelta(seconds=60)
+
+
+def test_concurrent_claimers_get_disjoint_jobs_without_blocking(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 10)
+    with engine.connect() as a, engine.connect() as b:
+        a.begin()
+        b.begin()
+        # b would raise LockNotAvailable if it waited on a's locked rows.
+        b.execute(text("SET LOCAL lock_timeout = '1s'"))
+        first = {r.id for r in claim(a, owner="a", limit=6)}
+        second = {r.id for r in claim(b, owner="b", limit=6)}
+        a.commit()
+        b.commit()
+    assert len(first) == 6 and len(second) == 4 and not first & second
+
+
+def test_claimer_processes_split_the_queue_exactly(engine: Engine, server: Server) -> None:
+    with engine.begin() as conn:
+        ids = set(add_jobs(conn, 1000))
+    ctx = multiprocessing.get_context("spawn")
+    url = server.url.render_as_string(hide_password=False)
+    start_line = ctx.Barrier(4)
+    with ProcessPoolExecutor(4, mp_context=ctx, initializer=claimers.wait_at, initargs=(start_line,)) as pool:
+        results = list(pool.map(claimers.claim_until_empty, [url] * 4, ["p0", "p1", "p2", "p3"]))
+    claimed = [job_id for owner_ids in results for job_id in owner_ids]
+    assert len(claimed) == len(set(claimed)) == 1000  # nobody claimed a job twice
+    assert set(claimed) == ids
+    assert sum(1 for owner_ids in results if owner_ids) >= 2  # the work was really shared
+
+
+def test_claim_order_priority_then_due_time_then_id(engine: Engine) -> None:
+    with engine.begin() as conn:
+        low = add_jobs(conn, 2, priority=0)
+        high = add_jobs(conn, 1, priority=10)
+        older = add_jobs(conn, 1, priority=0, run_after=datetime.now(timezone.utc) - timedelta(hours=1))
+        order = [r.id for r in claim(conn, limit=10)]
+    assert order == high + older + low
+
+
+def test_claim_skips_jobs_not_yet_due_and_finished_ones(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (due,) = add_jobs(conn, 1)
+        add_jobs(conn, 1, run_after=func.now() + timedelta(minutes=5))
+        add_jobs(conn, 1, status="done")
+        add_jobs(conn, 1, status="failed")
+        assert [r.id for r in claim(conn)] == [due]
+
+
+def test_claim_filters_queues(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (a,) = add_jobs(conn, 1, queue="a")
+        (b,) = add_jobs(conn, 1, queue="b")
+        (c,) = add_jobs(conn, 1, queue="c")
+        assert [r.id for r in claim(conn, queues=["b"])] == [b]
+        assert {r.id for r in claim(conn, queues=["a", "c"])} == {a, c}
+    with pytest.raises(TypeError):
+        q.claim(EmailJob, owner="w", queues="a")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        q.claim(EmailJob, owner="w", queues=[])
+
+
+def test_claim_keeps_queue_tables_apart(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(ReportJob.__table__), [{"report": "x"}])
+        assert claim(conn) == []
+        assert len(list(conn.execute(q.claim(ReportJob, owner="w")))) == 1
+
+
+def test_user_chosen_primary_key(engine: Engine) -> None:
+    table = UuidJob.__table__
+    with engine.begin() as conn:
+        conn.execute(insert(table), [{}, {}])
+        rows = list(conn.execute(q.claim(UuidJob, owner="w", limit=5)))
+        assert len(rows) == 2
+        tokens = [ClaimToken(r.id, r.attempts) for r in rows]
+        done = conn.scalars(q.complete_if_owner(UuidJob, owner="w", tokens=tokens)).all()
+        assert set(done) == {r.id for r in rows}
+
+
+def test_isolated_jobs_are_claimed_alone(engine: Engine) -> None:
+    with engine.begin() as conn:
+        normal = add_jobs(conn, 3)
+        isolated = add_jobs(conn, 3, isolated=True)
+        assert {r.id for r in claim(conn, limit=10)} == set(normal)
+        assert conn.scalar(q.isolated_waiting(EmailJob)) is True
+        first = claim(conn, limit=10, isolated=True)
+        assert [r.id for r in first] == isolated[:1]
+        claim(conn, isolated=True)
+        claim(conn, isolated=True)
+        assert conn.scalar(q.isolated_waiting(EmailJob)) is False
+
+
+# -- fencing -------------------------------------------------------------------------------
+
+
+def test_fenced_transitions_refuse_a_stale_owner(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1)
+        (row,) = claim(conn, owner="old")
+        token = ClaimToken(row.id, row.attempts)
+        # The lease is lost: swept back to pending and re-claimed by another worker.
+        conn.execute(update(JOBS).values(lease_expires_at=func.now() - timedelta(seconds=1)))
+        conn.execute(q.sweep_expired(EmailJob))
+        (again,) = claim(conn, owner="new", isolated=True)  # swept jobs run alone
+        assert again.attempts == 2
+
+        lease = 30
+        assert conn.scalars(q.extend_leases_if_owner(EmailJob, owner="old", tokens=[token], lease=lease)).all() == []
+        assert conn.scalars(q.complete_if_owner(EmailJob, owner="old", tokens=token)).all() == []
+        assert conn.execute(q.retry_if_owner(EmailJob, owner="old", token=token, error="x", delay=0)).all() == []
+        assert conn.scalars(q.fail_if_owner(EmailJob, owner="old", token=token, error="x")).all() == []
+        assert conn.scalars(q.release_if_owner(EmailJob, owner="old", tokens=[token])).all() == []
+        row_now = conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+        assert (row_now.status, row_now.lease_owner, row_now.attempts) == ("running", "new", 2)
+
+        new_token = ClaimToken(again.id, again.attempts)
+        assert conn.scalars(q.complete_if_owner(EmailJob, owner="new", tokens=new_token)).all() == [job_id]
+        assert status_of(conn, job_id) == "done"
+
+
+def test_fencing_refuses_an_old_attempt_of_the_same_owner(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1)
+        (first,) = claim(conn, owner="same")
+        conn.execute(update(JOBS).values(lease_expires_at=func.now() - timedelta(seconds=1)))
+        conn.execute(q.sweep_expired(EmailJob))
+        (second,) = claim(conn, owner="same", isolated=True)
+        stale = ClaimToken(job_id, first.attempts)
+        assert conn.scalars(q.complete_if_owner(EmailJob, owner="same", tokens=stale)).all() == []
+        assert conn.scalars(
+            q.extend_leases_if_owner(EmailJob, owner="same", tokens=[stale], lease=30)
+        ).all() == []
+        current = ClaimToken(job_id, second.attempts)
+        assert conn.scalars(q.complete_if_owner(EmailJob, owner="same", tokens=current)).all() == [job_id]
+
+
+def test_extend_leases_reports_which_it_extended(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 3)
+        rows = claim(conn, owner="w", lease=1)
+        tokens = [ClaimToken(r.id, r.attempts) for r in rows]
+        conn.execute(q.complete_if_owner(EmailJob, owner="w", tokens=tokens[0]))
+        extended = conn.scalars(q.extend_leases_if_owner(EmailJob, owner="w", tokens=tokens, lease=120)).all()
+        assert sorted(extended) == sorted(t.job_id for t in tokens[1:])
+        left = conn.scalar(
+            select(func.min(JOBS.c.lease_expires_at - func.clock_timestamp())).where(
+                JOBS.c.status == "running"
+            )
+        )
+        assert left > timedelta(seconds=100)
+
+
+# -- retries, dead letter, backoff ---------------------------------------------------------
+
+
+def test_retry_schedules_within_the_backoff_delay(engine: Engine) -> None:
+    backoff = Backoff(base=10, factor=3, cap=1000, jitter=0.2)
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1)
+        for attempt in (1, 2, 3):
+            conn.execute(update(JOBS).values(run_after=func.now() - timedelta(seconds=1)))
+            (row,) = claim(conn)
+            assert row.attempts == attempt
+            delay = backoff.delay(row.attempts)
+            low, high = backoff.bounds(row.attempts)
+            assert low <= delay.total_seconds() <= high
+            before = conn.scalar(select(func.clock_timestamp()))
+            result = conn.execute(
+                q.retry_if_owner(
+                    EmailJob, owner="w1", token=(row.id, row.attempts), error=f"boom {attempt}", delay=delay
+                )
+            ).one()
+            assert result.status == "pending"
+            after = conn.scalar(select(func.clock_timestamp()))
+            job = conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+            assert before + delay <= job.run_after <= after + delay
+            assert job.last_error == f"boom {attempt}" and job.lease_owner is None
+
+
+def test_retry_after_the_last_attempt_dead_letters(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1, max_attempts=2)
+        for expected in ("pending", "failed"):
+            conn.execute(update(JOBS).values(run_after=func.now() - timedelta(seconds=1)))
+            (row,) = claim(conn)
+            (_, status) = conn.execute(
+                q.retry_if_owner(EmailJob, owner="w1", token=(row.id, row.attempts), error="nope", delay=60)
+            ).one()
+            assert status == expected
+        job = conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+        assert job.finished_at is not None and job.attempts == 2 and job.last_error == "nope"
+        assert claim(conn) == []
+
+
+def test_fail_dead_letters_at_once(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 1, max_attempts=5)
+        (row,) = claim(conn)
+        assert conn.scalars(q.fail_if_owner(EmailJob, owner="w1", token=(row.id, 1), error="bad input")).all()
+        assert status_of(conn, row.id) == "failed"
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 5, 10, 30, 2000])
+def test_backoff_grows_and_stays_within_jitter_and_cap(attempt: int) -> None:
+    backoff = Backoff(base=2, factor=2, cap=600, jitter=0.25)
+    low, high = backoff.bounds(attempt)
+    raw = min(2 * 2 ** (attempt - 1), 600)
+    assert low == pytest.approx(raw * 0.75) and high == pytest.approx(min(raw * 1.25, 600))
+    assert backoff.delay(attempt, rand=lambda: 0.0).total_seconds() == pytest.approx(low)
+    assert backoff.delay(attempt, rand=lambda: 0.999999).total_seconds() == pytest.approx(high, rel=1e-5)
+    assert high <= 600
+
+
+def test_backoff_delays_grow_until_the_cap() -> None:
+    backoff = Backoff(base=1, factor=2, cap=100, jitter=0)
+    delays = [backoff.delay(n).total_seconds() for n in range(1, 12)]
+    assert delays[:7] == [1, 2, 4, 8, 16, 32, 64] and set(delays[7:]) == {100}
+    with pytest.raises(ValueError):
+        Backoff(jitter=1.5)
+
+
+# -- sweep, release ------------------------------------------------------------------------
+
+
+def test_sweep_returns_expired_work_and_dead_letters_exhausted(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 1, max_attempts=3)
+        add_jobs(conn, 1, max_attempts=1)
+        add_jobs(conn, 1)
+        rows = {r.id: r for r in claim(conn, owner="dead-worker", lease=60)}
+        expired = sorted(rows)[:2]
+        conn.execute(
+            update(JOBS).where(JOBS.c.id.in_(expired)).values(lease_expires_at=func.now() - timedelta(seconds=1))
+        )
+        swept = dict(conn.execute(q.sweep_expired(EmailJob)).all())
+        assert swept == {expired[0]: "pending", expired[1]: "failed"}
+        back = conn.execute(select(JOBS).where(JOBS.c.id == expired[0])).one()
+        assert back.isolated and back.lease_owner is None and back.lease_expires_at is None
+        assert back.last_error == "lease expired: worker dead-worker did not finish attempt 1 of 3"
+        dead = conn.execute(select(JOBS).where(JOBS.c.id == expired[1])).one()
+        assert dead.finished_at is not None and "attempt 1 of 1" in dead.last_error
+        live = sorted(rows)[2]
+        assert status_of(conn, live) == "running"  # its lease has not expired
+        assert conn.execute(q.sweep_expired(EmailJob)).all() == []
+
+
+def test_concurrent_sweeps_move_each_job_once(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 20)
+        claim(conn, owner="gone", limit=20)
+        conn.execute(update(JOBS).values(lease_expires_at=func.now() - timedelta(seconds=1)))
+    with engine.connect() as a, engine.connect() as b:
+        a.begin()
+        b.begin()
+        b.execute(text("SET LOCAL lock_timeout = '1s'"))
+        first = a.execute(q.sweep_expired(EmailJob, limit=12)).all()
+        second = b.execute(q.sweep_expired(EmailJob, limit=12)).all()
+        a.commit()
+        b.commit()
+    ids = [r[0] for r in first + second]
+    assert len(ids) == len(set(ids)) == 20
+
+
+def test_release_hands_jobs_back_and_refunds_the_attempt(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 2)
+        rows = claim(conn, owner="leaving")
+        tokens = [ClaimToken(r.id, r.attempts) for r in rows]
+        released = conn.scalars(q.release_if_owner(EmailJob, owner="leaving", tokens=tokens)).all()
+        assert sorted(released) == sorted(t.job_id for t in tokens)
+        assert conn.execute(select(JOBS.c.status, JOBS.c.attempts).distinct()).all() == [("pending", 0)]
+        assert len(claim(conn, owner="next")) == 2
+
+
+# -- requeue, cancel, prune, archive, stats ------------------------------------------------
+
+
+def test_requeue_failed_gives_fresh_attempts(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (dead,) = add_jobs(conn, 1, status="failed", attempts=3, last_error="boom", finished_at=func.now())
+        (other,) = add_jobs(conn, 1, status="failed", attempts=3, queue="other", finished_at=func.now())
+        (done,) = add_jobs(conn, 1, status="done", finished_at=func.now())
+        assert conn.scalars(q.requeue_failed(EmailJob, queues=["default"])).all() == [dead]
+        job = conn.execute(select(JOBS).where(JOBS.c.id == dead)).one()
+        assert (job.status, job.attempts, job.finished_at, job.last_error) == ("pending", 0, None, "boom")
+        assert conn.scalars(q.requeue_failed(EmailJob, ids=[other, done])).all() == [other]
+
+
+def test_cancel_only_touches_pending_jobs(engine: Engine) -> None:
+    with engine.begin() as conn:
+        pending, running = add_jobs(conn, 2)
+        claim(conn, limit=1)
+        assert conn.scalars(q.cancel_pending(EmailJob, ids=[pending, running])).all() == [running]
+        assert status_of(conn, pending) == "running" and status_of(conn, running) == "cancelled"
+
+
+def test_prune_deletes_old_finished_jobs_and_keeps_dead_letters(engine: Engine) -> None:
+    old = func.now() - timedelta(days=10)
+    with engine.begin() as conn:
+        old_done = add_jobs(conn, 3, status="done", finished_at=old)
+        (old_failed,) = add_jobs(conn, 1, status="failed", finished_at=old)
+        (recent,) = add_jobs(conn, 1, status="done", finished_at=func.now())
+        (pending,) = add_jobs(conn, 1)
+        result = conn.execute(q.prune_finished(EmailJob, older_than=timedelta(days=7), limit=2))
+        assert result.rowcount == 2
+        conn.execute(q.prune_finished(EmailJob, older_than=timedelta(days=7)))
+        left = set(conn.scalars(select(JOBS.c.id)))
+        assert left == {old_failed, recent, pending} and not left & set(old_done)
+        conn.execute(q.prune_finished(EmailJob, older_than=timedelta(days=7), statuses=["failed"]))
+        assert set(conn.scalars(select(JOBS.c.id))) == {recent, pending}
+    with pytest.raises(ValueError, match="only finished jobs"):
+        q.prune_finished(EmailJob, older_than=1, statuses=["running"])
+
+
+def test_archive_moves_finished_jobs_in_one_statement(engine: Engine) -> None:
+    archive = archive_table(EmailJob, "email_jobs_archive")
+    archive.create(engine)
+    try:
+        with engine.begin() as conn:
+            old = func.now() - timedelta(days=2)
+            moved = add_jobs(conn, 2, status="done", finished_at=old)
+            (kept,) = add_jobs(conn, 1)
+            stmt = q.archive_finished(EmailJob, archive, older_than=timedelta(days=1))
+            assert sorted(conn.scalars(stmt)) == moved
+            assert list(conn.scalars(select(JOBS.c.id))) == [kept]
+            rows = conn.execute(select(archive)).all()
+            assert sorted(r.id for r in rows) == moved
+            assert all(r.recipient.startswith("r") and r.archived_at is not None for r in rows)
+    finally:
+        archive.drop(engine)
+        Base.metadata.remove(archive)
+
+
+def test_queue_stats(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 2, run_after=func.now() - timedelta(minutes=5))
+        add_jobs(conn, 1, queue="other", status="failed")
+        stats = {(r.queue, r.status): r for r in conn.execute(q.queue_stats(EmailJob))}
+    assert stats[("default", "pending")].jobs == 2
+    assert stats[("default", "pending")].oldest_runnable_age >= timedelta(minutes=5)
+    assert stats[("other", "failed")].jobs == 1 and stats[("other", "failed")].oldest_runnable_age is None
+
+
+# -- plans and printed SQL -----------------------------------------------------------------
+
+
+def _plan(conn: Connection, stmt: Any) -> str:
+    compiled = stmt.compile(dialect=conn.dialect)
+    rows = conn.exec_driver_sql("EXPLAIN " + str(compiled), compiled.params)
+    return "\n".join(r[0] for r in rows)
+
+
+def _generic_plan(conn: Connection, stmt: Any) -> str:
+    """The plan of ``stmt`` prepared with its parameters unknown (a generic plan).
+
+    psycopg prepares statements it runs repeatedly and PostgreSQL may then plan them
+    without looking at the values: a bound ``status = $1`` could not use a partial index.
+    """
+    from psycopg import sql as pgsql
+    from sqlalchemy.dialects.postgresql import asyncpg  # compiles to $n placeholders
+
+    compiled = stmt.compile(dialect=asyncpg.dialect())  # type: ignore[no-untyped-call]
+    values = [compiled.params[name] for name in compiled.positiontup or []]
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    raw.execute("SET plan_cache_mode = force_generic_plan")
+    raw.execute(f"PREPARE sqla_queue_plan AS {compiled}")
+    explain = pgsql.SQL("EXPLAIN EXECUTE sqla_queue_plan({})").format(
+        pgsql.SQL(", ").join(pgsql.Literal(v) for v in values)
+    )
+    plan = "\n".join(str(r[0]) for r in raw.execute(explain))
+    raw.execute("DEALLOCATE sqla_queue_plan")
+    raw.execute("RESET plan_cache_mode")
+    return plan
+
+
+@pytest.mark.timeout(300)
+def test_claim_plans_use_the_partial_indexes_among_many_finished_rows(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO email_jobs (recipient, status, queue, finished_at) "
+                "SELECT 'x', 'done', 'q' || (i % 5), now() FROM generate_series(1, 100000) i"
+            )
+        )
+        add_jobs(conn, 200, queue="q1")
+        conn.execute(text("ANALYZE email_jobs"))
+    with engine.connect() as conn:
+        everywhere = _plan(conn, q.claim(EmailJob, owner="w", limit=10))
+        one_queue = _plan(conn, q.claim(EmailJob, owner="w", limit=10, queues=["q1"]))
+        sweep = _plan(conn, q.sweep_expired(EmailJob))
+        generic_everywhere = _generic_plan(conn, q.claim(EmailJob, owner="w", limit=10))
+        generic_one_queue = _generic_plan(conn, q.claim(EmailJob, owner="w", limit=10, queues=["q1"]))
+    assert "email_jobs_claim_idx" in generic_everywhere, generic_everywhere
+    assert "email_jobs_claim_queue_idx" in generic_one_queue, generic_one_queue
+    assert "email_jobs_claim_idx" in everywhere and "Sort" not in everywhere, everywhere
+    assert "email_jobs_claim_queue_idx" in one_queue and "Sort" not in one_queue, one_queue
+    assert "email_jobs_lease_idx" in sweep, sweep
+    assert "Seq Scan" not in everywhere + one_queue
+
+
+def test_builders_print_readable_sql() -> None:
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    claim_sql = str(q.claim(EmailJob, owner="w", limit=5).compile(dialect=dialect))
+    assert "FOR UPDATE SKIP LOCKED" in claim_sql
+    assert "email_jobs.status = 'pending'" in claim_sql  # a literal: the partial index matches
+    assert "RETURNING" in claim_sql
+    complete = str(q.complete_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)]).compile(dialect=dialect))
+    assert "email_jobs.status = 'running'" in complete and "lease_owner" in complete
+    assert "(email_jobs.id, email_jobs.attempts) IN" in complete
+
+
+def test_builders_compose_with_the_callers_statements(engine: Engine) -> None:
+    """A builder is a plain Core statement: add filters or returned columns to it."""
+    with engine.begin() as conn:
+        add_jobs(conn, 3)
+        stmt = q.claim(EmailJob, owner="w", limit=3).where(JOBS.c.recipient != "r1@example.com")
+        assert {r.recipient for r in conn.execute(stmt)} == {"r0@example.com", "r2@example.com"}
+
+
