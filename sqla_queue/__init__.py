@@ -22,6 +22,8 @@ from .errors import (
 from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
 from .session import QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
+from .tasks import Tasks
+from .worker import Worker, WorkerConfig, WorkerStats
 
 __all__ = [
     "FINISHED_STATUSES",
@@ -38,7 +40,11 @@ __all__ = [
     "RetryLater",
     "SqlaQueueError",
     "TaskMixin",
+    "Tasks",
     "UnknownTask",
+    "Worker",
+    "WorkerConfig",
+    "WorkerStats",
     "archive_table",
     "enqueue",
     "notify_on_commit",

@@ -1,10 +1,22 @@
-"""The ``sqla-queue`` command line."""
+"""The ``sqla-queue`` command line: run workers, sweep, inspect, requeue and prune.
+
+TARGET is ``module:attribute`` (``module`` importable from the current directory):
+a :class:`~sqla_queue.Worker`, a function returning one, or, for the commands that do
+not run jobs, a queue model together with ``--url`` (or ``DATABASE_URL``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
+import os
+import re
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
 
 __all__ = ["main"]
 
@@ -23,16 +35,261 @@ def _not_yet(args: argparse.Namespace) -> int:
     return 2
 
 
+# -- targets --------------------------------------------------------------------------------
+
+
+class CommandError(Exception):
+    """A usage error worth one clear line, not a traceback."""
+
+
+def load_target(spec: str) -> Any:
+    """Import ``module:attr.path``; the current directory is importable, as for ``python -m``."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise CommandError(f"TARGET must look like 'module:attribute', got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CommandError(f"{spec!r}: {module_name} has no attribute {attr_path!r}") from None
+    return obj
+
+
+def _worker_from(target: Any) -> Any:
+    from .worker import Worker
+
+    if isinstance(target, Worker):
+        return target
+    if callable(target) and not isinstance(target, type):
+        made = target()
+        if isinstance(made, Worker):
+            return made
+        raise CommandError(f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker")
+    raise CommandError(f"{target!r} is not a sqla_queue.Worker nor a function returning one")
+
+
+def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    from sqlalchemy import create_engine
+
+    from .errors import NotAQueueModel
+    from .model import queue_table
+    from .worker import Worker
+
+    target = load_target(args.target)
+    if isinstance(target, type):
+        url = args.url or os.environ.get("DATABASE_URL")
+        if not url:
+            raise CommandError("a model TARGET needs --url or DATABASE_URL")
+        try:
+            queue_table(target)
+        except NotAQueueModel as exc:
+            raise CommandError(str(exc)) from None
+        return create_engine(_psycopg_url(url)), target
+    worker = target if isinstance(target, Worker) else _worker_from(target)
+    return worker.engine, worker.model
+
+
+def _psycopg_url(url: str) -> str:
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w``."""
+    match = _DURATION.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 15m, 12h, 7d)")
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _seconds(text: str) -> float:
+    return parse_duration(text).total_seconds()
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    worker = _worker_from(load_target(args.target))
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in {
+            "concurrency": args.concurrency,
+            "batch_size": args.batch_size,
+            "lease": args.lease,
+            "heartbeat_interval": args.heartbeat,
+            "poll_interval": args.poll_interval,
+            "sweep_interval": args.sweep_interval,
+            "shutdown_grace": args.shutdown_grace,
+            "queues": tuple(args.queue) if args.queue else None,
+            "listen": False if args.no_listen else None,
+        }.items()
+        if value is not None
+    }
+    if overrides:
+        from .worker import Worker
+
+        worker = Worker(
+            worker.engine,
+            worker.model,
+            worker.handler,
+            config=replace(worker.config, **overrides),
+            session_factory=worker.session_factory,
+        )
+    worker.run()
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from . import sql as q
+
+    engine, model = _engine_and_model(args)
+    total = failed = 0
+    while True:
+        with engine.begin() as conn:
+            rows = conn.execute(q.sweep_expired(model, limit=args.limit)).all()
+        total += len(rows)
+        failed += sum(1 for row in rows if row[1] == "failed")
+        if len(rows) < args.limit:
+            break
+    print(f"swept {total} expired lease(s): {total - failed} back to pending, {failed} dead-lettered")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from . import sql as q
+
+    engine, model = _engine_and_model(args)
+    with engine.connect() as conn:
+        rows = conn.execute(q.queue_stats(model)).all()
+    header = ("queue", "status", "jobs", "oldest runnable")
+    table = [header] + [
+        (r.queue, r.status, str(r.jobs), _age(r.oldest_runnable_age)) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for n, row in enumerate(table):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if n == 0:
+            print("  ".join("-" * width for width in widths))
+    if not rows:
+        print("(no jobs)")
+    return 0
+
+
+def _age(age: timedelta | None) -> str:
+    if age is None:
+        return "-"
+    seconds = max(age.total_seconds(), 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    from . import sql as q
+
+    engine, model = _engine_and_model(args)
+    stmt = q.requeue_failed(model, ids=args.id or None, queues=args.queue or None)
+    with engine.begin() as conn:
+        ids = conn.scalars(stmt).all()
+    print(f"requeued {len(ids)} dead-lettered job(s)")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from . import sql as q
+
+    engine, model = _engine_and_model(args)
+    statuses = args.status or ["done", "cancelled"]
+    total = 0
+    while True:
+        stmt = q.prune_finished(model, older_than=args.older_than, statuses=statuses, limit=args.limit)
+        with engine.begin() as conn:
+            deleted = conn.execute(stmt).rowcount
+        total += deleted
+        if deleted < args.limit:
+            break
+    print(f"pruned {total} finished job(s) ({', '.join(statuses)}) older than {args.older_than}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sqla-queue", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="sqla-queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     subparsers = parser.add_subparsers(dest="command", required=True)
+
+    worker = subparsers.add_parser("worker", help="run a worker until SIGTERM/SIGINT")
+    worker.add_argument("target", help="module:attr of a Worker, or of a function returning one")
+    worker.add_argument("--concurrency", type=int, help="handler threads")
+    worker.add_argument("--batch-size", type=int, help="most jobs per claim")
+    worker.add_argument("--lease", type=_seconds, help="lease length (e.g. 60s)")
+    worker.add_argument("--heartbeat", type=_seconds, help="heartbeat interval (default lease/3)")
+    worker.add_argument("--queue", action="append", help="claim from this queue (repeatable)")
+    worker.add_argument("--poll-interval", type=_seconds, help="poll at least this often")
+    worker.add_argument("--sweep-interval", type=_seconds, help="sweep expired leases this often (0: never)")
+    worker.add_argument("--shutdown-grace", type=_seconds, help="time running jobs get to finish on SIGTERM")
+    worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
+    worker.set_defaults(func=cmd_worker)
+
+    def admin(name: str, help: str) -> argparse.ArgumentParser:
+        sub = subparsers.add_parser(name, help=help)
+        sub.add_argument("target", help="module:attr of a Worker (or factory), or of a queue model")
+        sub.add_argument("--url", help="database URL when TARGET is a model (default: DATABASE_URL)")
+        return sub
+
+    sweep = admin("sweep", "return expired leases to pending (or failed) once")
+    sweep.add_argument("--limit", type=int, default=1000, help="rows per statement")
+    sweep.set_defaults(func=cmd_sweep)
+
+    stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age")
+    stats.set_defaults(func=cmd_stats)
+
+    requeue = admin("requeue", "give dead-lettered jobs a fresh set of attempts")
+    requeue.add_argument("--id", type=int, action="append", help="only this job (repeatable)")
+    requeue.add_argument("--queue", action="append", help="only this queue (repeatable)")
+    requeue.set_defaults(func=cmd_requeue)
+
+    prune = admin("prune", "delete finished jobs older than a cutoff")
+    prune.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+    prune.add_argument(
+        "--status",
+        action="append",
+        choices=["done", "failed", "cancelled"],
+        help="statuses to prune (repeatable; default done and cancelled, dead letters kept)",
+    )
+    prune.add_argument("--limit", type=int, default=10_000, help="rows per statement")
+    prune.set_defaults(func=cmd_prune)
+
     _add_alembic_commands(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except CommandError as exc:
+        print(f"sqla-queue: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

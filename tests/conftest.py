@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from sqlalchemy import URL, Engine, create_engine, make_url, text
+from sqlalchemy.pool import NullPool
 
 from sqla_queue.embedded import EmbeddedPostgres
 
@@ -35,7 +36,8 @@ def _admin_url() -> tuple[URL, EmbeddedPostgres | None]:
 def server() -> Iterator[Server]:
     admin, embedded = _admin_url()
     name = f"sqla_queue_test_{uuid.uuid4().hex[:10]}"
-    admin_engine = create_engine(admin, isolation_level="AUTOCOMMIT")
+    # NullPool: a test may restart the server; a fresh connection each time survives it.
+    admin_engine = create_engine(admin, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     with admin_engine.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = admin.set(database=name)
@@ -75,3 +77,20 @@ def listener(server: Server) -> Iterator[psycopg.Connection[tuple[object, ...]]]
         yield conn
     finally:
         conn.close()
+
+
+@pytest.fixture
+def worker_processes(tmp_path: object) -> Iterator[object]:
+    """Start worker processes with ``start(*cli_args)``; all are killed after the test."""
+    from .helpers import WorkerProcess
+
+    started: list[WorkerProcess] = []
+
+    def start(*args: str, app_name: str = "sqla_queue_worker") -> WorkerProcess:
+        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()

@@ -25,6 +25,57 @@ class Server:
         """The URL as libpq conninfo, for raw psycopg connections."""
         return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
+    def restart_function(self) -> Callable[[], None] | None:
+        """How to restart the server under test, if this test run controls it."""
+        if self.embedded is not None:
+            return self.embedded.restart
+        cluster = self._local_cluster()
+        if isinstance(cluster, str):
+            return None
+        version, name = cluster
+
+        def restart() -> None:
+            import subprocess
+
+            subprocess.run(
+                ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast"],
+                check=True,
+                timeout=120,
+            )
+
+        return restart
+
+    def why_not_restartable(self) -> str:
+        cluster = self._local_cluster()
+        return cluster if isinstance(cluster, str) else ""
+
+    def _local_cluster(self) -> tuple[str, str] | str:
+        """The (version, name) of the Debian cluster serving the URL, or why there is none."""
+        import os
+        import shutil
+        import subprocess
+
+        from sqlalchemy import create_engine, text
+
+        if shutil.which("pg_ctlcluster") is None or shutil.which("pg_lsclusters") is None:
+            return "it is not the embedded server and pg_ctlcluster is not installed"
+        if os.geteuid() != 0:
+            return "pg_ctlcluster needs root"
+        engine = create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                data_dir = conn.scalar(text("SHOW data_directory"))
+        except Exception as exc:  # noqa: BLE001 - e.g. not a superuser
+            return f"cannot read the server's data_directory ({type(exc).__name__})"
+        finally:
+            engine.dispose()
+        listing = subprocess.run(["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False)
+        for line in listing.stdout.splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == data_dir:
+                return fields[0], fields[1]
+        return f"no local cluster has the server's data directory {data_dir!r}"
+
 
 def wait_for(
     predicate: Callable[[], T], *, timeout: float = 20.0, interval: float = 0.02, what: str = ""
@@ -68,3 +119,46 @@ def notifications_until_sentinel(listen_conn: Any, conninfo: str, timeout: float
             return received
         received.append((note.channel, note.payload))
     raise AssertionError(f"sentinel not received within {timeout}s; got {received}")
+
+
+class WorkerProcess:
+    """``sqla-queue worker tests.worker_app:make_worker`` in a process of its own."""
+
+    def __init__(self, *args: str, app_name: str = "sqla_queue_worker", log_dir: Any) -> None:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1"}
+        repo = Path(__file__).resolve().parent.parent
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sqla_queue.cli", "worker", "tests.worker_app:make_worker", *args],
+            cwd=repo,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_log(self, text: str, timeout: float = 20.0) -> None:
+        wait_for(lambda: text in self.log(), timeout=timeout, what=f"{text!r} in the worker log")
+
+    def signal(self, signum: int) -> None:
+        import os
+
+        os.kill(self.pid, signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()

@@ -1,0 +1,121 @@
+"""Handlers: a callable per queue table, or a registry of named tasks for task tables.
+
+A handler takes the job, ``handler(job)``, or the job and a session,
+``handler(job, session)``. The second kind is *transactional*: its writes and the job's
+fenced completion commit together, so its database effects happen exactly once.
+
+The worker only runs what was registered: a task name read from the database is looked
+up in a dict, never imported or evaluated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+from .errors import UnknownTask
+
+__all__ = ["Handler", "Tasks", "resolve_handler"]
+
+Handler = Callable[..., Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class ResolvedHandler:
+    """A handler and whether it takes a session."""
+
+    name: str
+    fn: Handler
+    transactional: bool
+
+
+def _takes_session(fn: Handler) -> bool:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"cannot inspect handler {fn!r}: {exc}") from exc
+    positional = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values())
+    if len(positional) == 1 and not variadic:
+        return False
+    if len(positional) == 2 or (len(positional) == 1 and variadic):
+        return True
+    raise TypeError(
+        f"handler {getattr(fn, '__qualname__', fn)!r} must take (job) or (job, session), "
+        f"not {signature}"
+    )
+
+
+def resolve_handler(fn: Handler, name: str | None = None) -> ResolvedHandler:
+    """Check a handler's signature once, at registration, not when a job arrives."""
+    if not callable(fn):
+        raise TypeError(f"handler must be callable, got {fn!r}")
+    label = name or getattr(fn, "__qualname__", None) or repr(fn)
+    return ResolvedHandler(label, fn, _takes_session(fn))
+
+
+class Tasks:
+    """A registry of named task handlers for a :class:`~sqla_queue.TaskMixin` table::
+
+        tasks = Tasks()
+
+        @tasks.task
+        def send_email(job):                      # runs for rows with task="send_email"
+            mailer.send(**job.payload)
+
+        @tasks.task(name="billing.charge")
+        def charge(job, session):                 # transactional: commits with completion
+            session.add(Charge(**job.payload))
+
+        Worker(engine, Task, tasks)
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, ResolvedHandler] = {}
+
+    @overload
+    def task(self, fn: F, /) -> F: ...
+
+    @overload
+    def task(self, /, *, name: str | None = None) -> Callable[[F], F]: ...
+
+    def task(self, fn: Any = None, /, *, name: str | None = None) -> Any:
+        """Register ``fn`` under ``name`` (default: the function's ``__name__``)."""
+
+        def register(func: F) -> F:
+            self.register(name or func.__name__, func)
+            return func
+
+        return register(fn) if fn is not None else register
+
+    def register(self, name: str, fn: Handler) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"task name must be a non-empty string, got {name!r}")
+        if name in self._handlers:
+            raise ValueError(f"task {name!r} is already registered")
+        self._handlers[name] = resolve_handler(fn, name)
+
+    def lookup(self, name: str) -> ResolvedHandler:
+        try:
+            return self._handlers[name]
+        except KeyError:
+            raise UnknownTask(
+                f"unknown task {name!r}: no handler is registered under that name "
+                f"(registered: {', '.join(sorted(self._handlers)) or 'none'})"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._handlers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._handlers))
+
+    def __len__(self) -> int:
+        return len(self._handlers)

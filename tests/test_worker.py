@@ -1,0 +1,385 @@
+"""The worker in this process (threads), against real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_queue import Backoff, LeaseLost, QueueSession, Tasks, Worker
+from sqla_queue import sql as q
+
+from .helpers import wait_for
+from .models import EmailJob, Effect, Task
+from .worker_app import tasks as app_tasks
+
+FAST = Backoff(base=0.05, factor=2, cap=0.2, jitter=0)
+TASKS = Task.__table__
+
+
+@pytest.fixture
+def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
+    return sessionmaker(engine, class_=QueueSession)
+
+
+@pytest.fixture
+def start_worker(engine: Engine) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(handler: Any = app_tasks, model: Any = Task, **options: Any) -> Worker:
+        options.setdefault("backoff", FAST)
+        options.setdefault("poll_interval", 0.5)
+        options.setdefault("sweep_interval", 0.2)
+        options.setdefault("shutdown_grace", 5)
+        worker = Worker(engine, model, handler, **options)
+        worker.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop(grace=1)
+
+
+def add(Sessions: sessionmaker[QueueSession], task: str, n: int = 1, **payload: Any) -> list[int]:
+    options = {k: payload.pop(k) for k in ("max_attempts", "queue", "priority") if k in payload}
+    with Sessions() as session:
+        jobs = [session.enqueue(Task(task=task, payload=dict(payload)), **options) for _ in range(n)]
+        session.commit()
+        return [job.id for job in jobs]
+
+
+def job(engine: Engine, job_id: int) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(TASKS).where(TASKS.c.id == job_id)).one()
+
+
+def status_is(engine: Engine, job_id: int, *statuses: str) -> Callable[[], bool]:
+    return lambda: job(engine, job_id).status in statuses
+
+
+def effects(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return conn.execute(select(Effect).order_by(Effect.id)).all()
+
+
+# -- outcomes ------------------------------------------------------------------------------
+
+
+def test_transactional_handler_commits_its_writes_with_completion(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    ids = add(Sessions, "record", 5)
+    start_worker()
+    for job_id in ids:
+        wait_for(status_is(engine, job_id, "done"), what=f"job {job_id} done")
+    assert sorted(e.job_id for e in effects(engine)) == ids
+
+
+def test_failed_transactional_handler_leaves_no_writes(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    tasks = Tasks()
+
+    @tasks.task
+    def half_done(job: Any, session: Session) -> None:
+        session.add(Effect(job_id=job.id, worker="w", note="must not survive"))
+        session.flush()
+        if job.attempts == 1:
+            raise ValueError("second thoughts")
+
+    (job_id,) = add(Sessions, "half_done")
+    start_worker(tasks)
+    wait_for(status_is(engine, job_id, "done"))
+    assert [(e.job_id, e.note) for e in effects(engine)] == [(job_id, "must not survive")]
+    assert job(engine, job_id).attempts == 2  # the first attempt's row was rolled back
+
+
+def test_retry_with_backoff_then_success(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    (job_id,) = add(Sessions, "flaky", succeed_on=3)
+    worker = start_worker()
+    wait_for(status_is(engine, job_id, "done"))
+    row = job(engine, job_id)
+    assert row.attempts == 3 and "flaky failure on attempt 2" in row.last_error
+    assert worker.stats.retried == 2 and worker.stats.done == 1
+
+
+def test_exhausted_retries_end_in_failed_with_the_traceback(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    (job_id,) = add(Sessions, "flaky", succeed_on=99, max_attempts=3)
+    start_worker()
+    wait_for(status_is(engine, job_id, "failed"))
+    row = job(engine, job_id)
+    assert row.attempts == 3 and row.finished_at is not None
+    assert row.last_error.startswith("builtins.RuntimeError: flaky failure on attempt 3")
+    assert "Traceback (most recent call last)" in row.last_error and "in flaky" in row.last_error
+
+
+def test_last_error_is_bounded(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    tasks = Tasks()
+
+    @tasks.task
+    def deep(job: Any) -> None:
+        def recurse(n: int) -> None:
+            if n == 0:
+                raise RuntimeError("x" * 300)
+            recurse(n - 1)
+
+        recurse(200)
+
+    (job_id,) = add(Sessions, "deep", max_attempts=1)
+    start_worker(tasks, max_error_length=1000)
+    wait_for(status_is(engine, job_id, "failed"))
+    error = job(engine, job_id).last_error
+    assert len(error) <= 1000 and error.startswith("builtins.RuntimeError: xxx")
+    assert "truncated" in error and error.rstrip().endswith("x" * 20)
+
+
+def test_unknown_task_is_dead_lettered_without_running_anything(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    (job_id,) = add(Sessions, "os.system", max_attempts=5)
+    start_worker()
+    wait_for(status_is(engine, job_id, "failed"))
+    row = job(engine, job_id)
+    assert row.attempts == 1 and row.last_error.startswith("unknown task 'os.system'")
+
+
+def test_dead_letter_exception_fails_at_once(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    (job_id,) = add(Sessions, "poison", max_attempts=10)
+    start_worker()
+    wait_for(status_is(engine, job_id, "failed"))
+    row = job(engine, job_id)
+    assert (row.attempts, row.last_error) == (1, "DeadLetter: this input can never work")
+
+
+def test_retry_later_uses_the_requested_delay(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    (job_id,) = add(Sessions, "later", delay=30)
+    start_worker()
+    wait_for(lambda: job(engine, job_id).attempts == 1 and job(engine, job_id).status == "pending")
+    with engine.connect() as conn:
+        wait = conn.scalar(select(TASKS.c.run_after - func.now()).where(TASKS.c.id == job_id))
+    assert timedelta(seconds=25) < wait <= timedelta(seconds=30)  # not the 0.05 s backoff
+    assert job(engine, job_id).last_error == "RetryLater: not yet"
+
+
+def test_typed_queue_table_with_a_plain_handler(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    seen: list[tuple[int, str]] = []
+
+    def send(job: EmailJob) -> None:
+        seen.append((job.id, job.recipient))
+
+    with Sessions() as session:
+        jobs = [session.enqueue(EmailJob(recipient=f"u{i}@example.com"), queue="mail") for i in range(3)]
+        session.enqueue(EmailJob(recipient="other@example.com"), queue="other")
+        session.commit()
+        wanted = sorted((j.id, j.recipient) for j in jobs)
+    start_worker(send, EmailJob, queues=("mail",))
+    wait_for(lambda: len(seen) == 3)
+    assert sorted(seen) == wanted  # the "other" queue is not this worker's
+
+
+def test_handler_signature_is_checked_at_registration() -> None:
+    tasks = Tasks()
+    with pytest.raises(TypeError, match=r"\(job\) or \(job, session\)"):
+        tasks.register("bad", lambda: None)
+    tasks.register("ok", lambda job: None)
+    with pytest.raises(ValueError, match="already registered"):
+        tasks.register("ok", lambda job: None)
+
+
+def test_worker_refuses_a_registry_for_a_typed_table(engine: Engine) -> None:
+    with pytest.raises(TypeError, match="TaskMixin"):
+        Worker(engine, EmailJob, Tasks())
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        Worker(engine, Task, Tasks(), lease=1, heartbeat_interval=2)
+
+
+# -- leases --------------------------------------------------------------------------------
+
+
+def test_heartbeats_keep_a_long_job_leased(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    (job_id,) = add(Sessions, "record", sleep=2.5)
+    first = start_worker(lease=1.0, heartbeat_interval=0.2)
+    wait_for(status_is(engine, job_id, "running"))
+    other = start_worker(lease=1.0, heartbeat_interval=0.2, sweep_interval=0.1)
+    wait_for(status_is(engine, job_id, "done"))
+    row = job(engine, job_id)
+    assert row.attempts == 1 and row.lease_owner == first.owner
+    assert len(effects(engine)) == 1 and other.stats.claimed == 0
+
+
+def test_stale_completion_is_refused_and_its_writes_rolled_back(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    """A handler holds its job past the lease; meanwhile another worker re-claims and
+    finishes it. The first handler's completion, and its writes, must not land."""
+    release = threading.Event()
+    entered = threading.Event()
+    outcome: list[BaseException] = []
+    tasks = Tasks()
+
+    @tasks.task
+    def slow(job: Any, session: Session) -> None:
+        session.add(Effect(job_id=job.id, worker=threading.current_thread().name, note=f"attempt {job.attempts}"))
+        if job.attempts == 1:
+            entered.set()
+            release.wait(30)
+            try:
+                session.flush()
+            except BaseException as exc:  # pragma: no cover - reported below
+                outcome.append(exc)
+                raise
+
+    (job_id,) = add(Sessions, "slow")
+    stale = start_worker(tasks, lease=30, sweep_interval=0)
+    assert entered.wait(10)
+    # The lease runs out (as if the heartbeat could not reach the database)...
+    with engine.begin() as conn:
+        conn.execute(update(TASKS).values(lease_expires_at=func.now() - timedelta(seconds=1)))
+    # ...and another worker sweeps it, re-claims it and finishes it.
+    fresh = start_worker(tasks)
+    wait_for(status_is(engine, job_id, "done"))
+    assert job(engine, job_id).lease_owner == fresh.owner
+    release.set()
+    wait_for(lambda: stale.stats.lost == 1, what="the stale worker to notice its lost lease")
+    assert not outcome
+    rows = effects(engine)
+    assert [(r.job_id, r.note) for r in rows] == [(job_id, "attempt 2")]
+    final = job(engine, job_id)
+    assert (final.status, final.attempts, final.lease_owner) == ("done", 2, fresh.owner)
+
+
+def test_lease_lost_reaches_a_handler_that_commits_itself(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    caught: list[BaseException] = []
+    tasks = Tasks()
+
+    @tasks.task
+    def commits(job: Any, session: Session) -> None:
+        session.add(Effect(job_id=job.id, worker="w"))
+        with engine.begin() as conn:  # someone else takes the job meanwhile
+            conn.execute(update(TASKS).values(lease_owner="thief"))
+        try:
+            session.commit()
+        except LeaseLost as exc:
+            caught.append(exc)
+            raise
+
+    (job_id,) = add(Sessions, "commits")
+    start_worker(tasks)
+    wait_for(lambda: caught)
+    assert "no longer leased" in str(caught[0]) and effects(engine) == []
+
+
+# -- wake-ups ------------------------------------------------------------------------------
+
+
+def test_notify_wakes_an_idle_worker(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    worker = start_worker(poll_interval=120)
+    wait_for(worker._claimer.went_idle, what="the worker to go idle")
+    started = time.monotonic()
+    (job_id,) = add(Sessions, "record")
+    wait_for(status_is(engine, job_id, "done"), timeout=10)
+    # Far below the 120 s poll: only the NOTIFY can explain it (the benchmark measures it).
+    assert time.monotonic() - started < 10
+
+
+def test_poll_only_mode_still_finds_jobs(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    worker = start_worker(listen=False, poll_interval=0.3)
+    assert worker._listener is None
+    wait_for(worker._claimer.went_idle)
+    (job_id,) = add(Sessions, "record")
+    wait_for(status_is(engine, job_id, "done"), timeout=10)
+
+
+def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    worker = start_worker(poll_interval=120)
+    listener = worker._listener
+    assert listener is not None
+    wait_for(lambda: listener.connected_count == 1)
+    wait_for(worker._claimer.went_idle)
+    with engine.begin() as conn:
+        killed = conn.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+            )
+        )
+    assert killed == 1
+    (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
+    wait_for(lambda: listener.connected_count == 2, what="the listener to reconnect")
+    wait_for(status_is(engine, job_id, "done"), timeout=10)
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+
+def test_stop_hands_back_running_and_waiting_jobs(engine: Engine, Sessions: Any, start_worker: Any) -> None:
+    ids = add(Sessions, "work", 3, sleep=30)
+    worker = start_worker(concurrency=1, batch_size=3)
+    wait_for(lambda: worker.stats.claimed == 3)
+    wait_for(lambda: sum(job(engine, i).status == "running" for i in ids) == 3)
+    worker.stop(grace=0.2)
+    rows = sorted((job(engine, i) for i in ids), key=lambda r: r.attempts)
+    assert all(r.status == "pending" and r.lease_owner is None for r in rows)
+    # the one that had started keeps its attempt, the two that never started get theirs back
+    assert [r.attempts for r in rows] == [0, 0, 1]
+    assert worker.stats.released == 3
+    with engine.begin() as conn:  # claimable again at once, no lease to wait out
+        assert len(conn.execute(q.claim(Task, owner="next", limit=3)).all()) == 3
+
+
+def test_stop_lets_running_jobs_finish_within_the_grace(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    (job_id,) = add(Sessions, "record", sleep=0.5)
+    worker = start_worker()
+    wait_for(status_is(engine, job_id, "running"))
+    worker.stop(grace=10)
+    assert job(engine, job_id).status == "done" and len(effects(engine)) == 1
+    assert worker.stats.released == 0
+
+
+def test_run_until_idle_processes_everything_runnable(engine: Engine, Sessions: Any) -> None:
+    ids = add(Sessions, "record", 25)
+    worker = Worker(engine, Task, app_tasks, concurrency=3, poll_interval=0.2)
+    worker.run(install_signal_handlers=False, until_idle=True)
+    assert worker.stopped
+    assert all(job(engine, i).status == "done" for i in ids)
+
+
+# -- database trouble ----------------------------------------------------------------------
+
+
+def test_worker_survives_terminated_connections(engine: Engine, Sessions: Any, server: Any) -> None:
+    from sqlalchemy import create_engine
+
+    worker_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_victim"})
+    ids = add(Sessions, "record", 120, sleep=0.01)
+    worker = Worker(worker_engine, Task, app_tasks, concurrency=4, backoff=FAST, lease=5, poll_interval=0.2)
+    worker.start()
+    try:
+        for goal in (20, 50, 80):
+            wait_for(lambda: len(effects(engine)) >= goal)
+            with engine.begin() as conn:
+                conn.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE application_name = 'sqla_queue_victim'"
+                    )
+                )
+        wait_for(lambda: all(job(engine, i).status == "done" for i in ids), timeout=60)
+    finally:
+        worker.stop(grace=1)
+        worker_engine.dispose()
+    done = [e.job_id for e in effects(engine)]
+    assert sorted(done) == ids  # every job's writes exactly once
