@@ -14,9 +14,10 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
+
+from . import admin
 
 __all__ = ["main"]
 
@@ -106,11 +107,17 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_duration(text: str) -> timedelta:
+class DurationError(argparse.ArgumentTypeError, ValueError):
+    """Not a duration; argparse and click both report the message as a usage error."""
+
+
+def parse_duration(text: str | timedelta) -> timedelta:
     """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w``."""
+    if isinstance(text, timedelta):
+        return text
     match = _DURATION.match(text)
     if not match:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 15m, 12h, 7d)")
+        raise DurationError(f"not a duration: {text!r} (try 30s, 15m, 12h, 7d)")
     return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
 
 
@@ -121,108 +128,72 @@ def _seconds(text: str) -> float:
 # -- commands -------------------------------------------------------------------------------
 
 
+def worker_overrides(
+    *,
+    concurrency: int | None = None,
+    batch_size: int | None = None,
+    lease: float | None = None,
+    heartbeat: float | None = None,
+    poll_interval: float | None = None,
+    sweep_interval: float | None = None,
+    shutdown_grace: float | None = None,
+    queue: Sequence[str] | None = None,
+    no_listen: bool = False,
+) -> dict[str, Any]:
+    """Worker options given on a command line (only those given)."""
+    given = {
+        "concurrency": concurrency,
+        "batch_size": batch_size,
+        "lease": lease,
+        "heartbeat_interval": heartbeat,
+        "poll_interval": poll_interval,
+        "sweep_interval": sweep_interval,
+        "shutdown_grace": shutdown_grace,
+        "queues": tuple(queue) if queue else None,
+        "listen": False if no_listen else None,
+    }
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     worker = _worker_from(load_target(args.target))
-    overrides: dict[str, Any] = {
-        key: value
-        for key, value in {
-            "concurrency": args.concurrency,
-            "batch_size": args.batch_size,
-            "lease": args.lease,
-            "heartbeat_interval": args.heartbeat,
-            "poll_interval": args.poll_interval,
-            "sweep_interval": args.sweep_interval,
-            "shutdown_grace": args.shutdown_grace,
-            "queues": tuple(args.queue) if args.queue else None,
-            "listen": False if args.no_listen else None,
-        }.items()
-        if value is not None
-    }
-    if overrides:
-        from .worker import Worker
-
-        worker = Worker(
-            worker.engine,
-            worker.model,
-            worker.handler,
-            config=replace(worker.config, **overrides),
-            session_factory=worker.session_factory,
-        )
-    worker.run()
+    overrides = worker_overrides(
+        concurrency=args.concurrency,
+        batch_size=args.batch_size,
+        lease=args.lease,
+        heartbeat=args.heartbeat,
+        poll_interval=args.poll_interval,
+        sweep_interval=args.sweep_interval,
+        shutdown_grace=args.shutdown_grace,
+        queue=args.queue,
+        no_listen=args.no_listen,
+    )
+    worker.with_options(**overrides).run(until_idle=args.until_idle)
     return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from . import sql as q
-
-    engine, model = _engine_and_model(args)
-    total = failed = 0
-    while True:
-        with engine.begin() as conn:
-            rows = conn.execute(q.sweep_expired(model, limit=args.limit)).all()
-        total += len(rows)
-        failed += sum(1 for row in rows if row[1] == "failed")
-        if len(rows) < args.limit:
-            break
-    print(f"swept {total} expired lease(s): {total - failed} back to pending, {failed} dead-lettered")
+    back, dead = admin.sweep(*_engine_and_model(args), limit=args.limit)
+    print(f"swept {back + dead} expired lease(s): {back} back to pending, {dead} dead-lettered")
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from . import sql as q
-
-    engine, model = _engine_and_model(args)
-    with engine.connect() as conn:
-        rows = conn.execute(q.queue_stats(model)).all()
-    header = ("queue", "status", "jobs", "oldest runnable")
-    table = [header] + [
-        (r.queue, r.status, str(r.jobs), _age(r.oldest_runnable_age)) for r in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for n, row in enumerate(table):
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        if n == 0:
-            print("  ".join("-" * width for width in widths))
-    if not rows:
-        print("(no jobs)")
+    print(admin.format_stats(*_engine_and_model(args)))
     return 0
 
 
-def _age(age: timedelta | None) -> str:
-    if age is None:
-        return "-"
-    seconds = max(age.total_seconds(), 0.0)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.1f}s"
-
-
 def cmd_requeue(args: argparse.Namespace) -> int:
-    from . import sql as q
-
-    engine, model = _engine_and_model(args)
-    stmt = q.requeue_failed(model, ids=args.id or None, queues=args.queue or None)
-    with engine.begin() as conn:
-        ids = conn.scalars(stmt).all()
-    print(f"requeued {len(ids)} dead-lettered job(s)")
+    count = admin.requeue(*_engine_and_model(args), ids=args.id, queues=args.queue)
+    print(f"requeued {count} dead-lettered job(s)")
     return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from . import sql as q
-
-    engine, model = _engine_and_model(args)
     statuses = args.status or ["done", "cancelled"]
-    total = 0
-    while True:
-        stmt = q.prune_finished(model, older_than=args.older_than, statuses=statuses, limit=args.limit)
-        with engine.begin() as conn:
-            deleted = conn.execute(stmt).rowcount
-        total += deleted
-        if deleted < args.limit:
-            break
-    print(f"pruned {total} finished job(s) ({', '.join(statuses)}) older than {args.older_than}")
+    engine, model = _engine_and_model(args)
+    count = admin.prune(engine, model, older_than=args.older_than, statuses=statuses, limit=args.limit)
+    print(f"pruned {count} finished job(s) ({', '.join(statuses)}) older than {args.older_than}")
     return 0
 
 
@@ -244,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--sweep-interval", type=_seconds, help="sweep expired leases this often (0: never)")
     worker.add_argument("--shutdown-grace", type=_seconds, help="time running jobs get to finish on SIGTERM")
     worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
+    worker.add_argument("--until-idle", action="store_true", help="exit once no runnable job is left")
     worker.set_defaults(func=cmd_worker)
 
     def admin(name: str, help: str) -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from types import FrameType
@@ -144,6 +145,8 @@ class Worker:
 
     ``session_factory`` makes the sessions of transactional handlers (default: a
     :class:`~sqla_queue.QueueSession` on ``engine``, so handlers can enqueue follow-ups).
+    ``job_context`` is entered around every job in its handler thread (Flask's
+    ``app.app_context``, a tracing span...).
     Every connection comes from ``engine``: its pool for claims and handlers, and two
     dedicated connections made with the same URL and options for the heartbeat and the
     listener. Size the pool for ``concurrency`` + 3.
@@ -157,9 +160,11 @@ class Worker:
         *,
         config: WorkerConfig | None = None,
         session_factory: Callable[[], Session] | None = None,
+        job_context: Callable[[], AbstractContextManager[Any]] | None = None,
         **options: Any,
     ) -> None:
         self.engine = engine
+        self.job_context = job_context
         self.model = model
         self.handler = handler
         self.config = replace(config or WorkerConfig(), **options)
@@ -203,6 +208,24 @@ class Worker:
             else None
         )
 
+    @staticmethod
+    def check_options(**options: Any) -> None:
+        """Raise now (TypeError, ValueError) for options a worker would refuse later."""
+        replace(WorkerConfig(), **options)
+
+    def with_options(self, **options: Any) -> Worker:
+        """A new, unstarted worker like this one with some options changed."""
+        if not options:
+            return self
+        return Worker(
+            self.engine,
+            self.model,
+            self.handler,
+            config=replace(self.config, **options),
+            session_factory=self.session_factory,
+            job_context=self.job_context,
+        )
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
@@ -233,7 +256,8 @@ class Worker:
 
         The first signal stops claiming and lets running jobs finish within
         ``shutdown_grace``; a second one hands everything back at once.
-        ``until_idle=True`` stops once no runnable job is left (for scripts and tests).
+        ``until_idle=True`` stops once no job is runnable, none is running, and no retry
+        this worker scheduled falls due within ``poll_interval`` (for scripts and tests).
         """
         previous: dict[signal.Signals, Any] = {}
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
@@ -449,7 +473,11 @@ class Worker:
             with self._lock:
                 self._running += 1
             try:
-                self._run_job(held)
+                if self.job_context is None:
+                    self._run_job(held)
+                else:
+                    with self.job_context():
+                        self._run_job(held)
             except Exception:  # noqa: BLE001 - never let a handler thread die
                 log.exception("job %s: unexpected error in the worker", held.token.job_id)
             finally:
@@ -644,24 +672,21 @@ class _ClaimLoop(BackgroundLoop):
                 self._due_at = when
         self.wake()
 
-    def _wait_when_idle(self) -> float | None:
-        """Sleep until the poll, or sooner if a retried job falls due before it."""
-        with self.worker._lock:
-            due, self._due_at = self._due_at, None
-        if due is None:
-            return None
-        wait = due - time.monotonic()
-        if wait >= self.interval:
-            with self.worker._lock:
-                self._due_at = due if self._due_at is None else min(due, self._due_at)
-            return None
-        return max(wait, 0.0)
-
     def went_idle(self) -> bool:
-        """True when the last claim found nothing and no job came or went since."""
+        """True when the last claim found nothing, no job came or went since, and no
+        job this worker retried falls due within the poll interval."""
         worker = self.worker
         with worker._lock:
-            return self._idle_at == worker._forget_count and not worker._held
+            retry_soon = self._due_at is not None and self._due_at - time.monotonic() <= self.interval
+            return self._idle_at == worker._forget_count and not worker._held and not retry_soon
+
+    def _wait_when_idle(self) -> float | None:
+        """Sleep until the poll, or sooner if a job this worker retried falls due before."""
+        with self.worker._lock:
+            due = self._due_at
+        if due is None:
+            return None
+        return min(max(due - time.monotonic(), 0.0), self.interval)
 
     def tick(self) -> float | None:
         worker = self.worker
@@ -684,13 +709,18 @@ class _ClaimLoop(BackgroundLoop):
             return None
         with worker._lock:
             forget_count = worker._forget_count
+        claim_started = time.monotonic()
         got = worker._claim(slots)
+        with worker._lock:
+            if self._due_at is not None and self._due_at <= claim_started:
+                self._due_at = None  # this claim is the one that retry was waiting for
         if len(got) == slots:
             return 0.0  # there may be more: claim again as soon as threads are free
         if not got and self._check_isolated():
             return 0.0
         if not got:
-            self._idle_at = forget_count
+            with worker._lock:
+                self._idle_at = forget_count
         return self._wait_when_idle()  # short of work: wait for NOTIFY, a retry or the poll
 
     def _check_isolated(self) -> bool:

@@ -1,0 +1,205 @@
+"""Flask-SQLAlchemy integration: ``db.session.enqueue()`` and ``flask queue …`` commands.
+
+::
+
+    db = SQLAlchemy(app)
+    queue = FlaskQueue(app, db)
+    queue.add_worker(EmailJob, send_confirmation, concurrency=4)
+
+    @app.post("/orders")
+    def place_order():
+        db.session.add(order)
+        db.session.enqueue(EmailJob(order=order))   # commits with the order, or not at all
+        db.session.commit()
+
+    $ flask queue worker            # runs EmailJob's worker inside the app context
+    $ flask queue stats
+
+Flask-SQLAlchemy's ``db.session`` is a ``scoped_session``, which forwards only the
+methods SQLAlchemy knows. ``init_app`` gives that object an ``enqueue`` that acts on the
+current session, without touching Flask-SQLAlchemy internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import click
+from flask import Flask, current_app
+from flask.cli import AppGroup
+
+from . import admin
+from .cli import parse_duration, worker_overrides
+from .model import queue_table
+from .session import enqueue
+from .tasks import Handler, Tasks
+from .worker import Worker
+
+__all__ = ["FlaskQueue"]
+
+J = TypeVar("J")
+
+
+@dataclass
+class _Registration:
+    model: Any
+    handler: Handler | Tasks
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class FlaskQueue:
+    """The sqla_queue extension for a Flask-SQLAlchemy app (``init_app`` style)."""
+
+    def __init__(self, app: Flask | None = None, db: Any = None) -> None:
+        self.db = db
+        self._workers: dict[str, _Registration] = {}
+        if app is not None:
+            self.init_app(app, db)
+
+    def init_app(self, app: Flask, db: Any = None) -> None:
+        db = db if db is not None else self.db
+        if db is None:
+            db = app.extensions.get("sqlalchemy")
+        if db is None:
+            raise RuntimeError("FlaskQueue needs Flask-SQLAlchemy: init SQLAlchemy(app) first or pass db")
+        self.db = db
+        _give_enqueue(db.session)
+        app.extensions["sqla_queue"] = self
+        app.cli.add_command(_queue_commands)
+
+    def add_worker(self, model: Any, handler: Handler | Tasks, *, name: str | None = None, **options: Any) -> None:
+        """Register the worker ``flask queue worker NAME`` runs (NAME defaults to the table)."""
+        key = name or queue_table(model).table.name
+        if key in self._workers:
+            raise ValueError(f"a worker named {key!r} is already registered")
+        Worker.check_options(**options)
+        self._workers[key] = _Registration(model, handler, options)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return sorted(self._workers)
+
+    def make_worker(self, name: str | None = None, **overrides: Any) -> Worker:
+        """Build a registered worker; call inside an app context.
+
+        Its handlers run inside an app context of their own, with ``db.session`` as the
+        session of transactional handlers.
+        """
+        registration = self._registration(name)
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
+        db = self.db
+        return Worker(
+            db.engine,
+            registration.model,
+            registration.handler,
+            session_factory=lambda: db.session(),
+            job_context=app.app_context,
+            **{**registration.options, **overrides},
+        )
+
+    def _registration(self, name: str | None) -> _Registration:
+        if name is None:
+            if len(self._workers) != 1:
+                raise click.UsageError(
+                    f"name the worker: one of {', '.join(self.worker_names) or '(none registered)'}"
+                )
+            return next(iter(self._workers.values()))
+        try:
+            return self._workers[name]
+        except KeyError:
+            raise click.UsageError(
+                f"no worker named {name!r}; registered: {', '.join(self.worker_names) or 'none'}"
+            ) from None
+
+
+def _give_enqueue(scoped: Any) -> None:
+    """Make ``scoped.enqueue(job, ...)`` enqueue on the session of the current scope."""
+
+    def scoped_enqueue(
+        job: J,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+    ) -> J:
+        return enqueue(
+            scoped(), job, queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
+        )
+
+    scoped.enqueue = scoped_enqueue
+
+
+def _extension() -> FlaskQueue:
+    ext = current_app.extensions.get("sqla_queue")
+    if not isinstance(ext, FlaskQueue):
+        raise click.UsageError("sqla_queue.flask.FlaskQueue is not initialised on this app")
+    return ext
+
+
+def _engine_and_model(name: str | None) -> tuple[Any, Any]:
+    ext = _extension()
+    return ext.db.engine, ext._registration(name).model
+
+
+_queue_commands = AppGroup("queue", help="Run and inspect sqla_queue workers.")
+_name = click.argument("name", required=False)
+
+
+@_queue_commands.command("worker")
+@_name
+@click.option("--concurrency", type=int, help="handler threads")
+@click.option("--batch-size", type=int, help="most jobs per claim")
+@click.option("--lease", type=parse_duration, help="lease length (e.g. 60s)")
+@click.option("--heartbeat", type=parse_duration, help="heartbeat interval (default lease/3)")
+@click.option("--queue", multiple=True, help="claim from this queue (repeatable)")
+@click.option("--poll-interval", type=parse_duration, help="poll at least this often")
+@click.option("--sweep-interval", type=parse_duration, help="sweep expired leases this often (0: never)")
+@click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
+@click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
+@click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
+def _worker_command(name: str | None, until_idle: bool, **options: Any) -> None:
+    """Run a registered worker until SIGTERM/SIGINT."""
+    seconds: Callable[[Any], Any] = lambda v: v.total_seconds() if isinstance(v, timedelta) else v
+    overrides = worker_overrides(**{k: seconds(v) for k, v in options.items()})
+    _extension().make_worker(name, **overrides).run(until_idle=until_idle)
+
+
+@_queue_commands.command("sweep")
+@_name
+def _sweep_command(name: str | None) -> None:
+    """Return expired leases to pending (or failed) once."""
+    back, dead = admin.sweep(*_engine_and_model(name))
+    click.echo(f"swept {back + dead} expired lease(s): {back} back to pending, {dead} dead-lettered")
+
+
+@_queue_commands.command("stats")
+@_name
+def _stats_command(name: str | None) -> None:
+    """Jobs per queue and status, and the oldest runnable job's age."""
+    click.echo(admin.format_stats(*_engine_and_model(name)))
+
+
+@_queue_commands.command("requeue")
+@_name
+@click.option("--id", "ids", type=int, multiple=True, help="only this job (repeatable)")
+@click.option("--queue", "queues", multiple=True, help="only this queue (repeatable)")
+def _requeue_command(name: str | None, ids: tuple[int, ...], queues: tuple[str, ...]) -> None:
+    """Give dead-lettered jobs a fresh set of attempts."""
+    count = admin.requeue(*_engine_and_model(name), ids=ids, queues=queues)
+    click.echo(f"requeued {count} dead-lettered job(s)")
+
+
+@_queue_commands.command("prune")
+@_name
+@click.option("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+@click.option("--status", "statuses", multiple=True, type=click.Choice(["done", "failed", "cancelled"]))
+def _prune_command(name: str | None, older_than: timedelta, statuses: tuple[str, ...]) -> None:
+    """Delete finished jobs older than a cutoff (dead letters kept unless --status failed)."""
+    chosen = list(statuses) or ["done", "cancelled"]
+    count = admin.prune(*_engine_and_model(name), older_than=older_than, statuses=chosen)
+    click.echo(f"pruned {count} finished job(s) ({', '.join(chosen)}) older than {older_than}")

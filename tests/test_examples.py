@@ -1,0 +1,39 @@
+"""Every example runs, as a user would run it, against the test database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .helpers import Server
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, server: Server, *args: str) -> str:
+    env = {**os.environ, "DATABASE_URL": server.url.render_as_string(hide_password=False)}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_plain_sqlalchemy_example(server: Server) -> None:
+    out = run_example("plain_sqlalchemy.py", server)
+    assert "FOR UPDATE SKIP LOCKED" in out
+    assert "3 invoices rendered, highest priority first: invoice ids [2, 1, 3]" in out
+
+
+def test_flask_shop_example(server: Server) -> None:
+    out = run_example("flask_shop.py", server)
+    assert "order by cy@example.com               x3: HTTP 409" in out  # out of stock: nothing kept
+    assert "e-mail to ada@example.com              done    after 1 attempt(s)" in out
+    assert "e-mail to eve@undeliverable.example    failed  after 3 attempt(s)" in out
+    assert "outbox: ['order-1.eml', 'order-2.eml']" in out
