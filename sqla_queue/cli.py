@@ -27,13 +27,28 @@ def _add_alembic_commands(subparsers: argparse._SubParsersAction[argparse.Argume
     alembic = subparsers.add_parser("alembic", help="Alembic migrations for queue tables")
     alembic_commands = alembic.add_subparsers(dest="alembic_command", required=True)
     init = alembic_commands.add_parser("init", help="create a migrations folder wired for sqla_queue")
-    init.add_argument("directory")
-    init.set_defaults(func=_not_yet)
+    init.add_argument("directory", help="the migrations folder to create (must be empty or absent)")
+    init.add_argument(
+        "-c", "--config", default="alembic.ini", help="the alembic.ini to write, unless it exists"
+    )
+    init.add_argument(
+        "--package", action="store_true", help="write __init__.py files into the folders"
+    )
+    init.set_defaults(func=_alembic_init)
 
 
-def _not_yet(args: argparse.Namespace) -> int:
-    print("not implemented yet", file=sys.stderr)
-    return 2
+def _alembic_init(args: argparse.Namespace) -> int:
+    # Imported here: the other commands need not load Alembic.
+    from alembic.util import CommandError as AlembicError
+
+    from .alembic import init
+
+    try:
+        init(args.directory, config_file=args.config, package=args.package)
+    except AlembicError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"Then set target_metadata in {os.path.join(args.directory, 'env.py')}.")
+    return 0
 
 
 # -- targets --------------------------------------------------------------------------------
