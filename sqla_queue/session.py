@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from sqlalchemy import JSON, event, func, select
 from sqlalchemy.orm import Mapper, Session, object_mapper
@@ -120,6 +120,35 @@ class QueueSession(Session):
             delay=delay,
             run_at=run_at,
             max_attempts=max_attempts,
+        )
+
+    def enqueue_many(
+        self,
+        model: Any,
+        rows: Iterable[Any],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+        batch_size: int | None = None,
+        method: Literal["auto", "copy", "insert"] = "auto",
+    ) -> int:
+        """Same as :func:`sqla_queue.enqueue_many` with this session (COPY on psycopg)."""
+        from .bulk import DEFAULT_BATCH_SIZE, enqueue_many  # bulk imports this module
+
+        return enqueue_many(
+            self,
+            model,
+            rows,
+            queue=queue,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            max_attempts=max_attempts,
+            batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+            method=method,
         )
 
 
