@@ -4,12 +4,14 @@
         __tablename__ = "email_jobs"
 
     session.enqueue(EmailJob(...))           # commits with your business writes
+    session.enqueue_many(EmailJob, rows)     # thousands at once, by COPY
     Worker(engine, EmailJob, handler).run()  # leases, retries, dead letter
 
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
 from .errors import (
+    BulkRowError,
     DeadLetter,
     EnqueueError,
     InvalidPayload,
@@ -19,6 +21,7 @@ from .errors import (
     SqlaQueueError,
     UnknownTask,
 )
+from .bulk import enqueue_many
 from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
 from .session import QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
@@ -28,6 +31,7 @@ from .worker import Worker, WorkerConfig, WorkerStats
 __all__ = [
     "FINISHED_STATUSES",
     "Backoff",
+    "BulkRowError",
     "ClaimToken",
     "DeadLetter",
     "EnqueueError",
@@ -47,6 +51,7 @@ __all__ = [
     "WorkerStats",
     "archive_table",
     "enqueue",
+    "enqueue_many",
     "notify_on_commit",
     "queue_table",
 ]

@@ -30,6 +30,24 @@ class InvalidPayload(EnqueueError):
     """A JSON column of the job holds a value that cannot be stored as JSON."""
 
 
+class BulkRowError(EnqueueError):
+    """One row given to ``enqueue_many()`` is invalid.
+
+    ``index`` is the row's 0-based position in the rows given (``rows[index]`` for a
+    list) and the message starts with it: ``"row 41: unknown column 'recipent'"``. The
+    underlying error, when there is one (e.g. :class:`InvalidPayload`), is chained as
+    ``__cause__``. None of the call's rows remain in the transaction.
+    """
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"row {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[BulkRowError], tuple[int, str]]:
+        return type(self), (self.index, self.reason)
+
+
 class LeaseLost(SqlaQueueError):
     """The worker no longer owns the job: its lease expired and it was swept or re-claimed.
 

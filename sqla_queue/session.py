@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from sqlalchemy import JSON, event, func, select
 from sqlalchemy.orm import Mapper, Session, object_mapper
@@ -70,27 +70,11 @@ def enqueue(
     if state.key is not None:
         raise EnqueueError(f"{_describe(job)} is already persistent; enqueue a new object")
 
-    values: dict[str, Any] = {}
-    if queue is not None:
-        if not isinstance(queue, str) or not queue or len(queue) > 128:
-            raise EnqueueError(f"queue must be a non-empty string of at most 128 characters, got {queue!r}")
-        values["queue"] = queue
-    if priority is not None:
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -_INT32 <= priority < _INT32:
-            raise EnqueueError(f"priority must be a 32-bit integer, got {priority!r}")
-        values["priority"] = priority
-    if max_attempts is not None:
-        if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-            raise EnqueueError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
-        values["max_attempts"] = max_attempts
-    if delay is not None and run_at is not None:
-        raise EnqueueError("give either delay or run_at, not both")
-    if delay is not None:
-        values["run_after"] = func.now() + _delay(delay)
-    if run_at is not None:
-        if not isinstance(run_at, datetime) or run_at.tzinfo is None:
-            raise EnqueueError(f"run_at must be a timezone-aware datetime, got {run_at!r}")
-        values["run_after"] = run_at
+    values, delay_by = validate_options(
+        queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
+    )
+    if delay_by is not None:
+        values["run_after"] = func.now() + delay_by
 
     _check_managed_columns(job)
     _check_job_values(sync, qt, job)
@@ -138,6 +122,35 @@ class QueueSession(Session):
             max_attempts=max_attempts,
         )
 
+    def enqueue_many(
+        self,
+        model: Any,
+        rows: Iterable[Any],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+        batch_size: int | None = None,
+        method: Literal["auto", "copy", "insert"] = "auto",
+    ) -> int:
+        """Same as :func:`sqla_queue.enqueue_many` with this session (COPY on psycopg)."""
+        from .bulk import DEFAULT_BATCH_SIZE, enqueue_many  # bulk imports this module
+
+        return enqueue_many(
+            self,
+            model,
+            rows,
+            queue=queue,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            max_attempts=max_attempts,
+            batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+            method=method,
+        )
+
 
 # -- validation ---------------------------------------------------------------------------
 
@@ -173,14 +186,99 @@ def _delay(delay: timedelta | float) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _check_managed_columns(job: Any) -> None:
-    state = orm_attributes.instance_state(job)
+# Checks of the queue's own columns, shared by the enqueue options and by the rows of
+# ``enqueue_many`` (which names the column, hence ``name``).
+
+
+def check_queue(value: Any, name: str = "queue") -> None:
+    if not isinstance(value, str) or not value or len(value) > 128:
+        raise EnqueueError(f"{name} must be a non-empty string of at most 128 characters, got {value!r}")
+
+
+def check_priority(value: Any, name: str = "priority") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not -_INT32 <= value < _INT32:
+        raise EnqueueError(f"{name} must be a 32-bit integer, got {value!r}")
+
+
+def check_max_attempts(value: Any, name: str = "max_attempts") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EnqueueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_run_at(value: Any, name: str = "run_at") -> None:
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise EnqueueError(f"{name} must be a timezone-aware datetime, got {value!r}")
+
+
+def check_task_name(value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise EnqueueError(f"needs a task name (a non-empty string), got {value!r}")
+
+
+def validate_options(
+    *,
+    queue: str | None,
+    priority: int | None,
+    delay: timedelta | float | None,
+    run_at: datetime | None,
+    max_attempts: int | None,
+) -> tuple[dict[str, Any], timedelta | None]:
+    """The column values the enqueue options ask for, and the delay, checked.
+
+    The delay is returned apart, not as a ``run_after`` value: it is measured from the
+    database clock, which only the caller's connection can read.
+    """
+    values: dict[str, Any] = {}
+    if queue is not None:
+        check_queue(queue)
+        values["queue"] = queue
+    if priority is not None:
+        check_priority(priority)
+        values["priority"] = priority
+    if max_attempts is not None:
+        check_max_attempts(max_attempts)
+        values["max_attempts"] = max_attempts
+    if delay is not None and run_at is not None:
+        raise EnqueueError("give either delay or run_at, not both")
+    delay_by = _delay(delay) if delay is not None else None
+    if run_at is not None:
+        check_run_at(run_at)
+        values["run_after"] = run_at
+    return values, delay_by
+
+
+def managed_violation(values: Any) -> tuple[str, Any] | None:
+    """The first queue-managed column ``values`` (a mapping) sets, with its value, or None."""
     for key, allowed in _MANAGED_DEFAULTS.items():
-        value = state.dict.get(key)
+        value = values.get(key)
         if value not in allowed:
-            raise EnqueueError(
-                f"{_describe(job)} has {key}={value!r}; the queue manages {key}, leave it unset"
-            )
+            return key, value
+    return None
+
+
+def _check_managed_columns(job: Any) -> None:
+    violation = managed_violation(orm_attributes.instance_state(job).dict)
+    if violation is not None:
+        key, value = violation
+        raise EnqueueError(
+            f"{_describe(job)} has {key}={value!r}; the queue manages {key}, leave it unset"
+        )
+
+
+def dialect_json_serializer(dialect: Any) -> Callable[[Any], str]:
+    """The engine's ``json_serializer`` if it has one, else strict ``json.dumps``.
+
+    Strict (``allow_nan=False``) because PostgreSQL rejects the ``NaN`` that the
+    standard ``json.dumps`` writes; better to fail on the Python side, naming the column.
+    """
+    custom = getattr(dialect, "_json_serializer", None)
+    if custom is not None:
+        return custom  # type: ignore[no-any-return]
+    return _strict_dumps
+
+
+#: ``json.dumps(value, allow_nan=False)``, without building an encoder per call.
+_strict_dumps: Final[Callable[[Any], str]] = json.JSONEncoder(allow_nan=False).encode
 
 
 def _json_serializer(session: Session, mapper: Mapper[Any]) -> Callable[[Any], str]:
@@ -188,10 +286,7 @@ def _json_serializer(session: Session, mapper: Mapper[Any]) -> Callable[[Any], s
         dialect = session.get_bind(mapper=mapper).dialect
     except Exception:  # unbound session: validate with the standard serializer
         dialect = None
-    custom = getattr(dialect, "_json_serializer", None)
-    if custom is not None:
-        return custom  # type: ignore[no-any-return]
-    return lambda value: json.dumps(value, allow_nan=False)
+    return dialect_json_serializer(dialect)
 
 
 def _check_job_values(session: Session, qt: QueueTable, job: Any) -> None:
@@ -199,9 +294,10 @@ def _check_job_values(session: Session, qt: QueueTable, job: Any) -> None:
     mapper = object_mapper(job)
     state = orm_attributes.instance_state(job)
     if qt.is_task_table:
-        task = state.dict.get("task")
-        if not isinstance(task, str) or not task:
-            raise EnqueueError(f"{_describe(job)} needs a task name (a non-empty string), got {task!r}")
+        try:
+            check_task_name(state.dict.get("task"))
+        except EnqueueError as exc:
+            raise EnqueueError(f"{_describe(job)} {exc}") from None
     serializer: Callable[[Any], str] | None = None
     for prop in mapper.column_attrs:
         column = prop.columns[0]
