@@ -16,13 +16,13 @@
     $ flask queue stats
 
 Flask-SQLAlchemy's ``db.session`` is a ``scoped_session``, which forwards only the
-methods SQLAlchemy knows. ``init_app`` gives that object an ``enqueue`` that acts on the
-current session, without touching Flask-SQLAlchemy internals.
+methods SQLAlchemy knows. ``init_app`` gives that object ``enqueue`` and ``enqueue_many``
+that act on the current session, without touching Flask-SQLAlchemy internals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ from flask.cli import AppGroup
 from . import admin
 from .cli import parse_duration, worker_overrides
 from .model import queue_table
+from .bulk import enqueue_many
 from .session import enqueue
 from .tasks import Handler, Tasks
 from .worker import Worker
@@ -131,7 +132,11 @@ def _give_enqueue(scoped: Any) -> None:
             scoped(), job, queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
         )
 
+    def scoped_enqueue_many(model: Any, rows: Iterable[Any], **options: Any) -> int:
+        return enqueue_many(scoped(), model, rows, **options)
+
     scoped.enqueue = scoped_enqueue
+    scoped.enqueue_many = scoped_enqueue_many
 
 
 def _extension() -> FlaskQueue:

@@ -82,6 +82,10 @@ def test_db_session_enqueue_is_the_current_session(app: Any) -> None:
         shop.db.session.flush()
         job = shop.db.session.enqueue(shop.ConfirmationEmail(order_id=order.id, to=order.email), priority=3)
         assert job in shop.db.session() and job.priority == 3
+        rows = [{"order_id": order.id, "to": f"bulk{i}@example.com"} for i in range(3)]
+        assert shop.db.session.enqueue_many(shop.ConfirmationEmail, rows, queue="bulk") == 3
+        shop.db.session.flush()
+        assert counts(app) == (0, 0)  # another session sees nothing uncommitted
         shop.db.session.rollback()
     assert counts(app) == (0, 0)
 
