@@ -37,3 +37,12 @@ def test_flask_shop_example(server: Server) -> None:
     assert "e-mail to ada@example.com              done    after 1 attempt(s)" in out
     assert "e-mail to eve@undeliverable.example    failed  after 3 attempt(s)" in out
     assert "outbox: ['order-1.eml', 'order-2.eml']" in out
+
+
+def test_alembic_project_example(server: Server) -> None:
+    out = run_example("alembic_project/run.py", server)
+    assert "$ " in out and "alembic init migrations" in out
+    assert "op.create_index(op.f('welcome_emails_claim_idx')" in out
+    assert "index welcome_emails_lease_idx ['lease_expires_at'] WHERE ((status)::text = 'running'::text)" in out
+    assert "check welcome_emails_status_check" in out
+    assert "-- downgraded" in out
