@@ -301,6 +301,57 @@ def test_poll_only_mode_still_finds_jobs(engine: Engine, Sessions: Any, start_wo
     wait_for(status_is(engine, job_id, "done"), timeout=10)
 
 
+def test_polling_still_finds_jobs_when_listen_is_broken(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    worker = Worker(engine, Task, app_tasks, poll_interval=0.4, backoff=FAST)
+    assert worker._listener is not None
+    worker._listener._channel = "a_channel_nobody_notifies"  # LISTEN works, hears nothing
+    worker.start()
+    try:
+        wait_for(worker._claimer.went_idle)
+        (job_id,) = add(Sessions, "record")
+        wait_for(status_is(engine, job_id, "done"), timeout=10)
+    finally:
+        worker.stop(grace=1)
+
+
+def test_every_worker_connection_uses_the_engine_options(
+    engine: Engine, Sessions: Any, server: Any, tmp_path: Any
+) -> None:
+    from sqlalchemy import create_engine
+
+    app_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_tagged"})
+    started = tmp_path / "started"
+    add(Sessions, "record", sleep=30, started=str(started))
+    worker = Worker(app_engine, Task, app_tasks, lease=3, heartbeat_interval=0.2, poll_interval=0.5)
+    worker.start()
+    try:
+        wait_for(started.exists)
+        wait_for(lambda: worker._heartbeat._conn is not None, what="a heartbeat")
+
+        def tagged() -> dict[int, str]:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT pid, coalesce(query, '') FROM pg_stat_activity "
+                        "WHERE application_name = 'sqla_queue_tagged'"
+                    )
+                )
+                return dict(rows.all())
+
+        listening = lambda: [pid for pid, q in tagged().items() if q.startswith("LISTEN")]  # noqa: E731
+        wait_for(listening, what="the listener's connection, tagged")
+        heartbeat_conn = worker._heartbeat._conn
+        assert heartbeat_conn is not None
+        heartbeat_pid = heartbeat_conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+        assert heartbeat_pid in tagged() and heartbeat_pid not in listening()
+        assert len(tagged()) >= 3  # and the handler's pooled connection besides
+    finally:
+        worker.stop(grace=0.1)
+        app_engine.dispose()
+
+
 def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, start_worker: Any) -> None:
     worker = start_worker(poll_interval=120)
     listener = worker._listener
