@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import click
@@ -117,20 +117,10 @@ class FlaskQueue:
 
 
 def _give_enqueue(scoped: Any) -> None:
-    """Make ``scoped.enqueue(job, ...)`` enqueue on the session of the current scope."""
+    """``scoped.enqueue(...)``/``enqueue_many(...)`` act on the session of the current scope."""
 
-    def scoped_enqueue(
-        job: J,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        delay: timedelta | float | None = None,
-        run_at: datetime | None = None,
-        max_attempts: int | None = None,
-    ) -> J:
-        return enqueue(
-            scoped(), job, queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
-        )
+    def scoped_enqueue(job: J, **options: Any) -> J:
+        return enqueue(scoped(), job, **options)
 
     def scoped_enqueue_many(model: Any, rows: Iterable[Any], **options: Any) -> int:
         return enqueue_many(scoped(), model, rows, **options)
