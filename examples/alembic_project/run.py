@@ -1,6 +1,7 @@
 """An Alembic project for sqla_queue tables, step by step, as you would type it.
 
-    python examples/alembic_project/run.py     # embedded PostgreSQL if DATABASE_URL is unset
+    python examples/alembic_project/run.py     # embedded PostgreSQL if DATABASE_URL is unset;
+                                               # else a scratch database beside it
 
 1. ``sqla-queue alembic init migrations``   (Alembic's generic template, wired for sqla_queue)
 2. point ``target_metadata`` at the models and ``sqlalchemy.url`` at the database
@@ -16,9 +17,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, make_url, text
 
 HERE = Path(__file__).resolve().parent
 
@@ -79,9 +83,26 @@ def tour(url: str) -> None:
         shutil.rmtree(project, ignore_errors=True)
 
 
+@contextmanager
+def scratch_database(url: str) -> Iterator[str]:
+    """A new, empty database beside ``url``: autogenerate compares the models with the
+    whole database, so the tables of another application must not be in view."""
+    server = create_engine(url, isolation_level="AUTOCOMMIT")
+    name = f"sqla_queue_alembic_example_{uuid.uuid4().hex[:8]}"
+    with server.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with server.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        server.dispose()
+
+
 if __name__ == "__main__":
     if os.environ.get("DATABASE_URL"):
-        tour(os.environ["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://", 1))
+        with scratch_database(os.environ["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://", 1)) as url:
+            tour(url)
     else:
         sys.path.insert(0, str(HERE.parent.parent))
         from sqla_queue.embedded import EmbeddedPostgres
