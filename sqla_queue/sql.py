@@ -18,7 +18,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, Final, NamedTuple, TypeAlias
 
 from sqlalchemy import (
     CTE,
@@ -31,6 +31,7 @@ from sqlalchemy import (
     Table,
     Update,
     and_,
+    bindparam,
     case,
     cast,
     delete,
@@ -55,6 +56,7 @@ __all__ = [
     "cancel_pending",
     "claim",
     "complete_if_owner",
+    "complete_template",
     "extend_leases_if_owner",
     "fail_if_owner",
     "isolated_waiting",
@@ -226,9 +228,46 @@ def complete_if_owner(
     completion one atomic step: if it returns no row, roll back.
     """
     qt = queue_table(model)
+    return _complete(qt, _fence(qt, owner, _tokens(tokens)))
+
+
+#: Bound-parameter names of :func:`complete_template`'s statement.
+OWNER_PARAM: Final = "sqla_queue_owner"
+TOKENS_PARAM: Final = "sqla_queue_tokens"
+JOB_PARAM: Final = "sqla_queue_job"
+ATTEMPT_PARAM: Final = "sqla_queue_attempt"
+
+
+def complete_template(model: QueueModel, *, single: bool = False) -> ReturningUpdate[Any]:
+    """:func:`complete_if_owner` with the owner and tokens given at execution time.
+
+    Build it once, then run it for every batch::
+
+        stmt = complete_template(EmailJob)
+        conn.scalars(stmt, {OWNER_PARAM: owner, TOKENS_PARAM: [(job_id, attempt), ...]})
+
+    ``single=True`` takes one token as ``{JOB_PARAM: job_id, ATTEMPT_PARAM: attempt}``
+    instead. The SQL is the one ``complete_if_owner`` renders (the tokens are an
+    expanding ``IN`` parameter). Reusing one statement object spares building it and
+    computing its cache key for every batch, which cost more Python time than the round
+    trip to a nearby server.
+    """
+    qt = queue_table(model)
+    owner = bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type)
+    if single:
+        match: ColumnElement[bool] = and_(
+            qt.pk == bindparam(JOB_PARAM, type_=qt.pk.type),
+            qt.c.attempts == bindparam(ATTEMPT_PARAM, type_=qt.c.attempts.type),
+        )
+    else:
+        match = tuple_(qt.pk, qt.c.attempts).in_(bindparam(TOKENS_PARAM, expanding=True))
+    return _complete(qt, and_(_status(qt, RUNNING), qt.c.lease_owner == owner, match))
+
+
+def _complete(qt: QueueTable, fence: ColumnElement[bool]) -> ReturningUpdate[Any]:
     return (
         qt.table.update()
-        .where(_fence(qt, owner, _tokens(tokens)))
+        .where(fence)
         .values(
             status=status_literal(DONE),
             finished_at=_clock(),

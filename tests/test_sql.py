@@ -184,6 +184,39 @@ def test_fencing_refuses_an_old_attempt_of_the_same_owner(engine: Engine) -> Non
         assert conn.scalars(q.complete_if_owner(EmailJob, owner="same", tokens=current)).all() == [job_id]
 
 
+def test_complete_template_is_complete_if_owner_with_late_parameters(engine: Engine) -> None:
+    """One statement object, reused with other owners and tokens, fences like the builder."""
+    many = q.complete_template(EmailJob)
+    one = q.complete_template(EmailJob, single=True)
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    built = q.complete_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)])
+    assert str(many.compile(dialect=dialect)).split(" WHERE ")[0] == str(
+        built.compile(dialect=dialect)
+    ).split(" WHERE ")[0]
+    with engine.begin() as conn:
+        add_jobs(conn, 5)
+        a = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="a", limit=3)]
+        b = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="b", limit=2)]
+        stale = ClaimToken(a[0].job_id, a[0].attempt - 1)
+
+        def run_many(owner: str, tokens: list[ClaimToken]) -> list[Any]:
+            params = {q.OWNER_PARAM: owner, q.TOKENS_PARAM: [tuple(t) for t in tokens]}
+            return sorted(conn.scalars(many, params).all())
+
+        def run_one(owner: str, token: ClaimToken) -> list[Any]:
+            params = {q.OWNER_PARAM: owner, q.JOB_PARAM: token.job_id, q.ATTEMPT_PARAM: token.attempt}
+            return list(conn.scalars(one, params).all())
+
+        assert run_many("a", b) == []  # not a's jobs
+        assert run_many("a", [stale]) == []  # not the current attempt
+        assert run_one("b", a[0]) == []
+        assert run_many("a", a[:2]) == sorted(t.job_id for t in a[:2])
+        assert run_one("a", a[2]) == [a[2].job_id]
+        assert run_many("b", b) == sorted(t.job_id for t in b)
+        assert run_many("b", b) == []  # done already
+        assert {status_of(conn, t.job_id) for t in a + b} == {"done"}
+
+
 def test_extend_leases_reports_which_it_extended(engine: Engine) -> None:
     with engine.begin() as conn:
         add_jobs(conn, 3)
