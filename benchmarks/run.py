@@ -452,6 +452,20 @@ def _processing_child(
     ready.put(cpu)
 
 
+def wait_ready(ready: Any, procs: Sequence[Any], timeout: float = 60) -> None:
+    """Wait until every child said it is ready; fail fast if one died meanwhile."""
+    deadline = time.monotonic() + timeout
+    waiting = len(procs)
+    while waiting:
+        try:
+            ready.get(timeout=0.2)
+            waiting -= 1
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"a benchmark process failed to start (exit codes {dead})")
+
+
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -466,7 +480,7 @@ def _warm_sqla(engine: Engine, owner: str, batch: int) -> None:
         session.scalars(select(BenchJob).from_statement(stmt)).all()
         session.rollback()
     with engine.connect() as conn:
-        params = {q.OWNER_PARAM: owner, q.TOKENS_PARAM: [(-1, 1), (-2, 1)]}
+        params = {q.OWNER_PARAM: owner, q.IDS_PARAM: [-1, -2], q.ATTEMPTS_PARAM: [1, 1]}
         conn.execute(q.complete_template(BenchJob), params).all()
         conn.rollback()
     # Fill the pool, so that no connection is opened while measuring.
@@ -513,8 +527,7 @@ def run_processing(url: URL, engine: Engine, kind: str, cfg: Processing) -> tupl
     for proc in procs:
         proc.start()
     try:
-        for _ in procs:
-            ready.get(timeout=60)
+        wait_ready(ready, procs)
         with raw_connect(url, autocommit=True) as watch:
             go.set()
             start = time.perf_counter()
@@ -640,8 +653,7 @@ def bench_pickup(engine: Engine, url: URL, plan: Plan) -> list[Row]:
         proc.start()
     latencies: dict[str, list[float]] = {kind: [] for kind in PICKUP_QUEUES}
     try:
-        for _ in procs:
-            ready.get(timeout=60)
+        wait_ready(ready, procs)
         with raw_connect(url) as producer:
             kinds = list(PICKUP_QUEUES)
             for i in range(plan.pickup_jobs * 2 + 10):

@@ -49,6 +49,8 @@ __all__ = ["Worker", "WorkerConfig", "WorkerStats"]
 log = logging.getLogger("sqla_queue.worker")
 
 _COMPLETION_KEY: Final = "sqla_queue.complete"
+#: Most jobs the completer marks done with one statement.
+_COMPLETE_CHUNK: Final = 128
 T = TypeVar("T")
 
 
@@ -844,10 +846,19 @@ class _CompleterLoop(BackgroundLoop):
                 worker._mark_lost(h, "lease lost while running")
         if not live:
             return 0.0
-        params = {q.OWNER_PARAM: worker.owner, q.TOKENS_PARAM: [tuple(h.token) for h in live]}
+        done: set[Any] = set()
         try:
             with worker.engine.begin() as conn:
-                done = set(conn.scalars(worker._complete_many, params).all())
+                # Chunks keep each statement's work per row (a lookup in the token
+                # arrays) bounded, whatever the backlog.
+                for start in range(0, len(live), _COMPLETE_CHUNK):
+                    chunk = live[start : start + _COMPLETE_CHUNK]
+                    params = {
+                        q.OWNER_PARAM: worker.owner,
+                        q.IDS_PARAM: [h.token.job_id for h in chunk],
+                        q.ATTEMPTS_PARAM: [h.token.attempt for h in chunk],
+                    }
+                    done.update(conn.scalars(worker._complete_many, params).all())
         except BaseException:
             with self._pending_lock:
                 self._pending[:0] = live  # try again after the back-off
