@@ -94,7 +94,8 @@ class Processing:
     @property
     def label(self) -> str:
         procs = f"{self.processes} processes" if self.processes > 1 else "1 process"
-        return f"{procs} x {self.concurrency} threads, batch {self.batch}"
+        threads = f"{self.concurrency} threads" if self.concurrency > 1 else "1 thread"
+        return f"{procs} x {threads}, batch {self.batch}"
 
 
 @dataclass(frozen=True)

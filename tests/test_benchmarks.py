@@ -23,7 +23,7 @@ EXPECTED_ROWS = (
     "enqueue, 1 job per transaction: plain SQLAlchemy ORM",
     "bulk enqueue 2,000 jobs, COPY |",
     "bulk enqueue 2,000 jobs, INSERT executemany |",
-    "processing, 1 process x 1 threads, batch 1 |",
+    "processing, 1 process x 1 thread, batch 1 |",
     "processing, 1 process x 4 threads, batch 4 |",
     "processing, 1 process x 4 threads, batch 32 |",
     "processing, 1 process x 16 threads, batch 128 |",
