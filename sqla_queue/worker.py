@@ -49,6 +49,8 @@ __all__ = ["Worker", "WorkerConfig", "WorkerStats"]
 log = logging.getLogger("sqla_queue.worker")
 
 _COMPLETION_KEY: Final = "sqla_queue.complete"
+#: Most jobs the completer marks done with one statement.
+_COMPLETE_CHUNK: Final = 128
 T = TypeVar("T")
 
 
@@ -196,6 +198,11 @@ class Worker:
         self._hard_stop = threading.Event()
         self._started = False
         self._handler_threads: list[threading.Thread] = []
+        #: (limit, isolated) -> claim statement; at most batch_size + 1 entries.
+        self._claim_statements: dict[tuple[int, bool], Any] = {}
+        # Built once: owner and tokens are bound at execution (see sql.complete_template).
+        self._complete_many = q.complete_template(model)
+        self._complete_one = q.complete_template(model, single=True)
 
         cfg = self.config
         self._claimer = _ClaimLoop(self)
@@ -370,18 +377,32 @@ class Worker:
 
     # -- claiming ----------------------------------------------------------------------
 
+    def _claim_statement(self, limit: int, isolated: bool) -> Any:
+        """The ORM claim of ``limit`` jobs, built once per limit and then reused.
+
+        Owner, lease and queues never change for a worker, so the statement does not
+        either; reusing the object also reuses its memoized cache key. Building the
+        statement and its cache key anew cost more than the claim's round trip.
+        """
+        key = (limit, isolated)
+        stmt = self._claim_statements.get(key)
+        if stmt is None:
+            claim = q.claim(
+                self.model,
+                owner=self.owner,
+                limit=limit,
+                lease=self.config.lease,
+                queues=self.config.queues,
+                isolated=isolated,
+            )
+            mapped: type[Any] = self._model_class
+            stmt = self._claim_statements[key] = select(mapped).from_statement(claim)
+        return stmt
+
     def _claim(self, limit: int, *, isolated: bool = False) -> list[_Held]:
-        stmt = q.claim(
-            self.model,
-            owner=self.owner,
-            limit=limit,
-            lease=self.config.lease,
-            queues=self.config.queues,
-            isolated=isolated,
-        )
-        mapped: type[Any] = self._model_class
+        stmt = self._claim_statement(limit, isolated)
         with Session(self.engine, expire_on_commit=False) as session:
-            jobs = session.scalars(select(mapped).from_statement(stmt)).all()
+            jobs = session.scalars(stmt).all()
             session.commit()
             session.expunge_all()
         held = [_Held(job, ClaimToken(job.id, job.attempts)) for job in jobs]
@@ -537,9 +558,13 @@ class Worker:
     def _complete_in(self, session: Session, held: _Held) -> None:
         if held.lost.is_set():
             raise LeaseLost(f"job {held.token.job_id}: lease lost while running")
-        stmt = q.complete_if_owner(self.model, owner=self.owner, tokens=held.token)
-        table = self._qt.table
-        if session.connection(bind_arguments={"clause": table}).execute(stmt).first() is None:
+        params = {
+            q.OWNER_PARAM: self.owner,
+            q.JOB_PARAM: held.token.job_id,
+            q.ATTEMPT_PARAM: held.token.attempt,
+        }
+        conn = session.connection(bind_arguments={"clause": self._qt.table})
+        if conn.execute(self._complete_one, params).first() is None:
             raise LeaseLost(
                 f"job {held.token.job_id} attempt {held.token.attempt}: no longer leased to "
                 f"{self.owner}; rolling back the handler's writes"
@@ -547,11 +572,29 @@ class Worker:
 
     def _finished(self, held: _Held, outcome: str) -> None:
         """Bookkeeping after the job's final statement committed."""
-        took = (time.monotonic() - held.started) * 1000 if held.started else 0.0
         if outcome == "done":
             self.stats.add("done")
-        log.info("%s %s in %.1f ms", self._describe(held), outcome, took)
+        self._log_outcome(held, outcome, time.monotonic())
         self._forget(held)
+
+    def _finished_many(self, done: Sequence[_Held]) -> None:
+        """:meth:`_finished` for a completed batch: one lock and one wake-up, not one per job."""
+        if not done:
+            return
+        self.stats.add("done", len(done))
+        now = time.monotonic()
+        for held in done:
+            self._log_outcome(held, "done", now)
+        with self._lock:
+            for held in done:
+                self._held.pop(held.token.job_id, None)
+            self._forget_count += len(done)
+        self._claimer.wake()
+
+    def _log_outcome(self, held: _Held, outcome: str, now: float) -> None:
+        if log.isEnabledFor(logging.INFO):  # spares formatting per job when not logged
+            took = (now - held.started) * 1000 if held.started else 0.0
+            log.info("%s %s in %.1f ms", self._describe(held), outcome, took)
 
     def _format_error(self, exc: BaseException) -> str:
         head = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
@@ -803,18 +846,26 @@ class _CompleterLoop(BackgroundLoop):
                 worker._mark_lost(h, "lease lost while running")
         if not live:
             return 0.0
-        stmt = q.complete_if_owner(worker.model, owner=worker.owner, tokens=[h.token for h in live])
+        done: set[Any] = set()
         try:
             with worker.engine.begin() as conn:
-                done = set(conn.scalars(stmt).all())
+                # Chunks keep each statement's work per row (a lookup in the token
+                # arrays) bounded, whatever the backlog.
+                for start in range(0, len(live), _COMPLETE_CHUNK):
+                    chunk = live[start : start + _COMPLETE_CHUNK]
+                    params = {
+                        q.OWNER_PARAM: worker.owner,
+                        q.IDS_PARAM: [h.token.job_id for h in chunk],
+                        q.ATTEMPTS_PARAM: [h.token.attempt for h in chunk],
+                    }
+                    done.update(conn.scalars(worker._complete_many, params).all())
         except BaseException:
             with self._pending_lock:
                 self._pending[:0] = live  # try again after the back-off
             raise
+        worker._finished_many([h for h in live if h.token.job_id in done])
         for h in live:
-            if h.token.job_id in done:
-                worker._finished(h, "done")
-            else:
+            if h.token.job_id not in done:
                 worker._mark_lost(h, "re-claimed or swept before completion")
         return 0.0
 

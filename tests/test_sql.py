@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import uuid
 from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -182,6 +183,60 @@ def test_fencing_refuses_an_old_attempt_of_the_same_owner(engine: Engine) -> Non
         ).all() == []
         current = ClaimToken(job_id, second.attempts)
         assert conn.scalars(q.complete_if_owner(EmailJob, owner="same", tokens=current)).all() == [job_id]
+
+
+def test_complete_template_is_complete_if_owner_with_late_parameters(engine: Engine) -> None:
+    """One statement object, reused with other owners and tokens, fences like the builder."""
+    many = q.complete_template(EmailJob)
+    one = q.complete_template(EmailJob, single=True)
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    built = q.complete_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)])
+    assert str(many.compile(dialect=dialect)).split(" WHERE ")[0] == str(
+        built.compile(dialect=dialect)
+    ).split(" WHERE ")[0]
+    assert "= ANY (" in str(many.compile(dialect=dialect))  # one text for every batch size
+    with engine.begin() as conn:
+        add_jobs(conn, 5)
+        a = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="a", limit=3)]
+        b = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="b", limit=2)]
+        stale = ClaimToken(a[0].job_id, a[0].attempt - 1)
+
+        def run_many(owner: str, tokens: list[ClaimToken]) -> list[Any]:
+            params = {
+                q.OWNER_PARAM: owner,
+                q.IDS_PARAM: [t.job_id for t in tokens],
+                q.ATTEMPTS_PARAM: [t.attempt for t in tokens],
+            }
+            return sorted(conn.scalars(many, params).all())
+
+        def run_one(owner: str, token: ClaimToken) -> list[Any]:
+            params = {q.OWNER_PARAM: owner, q.JOB_PARAM: token.job_id, q.ATTEMPT_PARAM: token.attempt}
+            return list(conn.scalars(one, params).all())
+
+        assert run_many("a", b) == []  # not a's jobs
+        assert run_many("a", [stale]) == []  # not the current attempt
+        assert run_one("b", a[0]) == []
+        # A stale and a current token in one call: only the current one completes.
+        assert run_many("a", [stale, a[1]]) == [a[1].job_id]
+        assert run_many("a", [a[0]]) == [a[0].job_id]
+        assert run_one("a", a[2]) == [a[2].job_id]
+        assert run_many("b", b) == sorted(t.job_id for t in b)
+        assert run_many("b", b) == []  # done already
+        assert {status_of(conn, t.job_id) for t in a + b} == {"done"}
+
+
+def test_complete_template_with_a_uuid_primary_key(engine: Engine) -> None:
+    table = UuidJob.__table__
+    with engine.begin() as conn:
+        conn.execute(insert(table), [{"id": uuid.uuid4()} for _ in range(3)])
+        rows = conn.execute(q.claim(UuidJob, owner="w", limit=3)).all()
+        params = {
+            q.OWNER_PARAM: "w",
+            q.IDS_PARAM: [r.id for r in rows],
+            q.ATTEMPTS_PARAM: [r.attempts for r in rows],
+        }
+        done = conn.scalars(q.complete_template(UuidJob), params).all()
+        assert sorted(done) == sorted(r.id for r in rows)
 
 
 def test_extend_leases_reports_which_it_extended(engine: Engine) -> None:

@@ -1,0 +1,58 @@
+"""The benchmark harness runs end to end (``benchmarks/run.py --quick``).
+
+A smoke test of the harness only: every benchmark runs with tiny sizes against the test
+server and prints its row. Speed is not asserted; the figures of a quick run mean nothing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import Server
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+#: The first cell of every row the results table must have.
+EXPECTED_ROWS = (
+    "enqueue, 1 job per transaction |",
+    "enqueue, 1 job per transaction + ORM business row |",
+    "enqueue, 1 job per transaction: plain SQLAlchemy ORM",
+    "bulk enqueue 2,000 jobs, COPY |",
+    "bulk enqueue 2,000 jobs, INSERT executemany |",
+    "processing, 1 process x 1 thread, batch 1 |",
+    "processing, 1 process x 4 threads, batch 4 |",
+    "processing, 1 process x 4 threads, batch 32 |",
+    "processing, 1 process x 16 threads, batch 128 |",
+    "processing, 2 processes x 4 threads, batch 32 |",
+    "pickup latency p50",
+    "pickup latency p95",
+    "pickup latency p99",
+    "claim latency, 1k finished rows",
+    "claim latency, 3k finished rows",
+    "claim latency, 10k finished rows",
+    "claim latency growth, 10k vs 1k finished rows",
+)
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_prints_every_benchmark(server: Server) -> None:
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table, result.stdout
+    assert table[0].startswith("| benchmark | sqla_queue | baseline")
+    for expected in EXPECTED_ROWS:
+        assert any(line.startswith(f"| {expected}") for line in table), (expected, result.stdout)
+    assert len(table) == len(EXPECTED_ROWS) + 1, result.stdout
+    assert "PostgreSQL" in result.stdout and "CPUs" in result.stdout
