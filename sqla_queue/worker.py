@@ -134,7 +134,8 @@ class _Held:
     token: ClaimToken
     handler: ResolvedHandler | None = None
     started: float | None = None
-    lost: threading.Event = field(default_factory=threading.Event)
+    #: Set once the lease is known lost or the job was handed back: it must not complete.
+    lost: bool = False
 
 
 class Worker:
@@ -364,8 +365,9 @@ class Worker:
         self._claimer.wake()
 
     def _mark_lost(self, held: _Held, why: str) -> None:
-        if not held.lost.is_set():
-            held.lost.set()
+        with self._lock:
+            first, held.lost = not held.lost, True
+        if first:
             self.stats.add("lost")
             log.warning(
                 "job %s attempt %d: lease lost (%s); its result will not be recorded",
@@ -459,7 +461,7 @@ class Worker:
             log.warning("worker %s: could not release %d job(s); they return after their lease", self.owner, len(held))
             released = set()
         for h in held:
-            h.lost.set()  # a handler still running must not complete after hand-back
+            h.lost = True  # a handler still running must not complete after hand-back
             with self._lock:
                 self._held.pop(h.token.job_id, None)
         self.stats.add("released", len(released))
@@ -487,7 +489,7 @@ class Worker:
             held = self._jobs.get()
             if held is None or self._stopped.is_set():
                 return
-            if held.lost.is_set():  # handed back before it started
+            if held.lost:  # handed back before it started
                 with self._lock:
                     self._assigned -= 1
                 continue
@@ -505,7 +507,9 @@ class Worker:
                 with self._lock:
                     self._running -= 1
                     self._assigned -= 1
-                self._claimer.wake()
+                    thread_free = self._assigned < self.config.concurrency
+                if thread_free:  # else the prefetched jobs keep every thread busy
+                    self._claimer.wake()
 
     def _resolve(self, job: Any) -> ResolvedHandler:
         if self._tasks is not None:
@@ -556,7 +560,7 @@ class Worker:
             session.close()
 
     def _complete_in(self, session: Session, held: _Held) -> None:
-        if held.lost.is_set():
+        if held.lost:
             raise LeaseLost(f"job {held.token.job_id}: lease lost while running")
         params = {
             q.OWNER_PARAM: self.owner,
@@ -636,7 +640,7 @@ class Worker:
 
     def _final_statement(self, held: _Held, stmt: Any, after: Callable[[Any], None]) -> None:
         """Run a fenced retry/fail; a lost lease or a dead database is not the job's fault."""
-        if held.lost.is_set():
+        if held.lost:
             self._mark_lost(held, "lease lost while running")
             return
         try:
@@ -840,9 +844,9 @@ class _CompleterLoop(BackgroundLoop):
         if not batch:
             return None
         worker = self.worker
-        live = [h for h in batch if not h.lost.is_set()]
+        live = [h for h in batch if not h.lost]
         for h in batch:
-            if h.lost.is_set():
+            if h.lost:
                 worker._mark_lost(h, "lease lost while running")
         if not live:
             return 0.0
