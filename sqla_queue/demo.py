@@ -274,7 +274,7 @@ class Tour:
             ("done", f"{done:,}", ""),
             ("retried, then done", f"{retried:,}", "webhooks that failed once"),
             ("dead-lettered", f"{failed:,}", dead_reason.splitlines()[0].removeprefix("builtins.") if dead_reason else ""),
-            ("recovered after the kill", f"{recovered:,}", f"their lease expired; re-run alone, elsewhere"),
+            ("recovered after the kill", f"{recovered:,}", "their lease expired; re-run alone, elsewhere"),
             ("orders confirmed twice", f"{twice}", f"{unconfirmed} unconfirmed; confirmations are transactional"),
             ("throughput", f"{done / elapsed:,.0f} jobs/s", f"{elapsed:.1f} s, 2 workers, one killed"),
         ]

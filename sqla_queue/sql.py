@@ -24,12 +24,10 @@ from sqlalchemy import (
     CTE,
     DateTime,
     Delete,
-    Insert,
     Interval,
     Select,
     String,
     Table,
-    Update,
     and_,
     any_,
     bindparam,
@@ -424,7 +422,6 @@ def requeue_failed(
     ``queues``) is requeued.
     """
     qt = queue_table(model)
-    c = qt.c
     conditions = [_status(qt, FAILED), *_queue_filter(qt, queues)]
     if ids is not None:
         conditions.append(qt.pk.in_(list(ids)))

@@ -341,10 +341,6 @@ class Worker:
 
     # -- bookkeeping -------------------------------------------------------------------
 
-    def held_tokens(self) -> list[ClaimToken]:
-        with self._lock:
-            return [h.token for h in self._held.values()]
-
     def _is_idle(self) -> bool:
         with self._lock:
             return not self._held and self._running == 0
@@ -828,10 +824,6 @@ class _CompleterLoop(BackgroundLoop):
         self.worker = worker
         self._pending: list[_Held] = []
         self._pending_lock = threading.Lock()
-
-    @property
-    def backlog(self) -> int:
-        return len(self._pending)
 
     def add(self, held: _Held) -> None:
         with self._pending_lock:

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Connection, Engine, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql
 
-from sqla_queue import Backoff, ClaimToken, JobStatus, archive_table
+from sqla_queue import Backoff, ClaimToken, archive_table
 from sqla_queue import sql as q
 
 from . import claimers
