@@ -1,8 +1,8 @@
-"""The ``sqla-queue`` command line: run workers, sweep, inspect, requeue and prune.
+"""The sqla-queue command line: run workers, sweep, inspect, requeue and prune.
 
-TARGET is ``module:attribute`` (``module`` importable from the current directory):
-a :class:`~sqla_queue.Worker`, a function returning one, or, for the commands that do
-not run jobs, a queue model together with ``--url`` (or ``DATABASE_URL``).
+TARGET is module:attribute (the module importable from the current directory): a
+sqla_queue Worker, a function returning one, or, for the commands that do not run jobs,
+a queue model together with --url (or DATABASE_URL).
 """
 
 from __future__ import annotations
@@ -13,20 +13,26 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
+
+from sqlalchemy import URL
+from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from . import admin
+from .errors import SqlaQueueError
+from .session import check_queue
+from .urls import psycopg_url
 
 __all__ = ["main"]
 
 
-def _add_alembic_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_alembic_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
     """``sqla-queue alembic init DIR``: a migrations folder from ``alembic_templates/``."""
-    alembic = subparsers.add_parser("alembic", help="Alembic migrations for queue tables")
+    alembic = _subcommand(subparsers, "alembic", "Alembic migrations for queue tables")
     alembic_commands = alembic.add_subparsers(dest="alembic_command", required=True)
-    init = alembic_commands.add_parser("init", help="create a migrations folder wired for sqla_queue")
+    init = _subcommand(alembic_commands, "init", "create a migrations folder wired for sqla_queue")
     init.add_argument("directory", help="the migrations folder to create (must be empty or absent)")
     init.add_argument(
         "-c", "--config", default="alembic.ini", help="the alembic.ini to write, unless it exists"
@@ -99,26 +105,46 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
     target = load_target(args.target)
     if isinstance(target, type):
-        url = args.url or os.environ.get("DATABASE_URL")
-        if not url:
-            raise CommandError("a model TARGET needs --url or DATABASE_URL")
+        url = args.url
+        if url is None:
+            raw = os.environ.get("DATABASE_URL")
+            if not raw:
+                raise CommandError("a model TARGET needs --url or DATABASE_URL")
+            try:
+                url = database_url(raw)
+            except argparse.ArgumentTypeError as exc:
+                raise CommandError(f"DATABASE_URL: {exc}") from None
         try:
             queue_table(target)
         except NotAQueueModel as exc:
             raise CommandError(str(exc)) from None
-        return create_engine(_psycopg_url(url)), target
+        return create_engine(url), target
     worker = target if isinstance(target, Worker) else _worker_from(target)
     return worker.engine, worker.model
 
 
-def _psycopg_url(url: str) -> str:
-    for prefix in ("postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+# -- argument types: a bad value is a usage error naming its option, never a traceback ------
+
+
+def database_url(text: str) -> URL:
+    """A PostgreSQL URL whose driver is installed; ``postgresql://`` means psycopg 3."""
+    try:
+        url = psycopg_url(text)
+        dialect = url.get_dialect()
+    except ArgumentError as exc:  # also NoSuchModuleError: an unknown dialect or driver
+        raise argparse.ArgumentTypeError(f"not a usable database URL ({exc})") from None
+    if url.get_backend_name() != "postgresql":
+        raise argparse.ArgumentTypeError(f"sqla_queue needs PostgreSQL, not {url.get_backend_name()!r}")
+    try:
+        dialect.import_dbapi()
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            f"the driver of {url.drivername!r} is not installed (postgresql+psycopg:// uses psycopg 3)"
+        ) from None
     return url
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_DURATION = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -127,17 +153,60 @@ class DurationError(argparse.ArgumentTypeError, ValueError):
 
 
 def parse_duration(text: str | timedelta) -> timedelta:
-    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w``."""
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w``; never negative."""
     if isinstance(text, timedelta):
         return text
     match = _DURATION.match(text)
     if not match:
         raise DurationError(f"not a duration: {text!r} (try 30s, 15m, 12h, 7d)")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds < 0:
+        raise DurationError(f"a duration must not be negative, got {text!r}")
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise DurationError(f"duration too long: {text!r} (at most {timedelta.max.days} days)") from None
 
 
-def _seconds(text: str) -> float:
-    return parse_duration(text).total_seconds()
+def _seconds(*, positive: bool) -> Callable[[str], float]:
+    def seconds(text: str) -> float:
+        value = parse_duration(text).total_seconds()
+        if positive and value <= 0:
+            raise DurationError(f"must be longer than 0, got {text!r}")
+        return value
+
+    return seconds
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def queue_name(text: str) -> str:
+    """The rules ``enqueue()`` applies: a name it would refuse can hold no job to claim."""
+    try:
+        check_queue(text, "a queue name")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> int:
+    name = text.upper()
+    if name not in _LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {text!r} (one of {', '.join(_LEVELS)})")
+    level = logging.getLevelName(name)
+    assert isinstance(level, int)
+    return level
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -170,9 +239,21 @@ def worker_overrides(
     return {key: value for key, value in given.items() if value is not None}
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    worker = _worker_from(load_target(args.target))
-    overrides = worker_overrides(
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Refuse (ValueError) option values no worker accepts, before the target is imported.
+
+    A heartbeat given without a lease is checked later, against the target's own lease.
+    """
+    from .worker import Worker
+
+    alone = dict(overrides)
+    if "heartbeat_interval" in alone and "lease" not in alone:
+        del alone["heartbeat_interval"]
+    Worker.check_options(**alone)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return worker_overrides(
         concurrency=args.concurrency,
         batch_size=args.batch_size,
         lease=args.lease,
@@ -183,7 +264,29 @@ def cmd_worker(args: argparse.Namespace) -> int:
         queue=args.queue,
         no_listen=args.no_listen,
     )
-    worker.with_options(**overrides).run(until_idle=args.until_idle)
+
+
+def check_database(engine: Any, model: Any) -> None:
+    """Connect and read the queue table's columns once: a wrong URL or an unmigrated table
+    then fails at start with the database's own message, not later in a retry loop."""
+    from sqlalchemy import select
+
+    from .model import queue_table
+
+    table = queue_table(model).table
+    with engine.connect() as conn:
+        conn.execute(select(*table.c).limit(0))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    overrides = _overrides(args)
+    worker = _worker_from(load_target(args.target))
+    try:
+        worker = worker.with_options(**overrides)
+    except (TypeError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    check_database(worker.engine, worker.model)
+    worker.run(until_idle=args.until_idle)
     return 0
 
 
@@ -212,35 +315,63 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sqla-queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, ``sqla-queue worker: error: ...``, with exit status 2."""
 
-    worker = subparsers.add_parser("worker", help="run a worker until SIGTERM/SIGINT")
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _subcommand(
+    subparsers: argparse._SubParsersAction[Any], name: str, help: str
+) -> argparse.ArgumentParser:
+    """A subcommand that also takes ``--log-level`` after its name.
+
+    SUPPRESS as its default: the value given before the subcommand, or the main parser's
+    default, is kept unless the option is repeated here.
+    """
+    sub: argparse.ArgumentParser = subparsers.add_parser(name, help=help, description=help)
+    sub.add_argument(
+        "--log-level", type=log_level, default=argparse.SUPPRESS, metavar="LEVEL", help=_LOG_LEVEL_HELP
+    )
+    return sub
+
+
+_LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sqla-queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", type=log_level, default=logging.INFO, metavar="LEVEL", help=_LOG_LEVEL_HELP)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    seconds, positive_seconds = _seconds(positive=False), _seconds(positive=True)
+
+    worker = _subcommand(subparsers, "worker", "run a worker until SIGTERM/SIGINT")
     worker.add_argument("target", help="module:attr of a Worker, or of a function returning one")
-    worker.add_argument("--concurrency", type=int, help="handler threads")
-    worker.add_argument("--batch-size", type=int, help="most jobs per claim")
-    worker.add_argument("--lease", type=_seconds, help="lease length (e.g. 60s)")
-    worker.add_argument("--heartbeat", type=_seconds, help="heartbeat interval (default lease/3)")
-    worker.add_argument("--queue", action="append", help="claim from this queue (repeatable)")
-    worker.add_argument("--poll-interval", type=_seconds, help="poll at least this often")
-    worker.add_argument("--sweep-interval", type=_seconds, help="sweep expired leases this often (0: never)")
-    worker.add_argument("--shutdown-grace", type=_seconds, help="time running jobs get to finish on SIGTERM")
+    worker.add_argument("--concurrency", type=positive_int, help="handler threads")
+    worker.add_argument("--batch-size", type=positive_int, help="most jobs per claim")
+    worker.add_argument("--lease", type=positive_seconds, help="lease length (e.g. 60s)")
+    worker.add_argument("--heartbeat", type=positive_seconds, help="heartbeat interval (default lease/3)")
+    worker.add_argument("--queue", type=queue_name, action="append", help="claim from this queue (repeatable)")
+    worker.add_argument("--poll-interval", type=positive_seconds, help="poll at least this often")
+    worker.add_argument("--sweep-interval", type=seconds, help="sweep expired leases this often (0: never)")
+    worker.add_argument("--shutdown-grace", type=seconds, help="time running jobs get to finish on SIGTERM")
     worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
     worker.add_argument("--until-idle", action="store_true", help="exit once no runnable job is left")
-    worker.set_defaults(func=cmd_worker)
+    worker.set_defaults(func=cmd_worker, parser=worker)
 
     def admin(name: str, help: str) -> argparse.ArgumentParser:
-        sub = subparsers.add_parser(name, help=help)
+        sub = _subcommand(subparsers, name, help)
         sub.add_argument("target", help="module:attr of a Worker (or factory), or of a queue model")
-        sub.add_argument("--url", help="database URL when TARGET is a model (default: DATABASE_URL)")
+        sub.add_argument(
+            "--url",
+            type=database_url,
+            help="database URL when TARGET is a model (default: DATABASE_URL); postgresql:// uses psycopg 3",
+        )
         return sub
 
     sweep = admin("sweep", "return expired leases to pending (or failed) once")
-    sweep.add_argument("--limit", type=int, default=1000, help="rows per statement")
+    sweep.add_argument("--limit", type=positive_int, default=1000, help="rows per statement")
     sweep.set_defaults(func=cmd_sweep)
 
     stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age")
@@ -248,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     requeue = admin("requeue", "give dead-lettered jobs a fresh set of attempts")
     requeue.add_argument("--id", type=int, action="append", help="only this job (repeatable)")
-    requeue.add_argument("--queue", action="append", help="only this queue (repeatable)")
+    requeue.add_argument("--queue", type=queue_name, action="append", help="only this queue (repeatable)")
     requeue.set_defaults(func=cmd_requeue)
 
     prune = admin("prune", "delete finished jobs older than a cutoff")
@@ -259,17 +390,31 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["done", "failed", "cancelled"],
         help="statuses to prune (repeatable; default done and cancelled, dead letters kept)",
     )
-    prune.add_argument("--limit", type=int, default=10_000, help="rows per statement")
+    prune.add_argument("--limit", type=positive_int, default=10_000, help="rows per statement")
     prune.set_defaults(func=cmd_prune)
 
     _add_alembic_commands(subparsers)
     return parser
 
 
+def _first_line(exc: BaseException) -> str:
+    """The driver's own message (``database "x" does not exist``), without SQLAlchemy's
+    statement dump and background link."""
+    cause = getattr(exc, "orig", None) or exc
+    lines = str(cause).strip().splitlines()
+    return lines[0] if lines else type(cause).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        try:
+            check_overrides(_overrides(args))
+        except (TypeError, ValueError) as exc:
+            args.parser.error(str(exc))
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
     )
     try:
@@ -277,6 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"sqla-queue: error: {exc}", file=sys.stderr)
         return 2
+    except (OperationalError, ProgrammingError, SqlaQueueError) as exc:
+        print(f"sqla-queue: error: {_first_line(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
