@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, Table, func, insert, select, update
 
-from sqla_queue.cli import main, parse_duration
+from sqla_queue.cli import build_parser, main, parse_duration
 
 from .helpers import Server
 from .models import EmailJob
 
-JOBS = EmailJob.__table__
+JOBS: Table = EmailJob.__table__  # type: ignore[assignment]  # declarative gives FromClause
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -32,7 +36,8 @@ def statuses(engine: Engine) -> dict[str, int]:
 
 def test_stats(engine: Engine, url: str, capsys: Any) -> None:
     with engine.begin() as conn:
-        conn.execute(insert(JOBS), [{"queue": "mail", "status": "pending"}] * 3 + [{"queue": "mail", "status": "failed"}])
+        rows = [{"queue": "mail", "status": "pending"}] * 3 + [{"queue": "mail", "status": "failed"}]
+        conn.execute(insert(JOBS), rows)
     assert main(["stats", "tests.models:EmailJob", "--url", url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["queue", "status", "jobs", "oldest", "runnable"]
@@ -87,3 +92,163 @@ def test_console_script_help_lists_the_commands() -> None:
     )
     for command in ("worker", "sweep", "stats", "requeue", "prune", "alembic"):
         assert command in result.stdout
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``python -m sqla_queue ARGS`` in a process of its own, as a user types it."""
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_queue", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+        check=False,
+    )
+
+
+def test_python_dash_m_is_the_console_script(url: str) -> None:
+    script = Path(sys.executable).parent / "sqla-queue"
+    assert script.exists(), f"the package is not installed: no {script}"
+    for args in (["--help"], ["stats", "tests.models:EmailJob", "--url", url], ["worker", "x:y", "--concurrency", "0"]):
+        by_module = run_cli(*args)
+        by_script = subprocess.run(
+            [str(script), *args], capture_output=True, text=True, cwd=REPO, timeout=60, check=False
+        )
+        assert (by_module.returncode, by_module.stdout, by_module.stderr) == (
+            by_script.returncode,
+            by_script.stdout,
+            by_script.stderr,
+        )
+    assert by_module.returncode == 2  # the last one is a usage error: both really ran the CLI
+
+
+WORKER = "tests.worker_app:make_worker"
+MODEL = "tests.models:EmailJob"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "problem"),
+    [
+        (["worker", WORKER, "--lease", "1s", "--heartbeat", "2s"], {}, "must be shorter than the lease"),
+        (["worker", WORKER, "--heartbeat", "90s"], {}, "must be shorter than the lease (60.0s)"),  # the worker's
+        (["worker", WORKER, "--concurrency", "0"], {}, "argument --concurrency: must be at least 1"),
+        (["worker", WORKER, "--batch-size", "-3"], {}, "argument --batch-size"),
+        (["worker", WORKER, "--lease", "0s"], {}, "argument --lease: must be longer than 0"),
+        (["worker", WORKER, "--queue", ""], {}, "argument --queue: a queue name must be a non-empty string"),
+        (["sweep", MODEL, "--url", "{url}", "--limit", "0"], {}, "argument --limit: must be at least 1"),
+        (["prune", MODEL, "--url", "{url}", "--older-than", "99999999999d"], {}, "duration too long"),
+        (["prune", MODEL, "--url", "{url}", "--older-than", "-1d"], {}, "argument --older-than"),
+        (["prune", MODEL, "--url", "{url}", "--older-than=-1d"], {}, "must not be negative"),
+        (["prune", MODEL, "--url", "{url}", "--older-than", "soon"], {}, "not a duration: 'soon'"),
+        (["stats", MODEL, "--url", "not a url"], {}, "argument --url: not a usable database URL"),
+        (["stats", MODEL, "--url", "mysql://h/db"], {}, "needs PostgreSQL, not 'mysql'"),
+        (["stats", MODEL, "--url", "postgresql+nodriver://h/db"], {}, "argument --url: not a usable database URL"),
+        (["stats", MODEL], {"DATABASE_URL": "not a url"}, "DATABASE_URL: not a usable database URL"),
+        (["--log-level", "LOUD", "stats", MODEL, "--url", "{url}"], {}, "argument --log-level: unknown level 'LOUD'"),
+        (["stats", MODEL, "--url", "{url}", "--log-level", "LOUD"], {}, "argument --log-level: unknown level 'LOUD'"),
+        (["requeue", MODEL, "--url", "{url}", "--queue", ""], {}, "argument --queue"),
+    ],
+)
+def test_mistakes_are_one_line_usage_errors(url: str, args: list[str], env: dict[str, str], problem: str) -> None:
+    result = run_cli(*(a.replace("{url}", url) for a in args), env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("sqla-queue") and ": error: " in lines[0]
+    assert problem in lines[0]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--log-level", "debug", "stats", MODEL],
+        ["stats", MODEL, "--log-level", "debug"],
+        ["--log-level", "error", "worker", WORKER, "--log-level", "DEBUG"],
+        ["alembic", "init", "migrations", "--log-level", "DEBUG"],
+    ],
+)
+def test_log_level_is_taken_before_and_after_the_subcommand(argv: list[str]) -> None:
+    assert build_parser().parse_args(argv).log_level == logging.DEBUG
+
+
+def test_log_level_defaults_to_info() -> None:
+    assert build_parser().parse_args(["stats", MODEL]).log_level == logging.INFO
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_help_is_plain_text() -> None:
+    parsers = _parsers(build_parser())
+    assert len(parsers) == 8  # the main parser, its six commands, alembic init
+    for parser in parsers:
+        text = parser.format_help()
+        for markup in ("``", ":class:", ":func:", ":mod:", ":meth:"):
+            assert markup not in text, f"{parser.prog} --help shows {markup!r}"
+
+
+def _one_line_start_failure(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("sqla-queue: error: ")
+    return lines[0]
+
+
+def test_worker_on_a_missing_database_fails_at_start_in_one_line(server: Server) -> None:
+    missing = f"sqla_queue_absent_{uuid.uuid4().hex[:10]}"
+    bad_url = server.url.set(database=missing).render_as_string(hide_password=False)
+    result = run_cli("worker", WORKER, "--until-idle", env={"SQLA_QUEUE_TEST_URL": bad_url})
+    line = _one_line_start_failure(result)
+    assert f'database "{missing}" does not exist' in line
+
+
+def test_worker_on_a_missing_table_fails_at_start_in_one_line(engine: Engine, url: str, tmp_path: Path) -> None:
+    (tmp_path / "unmigrated_app.py").write_text(
+        "import os\n"
+        "from sqlalchemy import create_engine\n"
+        "from sqlalchemy.orm import DeclarativeBase\n"
+        "from sqla_queue import JobMixin, Worker\n"
+        "class Base(DeclarativeBase):\n"
+        "    pass\n"
+        "class NeverCreated(Base, JobMixin):\n"
+        "    __tablename__ = 'never_created_jobs'\n"
+        "def handle(job):\n"
+        "    pass\n"
+        "def make_worker():\n"
+        "    return Worker(create_engine(os.environ['SQLA_QUEUE_TEST_URL']), NeverCreated, handle)\n"
+    )
+    result = run_cli(
+        "worker",
+        "unmigrated_app:make_worker",
+        "--until-idle",
+        cwd=tmp_path,
+        env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )
+    line = _one_line_start_failure(result)
+    assert 'relation "never_created_jobs" does not exist' in line
+
+
+def test_admin_command_on_a_missing_database_is_one_line(server: Server) -> None:
+    missing = f"sqla_queue_absent_{uuid.uuid4().hex[:10]}"
+    bad_url = server.url.set(database=missing).render_as_string(hide_password=False)
+    line = _one_line_start_failure(run_cli("stats", MODEL, "--url", bad_url))
+    assert "does not exist" in line
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_bare_postgres_urls_use_psycopg(engine: Engine, server: Server, scheme: str, capsys: Any) -> None:
+    bare = server.url.set(drivername=scheme).render_as_string(hide_password=False)
+    assert bare.startswith(f"{scheme}://")
+    assert main(["stats", MODEL, "--url", bare]) == 0
+    assert "(no jobs)" in capsys.readouterr().out
