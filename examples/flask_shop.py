@@ -25,6 +25,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from sqla_queue import Backoff, JobMixin
 from sqla_queue.flask import FlaskQueue
+from sqla_queue.urls import psycopg_url
 
 
 class Base(DeclarativeBase):
@@ -84,7 +85,7 @@ def create_app(database_url: str | None = None) -> Flask:
     url = database_url or os.environ.get("DATABASE_URL")
     if not url:
         raise RuntimeError("set DATABASE_URL (or run this file directly for an embedded database)")
-    app.config["SQLALCHEMY_DATABASE_URI"] = url.replace("postgresql://", "postgresql+psycopg://", 1)
+    app.config["SQLALCHEMY_DATABASE_URI"] = psycopg_url(url).render_as_string(hide_password=False)
     db.init_app(app)
     queue.init_app(app, db)
     if "confirmation_email" not in queue.worker_names:

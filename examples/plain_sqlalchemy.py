@@ -16,6 +16,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from sqla_queue import JobMixin, QueueSession, Worker
 from sqla_queue import sql as q
+from sqla_queue.urls import psycopg_url
 
 
 class Base(DeclarativeBase):
@@ -83,7 +84,7 @@ def main(url: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if os.environ.get("DATABASE_URL"):
-        main(os.environ["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://", 1))
+        main(psycopg_url(os.environ["DATABASE_URL"]).render_as_string(hide_password=False))
     else:
         from sqla_queue.embedded import EmbeddedPostgres
 

@@ -36,6 +36,7 @@ from .model import TaskMixin
 from .session import QueueSession
 from .sql import Backoff
 from .tasks import Tasks
+from .urls import psycopg_url
 from .worker import Worker
 
 LEASE = 2.0
@@ -297,7 +298,7 @@ class Tour:
 @contextmanager
 def database(url: str | None) -> Iterator[str]:
     if url:
-        yield url.replace("postgresql://", "postgresql+psycopg://", 1)
+        yield psycopg_url(url).render_as_string(hide_password=False)
         return
     from .embedded import EmbeddedPostgres
 

@@ -100,11 +100,13 @@ def scratch_database(url: str) -> Iterator[str]:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent.parent))
     if os.environ.get("DATABASE_URL"):
-        with scratch_database(os.environ["DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://", 1)) as url:
+        from sqla_queue.urls import psycopg_url
+
+        with scratch_database(psycopg_url(os.environ["DATABASE_URL"]).render_as_string(hide_password=False)) as url:
             tour(url)
     else:
-        sys.path.insert(0, str(HERE.parent.parent))
         from sqla_queue.embedded import EmbeddedPostgres
 
         with EmbeddedPostgres() as pg:
