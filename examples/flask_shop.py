@@ -103,7 +103,7 @@ def create_app(database_url: str | None = None) -> Flask:
         order = ShopOrder(product_id=data["product_id"], quantity=data["quantity"], email=data["email"])
         db.session.add(order)
         db.session.flush()
-        db.session.enqueue(ConfirmationEmail(order_id=order.id, to=order.email), max_attempts=3)
+        queue.enqueue(ConfirmationEmail(order_id=order.id, to=order.email), max_attempts=3)
         try:
             take_from_stock(order)
         except OutOfStock as exc:

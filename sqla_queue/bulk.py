@@ -40,6 +40,7 @@ from sqlalchemy.sql.elements import ClauseElement, Null
 from .errors import BulkRowError, EnqueueError, InvalidPayload
 from .model import DEFAULT_QUEUE, QueueTable, queue_table
 from .session import (
+    _resolve_session,
     check_max_attempts,
     check_priority,
     check_queue,
@@ -227,6 +228,7 @@ def enqueue_many(
 
 
 def _bulk_session(session: Any) -> Session:
+    session = _resolve_session(session)
     if hasattr(session, "sync_session"):
         raise TypeError(
             "enqueue_many() writes to the database, which an AsyncSession only does when "

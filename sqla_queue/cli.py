@@ -197,6 +197,7 @@ def queue_name(text: str) -> str:
     return text
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -413,10 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_overrides(_overrides(args))
         except (TypeError, ValueError) as exc:
             args.parser.error(str(exc))
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
         return int(args.func(args))
     except CommandError as exc:

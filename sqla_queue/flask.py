@@ -1,4 +1,4 @@
-"""Flask-SQLAlchemy integration: ``db.session.enqueue()`` and ``flask queue …`` commands.
+"""Flask-SQLAlchemy integration: ``queue.enqueue()`` and ``flask queue …`` commands.
 
 ::
 
@@ -9,32 +9,35 @@
     @app.post("/orders")
     def place_order():
         db.session.add(order)
-        db.session.enqueue(EmailJob(order=order))   # commits with the order, or not at all
+        queue.enqueue(EmailJob(order=order))   # commits with the order, or not at all
         db.session.commit()
 
     $ flask queue worker            # runs EmailJob's worker inside the app context
     $ flask queue stats
 
+``queue.enqueue``/``enqueue_many`` act on the current ``db.session`` and are typed.
 Flask-SQLAlchemy's ``db.session`` is a ``scoped_session``, which forwards only the
-methods SQLAlchemy knows. ``init_app`` gives that object ``enqueue`` and ``enqueue_many``
-that act on the current session, without touching Flask-SQLAlchemy internals.
+methods SQLAlchemy knows; ``init_app`` also gives that object ``enqueue`` and
+``enqueue_many`` (invisible to type checkers), without touching Flask-SQLAlchemy internals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, TypeVar
+from datetime import datetime, timedelta
+from typing import Any, Literal, TypeVar
 
 import click
 from flask import Flask, current_app
 from flask.cli import AppGroup
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from . import admin
-from .cli import parse_duration, worker_overrides
+from .bulk import DEFAULT_BATCH_SIZE, enqueue_many
+from .cli import LOG_FORMAT, check_database, parse_duration, queue_name, worker_overrides
 from .model import queue_table
-from .bulk import enqueue_many
 from .session import enqueue
 from .tasks import Handler, Tasks
 from .worker import Worker
@@ -78,6 +81,53 @@ class FlaskQueue:
             raise ValueError(f"a worker named {key!r} is already registered")
         Worker.check_options(**options)
         self._workers[key] = _Registration(model, handler, options)
+
+    def enqueue(
+        self,
+        job: J,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+    ) -> J:
+        """:func:`sqla_queue.enqueue` with the current ``db.session``: the job commits with it."""
+        return enqueue(
+            self._session(), job, queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
+        )
+
+    def enqueue_many(
+        self,
+        model: Any,
+        rows: Iterable[Any],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        method: Literal["auto", "copy", "insert"] = "auto",
+    ) -> int:
+        """:func:`sqla_queue.enqueue_many` with the current ``db.session`` (COPY on psycopg)."""
+        return enqueue_many(
+            self._session(),
+            model,
+            rows,
+            queue=queue,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            max_attempts=max_attempts,
+            batch_size=batch_size,
+            method=method,
+        )
+
+    def _session(self) -> Any:
+        if self.db is None:
+            raise RuntimeError("FlaskQueue is not initialised: call init_app(app, db) first")
+        return self.db.session()
 
     @property
     def worker_names(self) -> list[str]:
@@ -141,27 +191,58 @@ def _engine_and_model(name: str | None) -> tuple[Any, Any]:
     return ext.db.engine, ext._registration(name).model
 
 
+def _queue_names(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """The queue-name rules of ``sqla-queue``: an empty name would claim nothing, silently."""
+    for value in values:
+        try:
+            queue_name(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return values
+
+
 _queue_commands = AppGroup("queue", help="Run and inspect sqla_queue workers.")
 _name = click.argument("name", required=False)
 
 
 @_queue_commands.command("worker")
 @_name
-@click.option("--concurrency", type=int, help="handler threads")
-@click.option("--batch-size", type=int, help="most jobs per claim")
+@click.option("--concurrency", type=click.IntRange(min=1), help="handler threads")
+@click.option("--batch-size", type=click.IntRange(min=1), help="most jobs per claim")
 @click.option("--lease", type=parse_duration, help="lease length (e.g. 60s)")
 @click.option("--heartbeat", type=parse_duration, help="heartbeat interval (default lease/3)")
-@click.option("--queue", multiple=True, help="claim from this queue (repeatable)")
+@click.option("--queue", multiple=True, callback=_queue_names, help="claim from this queue (repeatable)")
 @click.option("--poll-interval", type=parse_duration, help="poll at least this often")
 @click.option("--sweep-interval", type=parse_duration, help="sweep expired leases this often (0: never)")
 @click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
 @click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
-def _worker_command(name: str | None, until_idle: bool, **options: Any) -> None:
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+    default="INFO",
+    show_default=True,
+    help="logging level, unless the app configured logging itself",
+)
+def _worker_command(name: str | None, until_idle: bool, log_level: str, **options: Any) -> None:
     """Run a registered worker until SIGTERM/SIGINT."""
-    seconds: Callable[[Any], Any] = lambda v: v.total_seconds() if isinstance(v, timedelta) else v
+    # As the sqla-queue command does: without it the worker's log lines go nowhere.
+    # basicConfig leaves a logging set-up the app made itself alone.
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+
+    def seconds(value: Any) -> Any:
+        return value.total_seconds() if isinstance(value, timedelta) else value
+
     overrides = worker_overrides(**{k: seconds(v) for k, v in options.items()})
-    _extension().make_worker(name, **overrides).run(until_idle=until_idle)
+    try:
+        worker = _extension().make_worker(name, **overrides)
+    except ValueError as exc:  # e.g. a heartbeat not shorter than the lease
+        raise click.UsageError(str(exc)) from None
+    try:
+        check_database(worker.engine, worker.model)
+    except (OperationalError, ProgrammingError) as exc:
+        raise click.ClickException(str(getattr(exc, "orig", exc)).strip().splitlines()[0]) from None
+    worker.run(until_idle=until_idle)
 
 
 @_queue_commands.command("sweep")

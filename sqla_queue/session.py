@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Any, Final, Literal, TypeVar
 
 from sqlalchemy import JSON, Select, String, bindparam, event, func, select
-from sqlalchemy.orm import Mapper, Session, object_mapper
+from sqlalchemy.orm import Mapper, Session, object_mapper, scoped_session
 from sqlalchemy.orm import attributes as orm_attributes
 from sqlalchemy.orm.exc import UnmappedInstanceError
 
@@ -156,7 +156,13 @@ class QueueSession(Session):
 # -- validation ---------------------------------------------------------------------------
 
 
+def _resolve_session(session: Any) -> Any:
+    """A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) stands for its current session."""
+    return session() if isinstance(session, scoped_session) else session
+
+
 def _sync_session(session: Any) -> Session:
+    session = _resolve_session(session)
     sync = getattr(session, "sync_session", session)  # AsyncSession wraps a Session
     if not isinstance(sync, Session):
         raise TypeError(f"expected a SQLAlchemy Session, got {type(session).__qualname__}")
