@@ -36,9 +36,9 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from . import admin
 from .bulk import DEFAULT_BATCH_SIZE, enqueue_many
-from .cli import LOG_FORMAT, check_database, parse_duration, queue_name, worker_overrides
+from .cli import LOG_FORMAT, check_database, parse_duration, worker_overrides
 from .model import queue_table
-from .session import enqueue
+from .session import check_queue, enqueue
 from .tasks import Handler, Tasks
 from .worker import Worker
 
@@ -195,7 +195,7 @@ def _queue_names(ctx: click.Context, param: click.Parameter, values: tuple[str, 
     """The queue-name rules of ``sqla-queue``: an empty name would claim nothing, silently."""
     for value in values:
         try:
-            queue_name(value)
+            check_queue(value, "a queue name")
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
     return values

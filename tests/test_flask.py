@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +18,8 @@ from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 
 pytest.importorskip("flask_sqlalchemy")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flask_shop.py"
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "flask_shop.py"
 
 
 def _load_shop() -> Any:
@@ -119,3 +123,106 @@ def test_flask_queue_commands(app: Any, tmp_path: Path) -> None:
     assert unknown.exit_code != 0 and "no worker named 'nope'" in unknown.output
     bad = runner.invoke(args=["queue", "worker", "--lease", "soon"])
     assert bad.exit_code != 0 and "not a duration" in bad.output
+
+
+def test_flask_queue_enqueue_is_the_current_session(app: Any) -> None:
+    with app.app_context():
+        order = shop.ShopOrder(product_id=1, quantity=1, email="x@example.com")
+        shop.db.session.add(order)
+        shop.db.session.flush()
+        job = shop.queue.enqueue(shop.ConfirmationEmail(order_id=order.id, to=order.email), queue="vip")
+        assert job in shop.db.session() and job.queue == "vip"
+        rows = [{"order_id": order.id, "to": f"bulk{i}@example.com"} for i in range(3)]
+        assert shop.queue.enqueue_many(shop.ConfirmationEmail, rows, method="copy") == 3
+        shop.db.session.commit()
+    assert counts(app) == (1, 4)
+
+
+def test_module_functions_accept_db_session(app: Any, listener: Any, server: Server) -> None:
+    """``db.session`` is a scoped_session: it stands for the session of the current scope."""
+    from sqlalchemy import insert
+
+    from sqla_queue import enqueue, enqueue_many, notify_on_commit, queue_table
+
+    channel = queue_table(shop.ConfirmationEmail).channel
+    listener.execute(f'LISTEN "{channel}"')
+    listener.execute(f'LISTEN "{SENTINEL_CHANNEL}"')
+    with app.app_context():
+        order = shop.ShopOrder(product_id=1, quantity=1, email="x@example.com")
+        shop.db.session.add(order)
+        shop.db.session.flush()
+        job = enqueue(shop.db.session, shop.ConfirmationEmail(order_id=order.id, to=order.email))
+        assert job in shop.db.session()
+        assert enqueue_many(shop.db.session, shop.ConfirmationEmail, [{"order_id": order.id, "to": "b@x.org"}]) == 1
+        shop.db.session.execute(insert(shop.ConfirmationEmail).values(order_id=order.id, to="c@x.org", queue="core"))
+        notify_on_commit(shop.db.session, shop.ConfirmationEmail, "core")
+        shop.db.session.commit()
+    assert counts(app) == (1, 3)
+    assert sorted(notifications_until_sentinel(listener, server.conninfo)) == [(channel, "core"), (channel, "default")]
+
+
+def _flask(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flask", "--app", str(EXAMPLE), "queue", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **env},
+        timeout=90,
+        check=False,
+    )
+
+
+def test_flask_queue_worker_logs(app: Any, server: Server, tmp_path: Path) -> None:
+    response = app.test_client().post("/orders", json={"product_id": 1, "quantity": 1, "email": "a@example.com"})
+    assert response.status_code == 201
+    env = {"DATABASE_URL": server.url.render_as_string(hide_password=False), "SHOP_OUTBOX": str(tmp_path)}
+
+    quiet = _flask("worker", "--until-idle", "--log-level", "warning", env=env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert " INFO sqla_queue." not in quiet.stderr  # the level is honoured
+    assert counts(app) == (1, 1)
+    with app.app_context():
+        assert shop.db.session.scalar(select(shop.ConfirmationEmail.status)) == "done"
+
+    app.test_client().post("/orders", json={"product_id": 1, "quantity": 1, "email": "b@example.com"})
+    loud = _flask("worker", "--until-idle", env=env)  # default INFO
+    assert loud.returncode == 0, loud.stderr
+    assert re.search(r"^\S+ \S+ INFO sqla_queue\.\S+ \[\d+\] ", loud.stderr, re.M), loud.stderr
+
+
+def test_flask_queue_worker_refuses_bad_options(app: Any, server: Server) -> None:
+    env = {"DATABASE_URL": server.url.render_as_string(hide_password=False)}
+    for args, problem in [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--lease", "1s", "--heartbeat", "2s"], "must be shorter than the lease"),
+        (["--queue", ""], "a queue name must be a non-empty string"),
+        (["--log-level", "LOUD"], "--log-level"),
+    ]:
+        result = _flask("worker", "--until-idle", *args, env=env)
+        assert result.returncode == 2, (args, result.stderr)
+        assert problem in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+
+
+def _readme_flask_example() -> str:
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"^## Flask\n.*?```python\n(.*?)```", readme, re.S | re.M)
+    assert block, "the README's Flask section needs a python block"
+    return block.group(1)
+
+
+def test_readme_flask_example_passes_mypy_strict(tmp_path: Path) -> None:
+    example = tmp_path / "readme_flask_example.py"
+    example.write_text(_readme_flask_example())
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-error-summary", str(example)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        # this checkout's sqla_queue, whatever the environment has installed
+        env={**os.environ, "MYPYPATH": str(REPO)},
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "queue.enqueue(" in example.read_text()  # the typed way is the one shown
