@@ -219,8 +219,12 @@ def _rows_by_id(session: Session, model: Any) -> list[dict[str, Any]]:
 def test_rows_match_what_enqueue_writes(
     Sessions: sessionmaker[QueueSession], method: Any, options: dict[str, Any]
 ) -> None:
-    """Same transaction, so now() (created_at, run_after) is the same instant for both."""
+    """Same transaction, so now() (created_at) is the same instant for both.
+
+    A ``delay`` is measured from each insert, so only its run_after differs: checked apart.
+    """
     with Sessions() as session:
+        started = session.scalar(select(func.clock_timestamp()))
         order_id = new_order(session)
         session.enqueue(EmailJob(order_id=order_id), **options)
         session.flush()
@@ -229,10 +233,14 @@ def test_rows_match_what_enqueue_writes(
         session.enqueue(Task(task="t"), **options)
         session.flush()
         session.enqueue_many(Task, [{"task": "t"}, Task(task="t")], method=method, **options)
+        ended = session.scalar(select(func.clock_timestamp()))
+        skip = {"id", "run_after"} if "delay" in options else {"id"}
         for model in (EmailJob, Task):
-            by_enqueue, *by_bulk = [
-                {k: v for k, v in row.items() if k != "id"} for row in _rows_by_id(session, model)
-            ]
+            rows = _rows_by_id(session, model)
+            if "delay" in options:
+                delay = timedelta(seconds=options["delay"])
+                assert all(started + delay <= row["run_after"] <= ended + delay for row in rows)
+            by_enqueue, *by_bulk = [{k: v for k, v in row.items() if k not in skip} for row in rows]
             assert len(by_bulk) == 2 and by_bulk == [by_enqueue, by_enqueue]
             assert by_enqueue.get("recipient", "someone@example.com") == "someone@example.com"
             assert by_enqueue.get("payload", {}) == {}
@@ -240,16 +248,21 @@ def test_rows_match_what_enqueue_writes(
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_delay_is_measured_by_the_database_clock(
+def test_delay_is_measured_by_the_database_clock_at_the_call(
     Sessions: sessionmaker[QueueSession], method: Any
 ) -> None:
     with Sessions() as session:
-        session.execute(text("SELECT pg_sleep(0.01)"))  # now() (transaction start) is in the past
+        session.execute(text("SELECT pg_sleep(1)"))  # the transaction has been open 1 s
+        before = session.scalar(select(func.clock_timestamp()))
         session.enqueue_many(EmailJob, [{}] * 3, delay=timedelta(minutes=5), method=method)
+        after = session.scalar(select(func.clock_timestamp()))
         now = session.scalar(select(func.now()))
         run_after = set(session.scalars(select(EmailJob.run_after)))
-        # exactly the transaction's now() + delay: the Python clock would be later
-        assert run_after == {now + timedelta(minutes=5)}
+        assert len(run_after) == 1  # one instant for the whole call
+        (at,) = run_after
+        # from the call, not from the transaction's start (now() + 5 min is 1 s earlier)
+        assert before + timedelta(minutes=5) <= at <= after + timedelta(minutes=5)
+        assert at - now >= timedelta(minutes=5, seconds=1)
         session.rollback()
 
 
@@ -257,6 +270,7 @@ def test_delay_is_measured_by_the_database_clock(
 def test_row_values_win_over_options(Sessions: sessionmaker[QueueSession], method: Any) -> None:
     at = datetime(2030, 1, 1, tzinfo=timezone.utc)
     with Sessions() as session:
+        before = session.scalar(select(func.clock_timestamp()))
         session.enqueue_many(
             EmailJob,
             [{"queue": "own", "priority": 9, "run_after": at}, {}],
@@ -265,11 +279,15 @@ def test_row_values_win_over_options(Sessions: sessionmaker[QueueSession], metho
             delay=60,
             method=method,
         )
+        after = session.scalar(select(func.clock_timestamp()))
         got = session.execute(
             select(EmailJob.queue, EmailJob.priority, EmailJob.run_after).order_by(EmailJob.id)
         ).all()
-        now = session.scalar(select(func.now()))
-        assert [tuple(r) for r in got] == [("own", 9, at), ("opt", 1, now + timedelta(seconds=60))]
+        assert [tuple(r)[:2] for r in got] == [("own", 9), ("opt", 1)]
+        assert got[0].run_after == at
+        minute = timedelta(seconds=60)
+        assert before is not None and after is not None
+        assert before + minute <= got[1].run_after <= after + minute
         session.rollback()
 
 
