@@ -32,6 +32,7 @@ from sqla_queue import (
 )
 from sqla_queue.bulk import COPY_MIN_ROWS
 
+from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 from .models import EmailJob, Order, ReportJob, Task, UuidJob
 
@@ -563,24 +564,6 @@ def test_rows_must_be_an_iterable_of_rows(Sessions: sessionmaker[QueueSession]) 
         assert session.enqueue_many(EmailJob, iter(())) == 0
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("batch_size", [1000, 10])
-def test_database_errors_raise_sqlalchemy_errors(
-    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any, batch_size: int
-) -> None:
-    with Sessions() as session:
-        session.add(Order(customer="lost with the rollback"))
-        rows = [{"recipient": "ok"}] * 30 + [{"order_id": 987654}] + [{"recipient": "ok"}] * 5
-        with pytest.raises(IntegrityError, match="foreign key"):
-            session.enqueue_many(EmailJob, rows, method=method, batch_size=batch_size)
-        session.rollback()
-        assert session.enqueue_many(EmailJob, [{"recipient": "again"}] * 2, method=method) == 2
-        session.commit()
-    assert count(engine, Order) == 0
-    with engine.connect() as conn:
-        assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]
-
-
 # -- choosing the path --------------------------------------------------------------------
 
 
@@ -640,3 +623,99 @@ def test_copy_honours_schema_translate_map(engine: Engine) -> None:
     finally:
         with engine.begin() as conn:
             conn.execute(text("DROP SCHEMA bulk_other CASCADE"))
+
+
+# -- one set of rules, in every batch path -------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("form", ["dict", "instance"])
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+def test_bad_row_values_are_bulk_row_errors_in_every_path(
+    Sessions: sessionmaker[QueueSession],
+    engine: Engine,
+    method: Any,
+    form: str,
+    model: Any,
+    column: str,
+    value: Any,
+    error: type[Exception],
+    message: str,
+) -> None:
+    values = row_values(model, column, value)
+    good = row_values(model, "queue", "fine")
+    rows: list[Any] = [good, values] if form == "dict" else [model(**good), model(**values)]
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(BulkRowError, match=message) as raised:
+            session.enqueue_many(model, rows, method=method)
+        assert raised.value.index == 1
+        assert type(raised.value.__cause__) is error
+        session.commit()  # the caller's transaction, and its business row, are intact
+    assert count(engine, Order) == 1 and count(engine, model) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+def test_bad_option_values_fail_before_any_row_is_written(
+    Sessions: sessionmaker[QueueSession],
+    engine: Engine,
+    method: Any,
+    options: dict[str, Any],
+    message: str,
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(EnqueueError, match=message) as raised:
+            session.enqueue_many(EmailJob, [{}, {}], method=method, **options)
+        assert not isinstance(raised.value, BulkRowError)
+        session.commit()
+    assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_text_and_json_near_the_rules_are_stored_as_given(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    with Sessions() as session:
+        session.enqueue_many(EmailJob, [{"recipient": GOOD_TEXT}, EmailJob(recipient=GOOD_TEXT)], method=method)
+        session.enqueue_many(Task, [{"task": "t", "payload": GOOD_PAYLOAD}] * 2, method=method)
+        session.commit()
+    with engine.connect() as conn:
+        assert conn.scalars(select(EmailJob.recipient)).all() == [GOOD_TEXT, GOOD_TEXT]
+        assert conn.scalars(select(Task.payload)).all() == [GOOD_PAYLOAD, GOOD_PAYLOAD]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batches", ["one batch", "several batches"])
+def test_a_database_error_leaves_the_callers_transaction_usable(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any, batches: str
+) -> None:
+    """One batch or many, the load runs in a SAVEPOINT: a foreign key error undoes only it."""
+    batch_size = 1000 if batches == "one batch" else 10
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        rows = [{"recipient": "ok"}] * 30 + [{"order_id": 987654}] + [{"recipient": "ok"}] * 5
+        with pytest.raises(IntegrityError, match="foreign key"):
+            session.enqueue_many(EmailJob, rows, method=method, batch_size=batch_size)
+        assert session.enqueue_many(EmailJob, [{"recipient": "again"}] * 2, method=method) == 2
+        session.commit()
+    assert count(engine, Order) == 1
+    with engine.connect() as conn:
+        assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_one_row_load_with_a_database_error_leaves_the_transaction_usable(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(IntegrityError, match="foreign key"):
+            session.enqueue_many(EmailJob, [{"order_id": 987654}], method=method)
+        session.commit()
+    assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
