@@ -239,6 +239,7 @@ def test_rows_match_what_enqueue_writes(
         for model in (EmailJob, Task):
             rows = _rows_by_id(session, model)
             if "delay" in options:
+                assert started is not None and ended is not None
                 delay = timedelta(seconds=options["delay"])
                 assert all(started + delay <= row["run_after"] <= ended + delay for row in rows)
             by_enqueue, *by_bulk = [{k: v for k, v in row.items() if k not in skip} for row in rows]
@@ -261,6 +262,7 @@ def test_delay_is_measured_by_the_database_clock_at_the_call(
         run_after = set(session.scalars(select(EmailJob.run_after)))
         assert len(run_after) == 1  # one instant for the whole call
         (at,) = run_after
+        assert before is not None and after is not None and now is not None
         # from the call, not from the transaction's start (now() + 5 min is 1 s earlier)
         assert before + timedelta(minutes=5) <= at <= after + timedelta(minutes=5)
         assert at - now >= timedelta(minutes=5, seconds=1)
