@@ -47,10 +47,10 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
 
 
 @pytest.fixture
-def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     for channel in (EMAIL_CHANNEL, TASK_CHANNEL, SENTINEL_CHANNEL):
         listener.execute(f'LISTEN "{channel}"')
-    yield listener
+    return listener
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_task_rows_with_jsonb_payloads(
         session.enqueue_many(Task, rows, method=method)
         session.commit()
     with engine.connect() as conn:
-        got = {task: payload for task, payload in conn.execute(select(Task.task, Task.payload))}
+        got: dict[str, Any] = dict(conn.execute(select(Task.task, Task.payload)).tuples().all())
         types = set(conn.scalars(text("SELECT DISTINCT jsonb_typeof(payload) FROM tasks")))
     assert got == {
         **{f"t{n}": p for n, p in enumerate(PAYLOADS)},
@@ -388,7 +388,7 @@ def test_bad_row_in_the_first_batch_writes_nothing(
     with Sessions() as session:
         order = Order(customer="pending")
         session.add(order)
-        with pytest.raises(BulkRowError, match="^row 3: "):
+        with pytest.raises(BulkRowError, match=r"^row 3: "):
             session.enqueue_many(EmailJob, [{}, {}, {}, {"status": "done"}, {}])
         assert order in session.new  # not even the autoflush ran
         session.commit()
@@ -448,7 +448,7 @@ def test_payload_must_be_json(
     Sessions: sessionmaker[QueueSession], payload: dict[str, Any], method: Any
 ) -> None:
     with Sessions() as session:
-        with pytest.raises(BulkRowError, match="^row 1: payload is not JSON-serialisable") as info:
+        with pytest.raises(BulkRowError, match=r"^row 1: payload is not JSON-serialisable") as info:
             session.enqueue_many(
                 Task, [{"task": "ok"}, {"task": "t", "payload": payload}], method=method
             )
@@ -478,11 +478,11 @@ def test_persistent_and_pending_instances_are_refused(Sessions: sessionmaker[Que
     with Sessions() as session:
         pending = EmailJob()
         session.add(pending)
-        with pytest.raises(BulkRowError, match="^row 0: EmailJob is already in a session"):
+        with pytest.raises(BulkRowError, match=r"^row 0: EmailJob is already in a session"):
             session.enqueue_many(EmailJob, [pending])
         session.commit()
         with pytest.raises(
-            BulkRowError, match="^row 1: EmailJob is already in a session or persistent"
+            BulkRowError, match=r"^row 1: EmailJob is already in a session or persistent"
         ):
             session.enqueue_many(EmailJob, [{}, pending])
 
@@ -519,7 +519,7 @@ def test_rows_the_database_would_reject_are_refused_first(
     with Session(engine) as session:
         with pytest.raises(BulkRowError, match=f"^row 0: {message}"):
             enqueue_many(session, _ChildJob, [row], method="insert")
-        with pytest.raises(EnqueueError, match="label.*only an INSERT can evaluate"):
+        with pytest.raises(EnqueueError, match=r"label.*only an INSERT can evaluate"):
             enqueue_many(session, _ChildJob, [{"size": 1}], method="copy")
 
 

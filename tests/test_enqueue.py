@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -37,10 +36,10 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
 
 
 @pytest.fixture
-def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     for channel in (EMAIL_CHANNEL, TASK_CHANNEL, queue_table(ReportJob).channel, SENTINEL_CHANNEL):
         listener.execute(f'LISTEN "{channel}"')
-    yield listener
+    return listener
 
 
 def count(engine: Engine, model: Any) -> int:
@@ -144,6 +143,7 @@ def test_options_set_queue_priority_attempts_and_delay(
         scheduled = session.enqueue(EmailJob(), run_at=at)
         session.commit()
         now = session.scalar(select(func.now()))
+        assert now is not None
         assert (delayed.queue, delayed.priority, delayed.max_attempts) == ("later", -3, 2)
         # the delay is measured by the database clock
         assert timedelta(seconds=89) < delayed.run_after - now <= timedelta(seconds=90)
@@ -313,9 +313,8 @@ def test_text_and_json_near_the_rules_are_stored_as_given(
 def _failing_savepoint(session: QueueSession) -> None:
     """A SAVEPOINT whose flush fails (a duplicate primary key), caught as callers do."""
     existing = session.scalars(select(Order.id)).first()
-    with pytest.raises(IntegrityError):
-        with session.begin_nested():
-            session.add(Order(id=existing, customer="duplicate"))
+    with pytest.raises(IntegrityError), session.begin_nested():
+        session.add(Order(id=existing, customer="duplicate"))
 
 
 def test_a_failed_savepoint_does_not_use_up_the_wake_up(
@@ -348,10 +347,9 @@ def test_commit_with_a_savepoint_still_open_wakes(
     Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
 ) -> None:
     """The outermost commit runs the hook while the savepoint is still the current one."""
-    with Sessions() as session:
-        with session.begin():
-            session.enqueue(EmailJob(), queue="open-savepoint")
-            session.begin_nested()
+    with Sessions() as session, session.begin():
+        session.enqueue(EmailJob(), queue="open-savepoint")
+        session.begin_nested()
     assert count(engine, EmailJob) == 1
     assert notifications_until_sentinel(listening, server.conninfo) == [
         (EMAIL_CHANNEL, "open-savepoint")
