@@ -32,9 +32,12 @@ def sweep(engine: Engine, model: Any, *, limit: int = 1000) -> tuple[int, int]:
 def requeue(
     engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None
 ) -> int:
-    """Give dead-lettered jobs fresh attempts; returns how many."""
+    """Give dead-lettered jobs fresh attempts; returns how many.
+
+    ``ids=None`` means every dead letter (of ``queues``), an empty ``ids`` none at all.
+    """
     with engine.begin() as conn:
-        return len(conn.scalars(q.requeue_failed(model, ids=ids or None, queues=queues or None)).all())
+        return len(conn.scalars(q.requeue_failed(model, ids=ids, queues=queues or None)).all())
 
 
 def prune(
@@ -65,7 +68,7 @@ def format_stats(engine: Engine, model: Any) -> str:
     header = ("queue", "status", "jobs", "oldest runnable")
     table = [header] + [(r.queue, r.status, str(r.jobs), _age(r.oldest_runnable_age)) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 

@@ -9,14 +9,14 @@ COPY's extra round trip does not pay for itself), use SQLAlchemy's executemany o
 
 The rows are read ``batch_size`` at a time (an iterator of a million rows is never held in
 memory) and each batch is validated in full before any of it is written, so a bad row
-never leaves a COPY half-sent. A load of more than one batch is written inside a
-SAVEPOINT: when a row of a later batch is bad, the rows already written are rolled back
-to it, and the caller's transaction is as it was before the call. Otherwise they would
-sit in the transaction waiting for a careless ``commit()``; and aborting the COPY instead
-would not do either, because psycopg's ``commit()`` of an aborted transaction silently
-rolls back everything the caller wrote. Single-batch loads, the common case of many
-small calls in one transaction, take no savepoint (each one would cost two round trips
-and a subtransaction): their rows are all validated before the first write.
+never leaves a COPY half-sent. Every load is written inside a SAVEPOINT: when a row of
+a later batch is bad, or the database refuses a row (a foreign key), the rows already
+written are rolled back to it, and the caller's transaction is as it was before the
+call, still usable. Otherwise they would sit in the transaction waiting for a careless
+``commit()``, or a database error would abort the whole transaction (psycopg's
+``commit()`` of an aborted transaction silently rolls back everything the caller
+wrote). One load behaves like another whatever its number of batches; the savepoint
+costs two short round trips per call.
 """
 
 from __future__ import annotations
@@ -30,27 +30,25 @@ from typing import Any, Final, Literal
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import JSON, Column, Connection, Table, func, insert, select
+from sqlalchemy import JSON, Column, Connection, Table, insert, select
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.orm import attributes as orm_attributes
 from sqlalchemy.sql.elements import ClauseElement, Null
 
-from .errors import BulkRowError, EnqueueError, InvalidPayload
-from .model import DEFAULT_QUEUE, QueueTable, queue_table
-from .session import (
-    _resolve_session,
-    check_max_attempts,
-    check_priority,
-    check_queue,
-    check_run_at,
+from ._rules import (
+    check_json,
     check_task_name,
     dialect_json_serializer,
     managed_violation,
-    notify_on_commit,
+    table_rules,
     validate_options,
 )
+from .errors import BulkRowError, EnqueueError
+from .model import DEFAULT_QUEUE, QueueTable, queue_table
+from .session import _resolve_session, notify_on_commit
+from .sql import delay_from_insert
 
 __all__ = ["COPY_MIN_ROWS", "DEFAULT_BATCH_SIZE", "enqueue_many"]
 
@@ -90,16 +88,6 @@ _METHODS: Final = ("auto", "copy", "insert")
 #: Caps the cache of row shapes (which columns a row sets), in case every row differs.
 _MAX_SHAPES: Final = 256
 
-#: Per-row checks of the columns enqueue's options also set, so a bad row value is named
-#: here rather than failing in the database halfway through a load.
-_COLUMN_CHECKS: Final[dict[str, Callable[[Any, str], None]]] = {
-    "queue": check_queue,
-    "priority": check_priority,
-    "max_attempts": check_max_attempts,
-    "run_after": check_run_at,
-}
-
-
 def enqueue_many(
     session: Session,
     model: Any,
@@ -123,7 +111,7 @@ def enqueue_many(
     events such as ``before_insert`` do not run.
 
     Options (``queue``, ``priority``, ``delay`` in seconds or a timedelta measured by the
-    database clock, ``run_at``, ``max_attempts``) apply to every row **that does not set
+    database clock at the call, ``run_at``, ``max_attempts``) apply to every row **that does not set
     the column itself**: a row's own value wins (unlike ``enqueue()``, where the option
     overrides the job, because here the options are the defaults of a batch of rows).
     Columns neither the row nor an option sets get the column's Python default (as an ORM
@@ -132,13 +120,14 @@ def enqueue_many(
     Every row is checked before its batch is written: unknown columns, columns the queue
     manages (status, attempts, leases, finished_at), JSON columns that JSON cannot store,
     a task table's missing task name, NULL in a NOT NULL column, bad queue/priority/
-    max_attempts/run_after values. A bad row raises :class:`~sqla_queue.BulkRowError`
+    max_attempts/run_after values, text longer than its column or holding NUL or a lone
+    surrogate (JSON too). These are the rules ``enqueue()`` applies. A bad row raises :class:`~sqla_queue.BulkRowError`
     with its 0-based ``index``, and none of the call's rows remain: either nothing was
     written yet, or (loads of more than ``batch_size`` rows) the earlier batches are
-    rolled back to a SAVEPOINT taken before them. The caller's transaction stays usable:
-    roll it back, or commit its other work. A value the database rejects (a foreign key,
-    a CHECK) raises SQLAlchemy's usual ``DBAPIError`` subclass and, as after any failed
-    statement, the transaction must be rolled back. Bad options raise
+    rolled back to a SAVEPOINT taken before them. A value the database rejects (a
+    foreign key, a CHECK) raises SQLAlchemy's usual ``DBAPIError`` subclass, and the
+    call's rows are rolled back to the same SAVEPOINT. Either way the caller's
+    transaction stays usable: roll it back, or commit its other work. Bad options raise
     :class:`~sqla_queue.EnqueueError` before any row is read.
 
     ``method``: ``"auto"`` uses COPY on psycopg 3 (synchronous) with PostgreSQL for
@@ -146,7 +135,7 @@ def enqueue_many(
     batched INSERTs otherwise; ``"copy"`` insists on COPY (``EnqueueError`` where it is
     impossible: other drivers, or a column whose Python default is a SQL expression, a
     sequence or a context-sensitive function, which only an INSERT can evaluate);
-    ``"insert"`` never uses it. ``delay`` costs one ``SELECT now()``.
+    ``"insert"`` never uses it. ``delay`` costs one ``SELECT clock_timestamp() + …``.
 
     Pending ORM objects in the session are flushed first when autoflush is on, so rows
     may reference them by foreign key. Workers are woken by one NOTIFY per queue written,
@@ -188,12 +177,13 @@ def enqueue_many(
         method == "copy" or (method == "auto" and (more or len(first) >= COPY_MIN_ROWS))
     )
     if delay_by is not None:
-        # Measured by the database clock, as enqueue() does with now() + delay: now() is
-        # the transaction's start, the same instant enqueue() would use in this transaction.
-        now = (
-            sync.connection(bind_arguments=bind_arguments).execute(select(func.now())).scalar_one()
+        # Measured by the database clock at this moment, in seconds, as enqueue() measures
+        # from its INSERT (COPY cannot evaluate an expression per row, so one value for all).
+        options["run_after"] = (
+            sync.connection(bind_arguments=bind_arguments)
+            .execute(select(delay_from_insert(delay_by)))
+            .scalar_one()
         )
-        options["run_after"] = now + delay_by
 
     plan = _RowPlan(qt, dialect, options, for_copy=use_copy)
     batches = plan.batches(first, rows_iter, batch_size)
@@ -203,21 +193,19 @@ def enqueue_many(
     if sync.autoflush:
         sync.flush()  # rows may reference pending business rows by foreign key
     conn = sync.connection(bind_arguments=bind_arguments)
-    # Only a load of several batches can fail after writing some rows (see the module doc).
-    savepoint = conn.begin_nested() if more else None
+    # Every load that writes runs in a SAVEPOINT (see the module doc): a bad row of a
+    # later batch, or an error of the database itself, leaves none of the call's rows and
+    # the caller's transaction usable, whatever the number of batches.
+    savepoint = conn.begin_nested()
     try:
         rest = _prepend(first_batch, batches)
         del first_batch
-        if use_copy:
-            written = _copy_rows(conn, qt.table, rest)
-        else:
-            written = _insert_rows(conn, qt.table, rest)
+        write = _copy_rows if use_copy else _insert_rows
+        written = write(conn, qt.table, rest)
     except BaseException:
-        if savepoint is not None:
-            savepoint.rollback()
+        savepoint.rollback()
         raise
-    if savepoint is not None:
-        savepoint.commit()
+    savepoint.commit()
     target = qt.mapped_class if qt.mapped_class is not None else qt.table
     for name in sorted(plan.queues):
         notify_on_commit(sync, target, name)
@@ -316,6 +304,9 @@ class _RowPlan:
             and key not in options
         )
         self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
+        self.rules = table_rules(table)
+        for key, value in self.options:  # the options' values meet the columns' rules too
+            self.rules.check(key, value)
         serializer = dialect_json_serializer(dialect)
         self.json: dict[str, tuple[Callable[[Any], Any], bool]] = {}
         self.processors: dict[str, Callable[[Any], Any]] = {}
@@ -365,6 +356,7 @@ class _RowPlan:
             del values[self.pk_key]  # as the ORM does: None means "generate it"
         given = list(values)
         json_columns = self.json
+        rules = self.rules
         for key in given:
             value = values[key]
             if key in self.generated:
@@ -377,9 +369,7 @@ class _RowPlan:
                     )
                 if key not in json_columns:
                     values[key] = value = None
-            check = _COLUMN_CHECKS.get(key)
-            if check is not None:
-                check(value, key)
+            rules.check(key, value)
             if value is None and key in self.not_null and key not in json_columns:
                 raise EnqueueError(f"{key} is NOT NULL, got None")
         violation = managed_violation(values)
@@ -428,11 +418,7 @@ class _RowPlan:
             return None
         if value is JSON.NULL:
             value = None
-        try:
-            text = serializer(value)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidPayload(f"{key} is not JSON-serialisable: {exc}") from exc
-        return text.decode() if isinstance(text, (bytes, bytearray)) else str(text)
+        return check_json(value, key, serializer)
 
     def _instance_values(self, obj: Any) -> dict[str, Any]:
         try:

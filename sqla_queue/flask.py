@@ -266,7 +266,7 @@ def _stats_command(name: str | None) -> None:
 @click.option("--queue", "queues", multiple=True, help="only this queue (repeatable)")
 def _requeue_command(name: str | None, ids: tuple[int, ...], queues: tuple[str, ...]) -> None:
     """Give dead-lettered jobs a fresh set of attempts."""
-    count = admin.requeue(*_engine_and_model(name), ids=ids, queues=queues)
+    count = admin.requeue(*_engine_and_model(name), ids=ids or None, queues=queues)
     click.echo(f"requeued {count} dead-lettered job(s)")
 
 

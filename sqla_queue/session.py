@@ -8,20 +8,29 @@ the notification only if, and when, the transaction commits; never on rollback.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, Final, Literal, TypeVar
 
 from sqlalchemy import JSON, Select, String, bindparam, event, func, select
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Mapper, Session, object_mapper, scoped_session
 from sqlalchemy.orm import attributes as orm_attributes
 from sqlalchemy.orm.exc import UnmappedInstanceError
+from sqlalchemy.sql.elements import ClauseElement
 
-from .errors import EnqueueError, InvalidPayload, NotAQueueModel
-from .model import JobStatus, QueueTable, queue_table
+from ._rules import (
+    check_json,
+    check_task_name,
+    dialect_json_serializer,
+    managed_violation,
+    table_rules,
+    validate_options,
+)
+from .errors import EnqueueError, NotAQueueModel
+from .model import QueueTable, queue_table
+from .sql import delay_from_insert
 
 __all__ = ["QueueSession", "enqueue", "notify_on_commit"]
 
@@ -29,15 +38,6 @@ J = TypeVar("J")
 
 _NOTIFY_KEY: Final = "sqla_queue.notify"
 _HOOKED_KEY: Final = "sqla_queue.hooked"
-#: Columns the queue manages; a job arriving with other values in them is a mistake.
-_MANAGED_DEFAULTS: Final = {
-    "status": (None, JobStatus.PENDING.value),
-    "attempts": (None, 0),
-    "lease_owner": (None,),
-    "lease_expires_at": (None,),
-    "finished_at": (None,),
-}
-_INT32 = 2**31
 
 
 def enqueue(
@@ -74,11 +74,11 @@ def enqueue(
     values, delay_by = validate_options(
         queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
     )
-    if delay_by is not None:
-        values["run_after"] = func.now() + delay_by
-
     _check_managed_columns(job)
-    _check_job_values(sync, qt, job)
+    _check_job_values(sync, qt, job, values)
+    if delay_by is not None:
+        # From the moment of the INSERT, in seconds (not a calendar interval).
+        values["run_after"] = delay_from_insert(delay_by)
 
     for key, value in values.items():
         setattr(job, key, value)
@@ -184,85 +184,6 @@ def _describe(job: Any) -> str:
     return f"{type(job).__qualname__} job"
 
 
-def _delay(delay: timedelta | float) -> timedelta:
-    if isinstance(delay, bool) or not isinstance(delay, (timedelta, int, float)):
-        raise EnqueueError(f"delay must be seconds or a timedelta, got {delay!r}")
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise EnqueueError(f"delay must be a finite, non-negative duration, got {delay!r}")
-    return timedelta(seconds=seconds)
-
-
-# Checks of the queue's own columns, shared by the enqueue options and by the rows of
-# ``enqueue_many`` (which names the column, hence ``name``).
-
-
-def check_queue(value: Any, name: str = "queue") -> None:
-    if not isinstance(value, str) or not value or len(value) > 128:
-        raise EnqueueError(f"{name} must be a non-empty string of at most 128 characters, got {value!r}")
-
-
-def check_priority(value: Any, name: str = "priority") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not -_INT32 <= value < _INT32:
-        raise EnqueueError(f"{name} must be a 32-bit integer, got {value!r}")
-
-
-def check_max_attempts(value: Any, name: str = "max_attempts") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise EnqueueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_run_at(value: Any, name: str = "run_at") -> None:
-    if not isinstance(value, datetime) or value.tzinfo is None:
-        raise EnqueueError(f"{name} must be a timezone-aware datetime, got {value!r}")
-
-
-def check_task_name(value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise EnqueueError(f"needs a task name (a non-empty string), got {value!r}")
-
-
-def validate_options(
-    *,
-    queue: str | None,
-    priority: int | None,
-    delay: timedelta | float | None,
-    run_at: datetime | None,
-    max_attempts: int | None,
-) -> tuple[dict[str, Any], timedelta | None]:
-    """The column values the enqueue options ask for, and the delay, checked.
-
-    The delay is returned apart, not as a ``run_after`` value: it is measured from the
-    database clock, which only the caller's connection can read.
-    """
-    values: dict[str, Any] = {}
-    if queue is not None:
-        check_queue(queue)
-        values["queue"] = queue
-    if priority is not None:
-        check_priority(priority)
-        values["priority"] = priority
-    if max_attempts is not None:
-        check_max_attempts(max_attempts)
-        values["max_attempts"] = max_attempts
-    if delay is not None and run_at is not None:
-        raise EnqueueError("give either delay or run_at, not both")
-    delay_by = _delay(delay) if delay is not None else None
-    if run_at is not None:
-        check_run_at(run_at)
-        values["run_after"] = run_at
-    return values, delay_by
-
-
-def managed_violation(values: Any) -> tuple[str, Any] | None:
-    """The first queue-managed column ``values`` (a mapping) sets, with its value, or None."""
-    for key, allowed in _MANAGED_DEFAULTS.items():
-        value = values.get(key)
-        if value not in allowed:
-            return key, value
-    return None
-
-
 def _check_managed_columns(job: Any) -> None:
     violation = managed_violation(orm_attributes.instance_state(job).dict)
     if violation is not None:
@@ -272,51 +193,63 @@ def _check_managed_columns(job: Any) -> None:
         )
 
 
-def dialect_json_serializer(dialect: Any) -> Callable[[Any], str]:
-    """The engine's ``json_serializer`` if it has one, else strict ``json.dumps``.
-
-    Strict (``allow_nan=False``) because PostgreSQL rejects the ``NaN`` that the
-    standard ``json.dumps`` writes; better to fail on the Python side, naming the column.
-    """
-    custom = getattr(dialect, "_json_serializer", None)
-    if custom is not None:
-        return custom  # type: ignore[no-any-return]
-    return _strict_dumps
-
-
-#: ``json.dumps(value, allow_nan=False)``, without building an encoder per call.
-_strict_dumps: Final[Callable[[Any], str]] = json.JSONEncoder(allow_nan=False).encode
-
-
-def _json_serializer(session: Session, mapper: Mapper[Any]) -> Callable[[Any], str]:
+def _json_serializer(session: Session, mapper: Mapper[Any]) -> Callable[[Any], Any]:
     try:
         dialect = session.get_bind(mapper=mapper).dialect
-    except Exception:  # unbound session: validate with the standard serializer
+    except sa_exc.UnboundExecutionError:  # unbound session: the standard serializer
         dialect = None
     return dialect_json_serializer(dialect)
 
 
-def _check_job_values(session: Session, qt: QueueTable, job: Any) -> None:
-    """Values that would only fail at flush or commit fail here, naming the column."""
+#: Per mapper: (attribute key, column key) of its columns in the queue table.
+_attribute_plans: dict[Mapper[Any], tuple[tuple[str, str], ...]] = {}
+
+
+def _attribute_plan(mapper: Mapper[Any], table: Any) -> tuple[tuple[str, str], ...]:
+    plan = _attribute_plans.get(mapper)
+    if plan is None:
+        plan = _attribute_plans[mapper] = tuple(
+            (prop.key, prop.columns[0].key)
+            for prop in mapper.column_attrs
+            if prop.columns[0].table is table
+        )
+    return plan
+
+
+def _check_job_values(
+    session: Session, qt: QueueTable, job: Any, options: dict[str, Any]
+) -> None:
+    """The job's values, with ``options`` over them, through the rules ``enqueue_many``
+    applies to its rows too (:mod:`sqla_queue._rules`): what would only fail at flush or
+    commit, taking the caller's transaction with it, fails here, naming the column.
+
+    Unset and ``None`` values are left to the column defaults (the ORM omits them from
+    the INSERT) and SQL expressions to the database.
+    """
     mapper = object_mapper(job)
-    state = orm_attributes.instance_state(job)
-    if qt.is_task_table:
-        try:
-            check_task_name(state.dict.get("task"))
-        except EnqueueError as exc:
-            raise EnqueueError(f"{_describe(job)} {exc}") from None
-    serializer: Callable[[Any], str] | None = None
-    for prop in mapper.column_attrs:
-        column = prop.columns[0]
-        if not isinstance(column.type, JSON) or prop.key not in state.dict:
-            continue
-        serializer = serializer or _json_serializer(session, mapper)
-        try:
-            serializer(state.dict[prop.key])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidPayload(
-                f"{_describe(job)}: {prop.key} is not JSON-serialisable: {exc}"
-            ) from exc
+    data = orm_attributes.instance_state(job).dict
+    rules = table_rules(qt.table)
+    serializer: Callable[[Any], Any] | None = None
+    try:
+        if qt.is_task_table:
+            check_task_name(options.get("task", data.get("task")))
+        for attr, key in _attribute_plan(mapper, qt.table):
+            if key in options:
+                value = options[key]
+            elif attr in data:
+                value = data[attr]
+            else:
+                continue
+            if value is None or isinstance(value, ClauseElement):
+                continue
+            if key in rules.json:
+                if value is not JSON.NULL:
+                    serializer = serializer or _json_serializer(session, mapper)
+                    check_json(value, key, serializer)
+            else:
+                rules.check(key, value)
+    except EnqueueError as exc:
+        raise type(exc)(f"{_describe(job)}: {exc}") from exc.__cause__
 
 
 # -- NOTIFY on commit ---------------------------------------------------------------------
@@ -345,7 +278,14 @@ def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
 def _before_commit(session: Session) -> None:
     # before_commit runs before commit's final flush: record the jobs about to flush.
     _record_new_jobs(session)
-    pending = session.info.pop(_NOTIFY_KEY, None)
+    # It also runs when a SAVEPOINT commits (begin_nested()), and a NOTIFY sent there is
+    # lost if that savepoint then fails: only the outermost commit may consume the set.
+    # The hook cannot tell which transaction is committing (a root commit with a
+    # savepoint still open also runs it inside the savepoint), so a nested one sends too
+    # but keeps the set for the outermost, which sends again; PostgreSQL delivers the
+    # identical notifications of one transaction once.
+    nested = session.in_nested_transaction()
+    pending = session.info.get(_NOTIFY_KEY) if nested else session.info.pop(_NOTIFY_KEY, None)
     if not pending:
         return
     by_bind: dict[Any, tuple[Any, set[tuple[str, str]]]] = {}

@@ -14,6 +14,7 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from sqlalchemy import (
     CTE,
     DateTime,
     Delete,
+    Float,
     Interval,
     Select,
     String,
@@ -34,14 +36,17 @@ from sqlalchemy import (
     case,
     cast,
     delete,
+    false,
     func,
     insert,
     literal,
+    literal_column,
     not_,
     null,
     select,
     true,
     tuple_,
+    type_coerce,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
@@ -86,16 +91,39 @@ class ClaimToken(NamedTuple):
     attempt: int
 
 
-def _seconds(value: Duration, what: str) -> timedelta:
-    delta = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
-    if delta < timedelta(0):
-        raise ValueError(f"{what} must not be negative, got {delta}")
-    return delta
+def _seconds(value: Duration, what: str) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be a finite, non-negative duration, got {value!r}")
+    return seconds
+
+
+#: One second as an interval literal: multiplied by a number of seconds, never by days.
+_ONE_SECOND: Final = literal_column("interval '1 second'", Interval())
+
+
+def seconds_interval(seconds: float) -> ColumnElement[timedelta]:
+    """``CAST(:s AS FLOAT) * interval '1 second'``: exactly ``seconds`` seconds.
+
+    Not a bound ``timedelta``: psycopg sends ``timedelta(days=1)`` as the interval
+    ``'1 day'``, which PostgreSQL adds by the calendar, so across a daylight-saving
+    change in the session's time zone it lasts 23 or 25 hours. Seconds are seconds.
+    The explicit cast lets the statement prepare on its own (PREPARE, other drivers).
+    """
+    return type_coerce(cast(literal(float(seconds), Float()), Float()) * _ONE_SECOND, Interval())
 
 
 def _interval(value: Duration, what: str) -> ColumnElement[timedelta]:
-    # An explicit cast, so the statement also prepares on its own (PREPARE, other drivers).
-    return cast(literal(_seconds(value, what), Interval()), Interval())
+    return seconds_interval(_seconds(value, what))
+
+
+def delay_from_insert(seconds: float) -> ColumnElement[datetime]:
+    """``clock_timestamp()`` + ``seconds``: a delay measured from the statement's moment.
+
+    ``now()`` would be the start of the transaction, so in a transaction that ran for
+    three seconds a two-second delay would already be over at commit.
+    """
+    return _clock() + seconds_interval(seconds)
 
 
 def _clock() -> ColumnElement[datetime]:
@@ -123,6 +151,14 @@ def _fence(qt: QueueTable, owner: str, tokens: list[tuple[Any, int]]) -> ColumnE
     else:
         match = tuple_(qt.pk, qt.c.attempts).in_(tokens)
     return and_(_status(qt, RUNNING), qt.c.lease_owner == owner, match)
+
+
+def _pk_in(qt: QueueTable, ids: Iterable[Any]) -> ColumnElement[bool]:
+    """``pk IN (...)``; for no ids a plain ``false``, so that empty means none."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError("ids must be a collection of job ids, not a single string")
+    wanted = list(ids)
+    return qt.pk.in_(wanted) if wanted else false()
 
 
 def _queue_filter(qt: QueueTable, queues: Sequence[str] | None) -> list[ColumnElement[bool]]:
@@ -418,20 +454,20 @@ def requeue_failed(
 ) -> ReturningUpdate[Any]:
     """Give dead-lettered (``failed``) jobs a fresh set of attempts.
 
-    ``last_error`` is kept for the record. Without ``ids`` every failed job (of
-    ``queues``) is requeued.
+    ``last_error`` is kept for the record. ``ids=None`` requeues every failed job (of
+    ``queues``); an empty ``ids`` requeues none. ``delay`` counts from the update.
     """
     qt = queue_table(model)
     conditions = [_status(qt, FAILED), *_queue_filter(qt, queues)]
     if ids is not None:
-        conditions.append(qt.pk.in_(list(ids)))
+        conditions.append(_pk_in(qt, ids))
     return (
         qt.table.update()
         .where(*conditions)
         .values(
             status=status_literal(PENDING),
             attempts=0,
-            run_after=func.now() + _interval(delay, "delay"),
+            run_after=_clock() + _interval(delay, "delay"),
             finished_at=null(),
             lease_owner=null(),
             lease_expires_at=null(),
@@ -442,11 +478,14 @@ def requeue_failed(
 
 
 def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[Any]:
-    """Cancel jobs that have not been claimed yet; running jobs are left to finish."""
+    """Cancel jobs that have not been claimed yet; running jobs are left to finish.
+
+    An empty ``ids`` cancels nothing.
+    """
     qt = queue_table(model)
     return (
         qt.table.update()
-        .where(_status(qt, PENDING), qt.pk.in_(list(ids)))
+        .where(_status(qt, PENDING), _pk_in(qt, ids))
         .values(status=status_literal(CANCELLED), finished_at=_clock())
         .returning(qt.pk)
     )

@@ -309,10 +309,10 @@ def test_new_index_on_existing_queue_table_is_built_concurrently(
     project.models(models(email_index=True, customer_index=True, more=REPORT_JOB))
     assert "New upgrade operations detected" in project.alembic("check", ok=False)
     migration = project.autogenerate("more indexes")
-    assert "\nimport sqla_queue.alembic" in migration
+    assert "\nfrom sqla_queue import alembic_ops as sq_ops" in migration
     upgrade = project.upgrade_body(migration)
     assert (
-        "op.create_index_concurrently('ix_email_jobs_recipient', 'email_jobs', ['recipient']"
+        "sq_ops.create_index_concurrently('ix_email_jobs_recipient', 'email_jobs', ['recipient']"
         in upgrade
     )
     # queue tables only: an index on another existing table stays a plain one,
@@ -322,7 +322,7 @@ def test_new_index_on_existing_queue_table_is_built_concurrently(
     assert upgrade.count("concurrently") == 1
     downgrade = migration.split("def downgrade()")[1]
     assert (
-        "op.drop_index_concurrently('ix_email_jobs_recipient', table_name='email_jobs')"
+        "sq_ops.drop_index_concurrently('ix_email_jobs_recipient', table_name='email_jobs')"
         in downgrade
     )
     assert "op.drop_index(op.f('report_jobs_claim_idx')" in downgrade
@@ -357,6 +357,47 @@ def test_new_index_on_existing_queue_table_is_built_concurrently(
     ini.write_text(ini.read_text().replace(project.url.database or "?", fresh.database or "?"))
     project.alembic("upgrade", "head")
     assert schema(fresh)["pg_indexes"]["ix_email_jobs_recipient"][1] is True
+
+
+def test_generated_migrations_pass_mypy_strict(project: Project, tmp_path: Path) -> None:
+    """The concurrent and queue-index operations autogenerate writes are typed calls."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    project.models(models(email_index=True, customer_index=True))
+    migration = project.autogenerate("more indexes")
+    assert "sq_ops.create_index_concurrently(" in migration
+    assert "sq_ops.drop_index_concurrently(" in migration
+    hand_written = project.versions / "hand_written_typed.py"
+    hand_written.write_text(
+        textwrap.dedent(
+            """\
+            from sqla_queue import alembic_ops as sq_ops
+
+
+            def upgrade() -> None:
+                sq_ops.create_queue_indexes("email_jobs", concurrently=True, check=True)
+
+
+            def downgrade() -> None:
+                sq_ops.drop_queue_indexes("email_jobs", concurrently=True, check=True)
+            """
+        )
+    )
+    files = [*project.versions.glob("*.py")]
+    checked = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *map(str, files)],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    hand_written.unlink()
+    # and the file still runs
+    project.alembic("upgrade", "head")
+    assert "ix_email_jobs_recipient" in schema(project.url)["pg_indexes"]
 
 
 def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: NewDatabase) -> None:
@@ -398,7 +439,7 @@ def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: N
             "op.add_column('notifications', sa.Column('status', sa.String(length=16), server_default='pending', nullable=False))"
             in upgrade
         )
-        assert upgrade.count("op.create_index_concurrently(") == 4
+        assert upgrade.count("sq_ops.create_index_concurrently(") == 4
         # autogenerate never adds a CHECK to an existing table: the hook does
         assert (
             "op.create_check_constraint(op.f('notifications_status_check'), 'notifications'"
@@ -575,14 +616,14 @@ def test_hook_composes_with_user_hooks(new_database: NewDatabase) -> None:
                 assert seen.pop() == expected
             rendered = render_python_code(script.upgrade_ops)
             assert (
-                "op.create_index_concurrently('ix_plain_name', 'plain', ['name'], unique=False)"
+                "sq_ops.create_index_concurrently('ix_plain_name', 'plain', ['name'], unique=False)"
                 in rendered
             )
             assert [type(op) for op in script.upgrade_ops.ops] == [CreateIndexConcurrentlyOp]
     finally:
         engine.dispose()
     rendered = render_python_code(UpgradeOps([CreateQueueIndexesOp("jobs", concurrently=True)]))
-    assert "op.create_queue_indexes('jobs', concurrently=True)" in rendered
+    assert "sq_ops.create_queue_indexes('jobs', concurrently=True)" in rendered
 
 
 FLASK_APP = """
@@ -641,13 +682,13 @@ def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
     flask("migrate", "-m", "weight")
     (second,) = set(versions.glob("*.py")) - {first}
     migration = second.read_text()
-    assert "\nimport sqla_queue.alembic" in migration
+    assert "\nfrom sqla_queue import alembic_ops as sq_ops" in migration
     upgrade, downgrade = migration.split("def upgrade()")[1].split("def downgrade()")
     assert upgrade.index("batch_op.add_column(sa.Column('weight'") < upgrade.index(
-        "\n    op.create_index_concurrently(op.f('ix_shipment_weight'), 'shipment', ['weight']"
+        "\n    sq_ops.create_index_concurrently(op.f('ix_shipment_weight'), 'shipment', ['weight']"
     )
     assert downgrade.index(
-        "\n    op.drop_index_concurrently(op.f('ix_shipment_weight')"
+        "\n    sq_ops.drop_index_concurrently(op.f('ix_shipment_weight')"
     ) < downgrade.index("batch_op.drop_column('weight')")
     flask("upgrade")
     assert schema(url)["pg_indexes"]["ix_shipment_weight"][1] is True

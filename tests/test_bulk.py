@@ -32,6 +32,7 @@ from sqla_queue import (
 )
 from sqla_queue.bulk import COPY_MIN_ROWS
 
+from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 from .models import EmailJob, Order, ReportJob, Task, UuidJob
 
@@ -46,10 +47,10 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
 
 
 @pytest.fixture
-def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     for channel in (EMAIL_CHANNEL, TASK_CHANNEL, SENTINEL_CHANNEL):
         listener.execute(f'LISTEN "{channel}"')
-    yield listener
+    return listener
 
 
 @pytest.fixture
@@ -142,7 +143,7 @@ def test_task_rows_with_jsonb_payloads(
         session.enqueue_many(Task, rows, method=method)
         session.commit()
     with engine.connect() as conn:
-        got = {task: payload for task, payload in conn.execute(select(Task.task, Task.payload))}
+        got: dict[str, Any] = dict(conn.execute(select(Task.task, Task.payload)).tuples().all())
         types = set(conn.scalars(text("SELECT DISTINCT jsonb_typeof(payload) FROM tasks")))
     assert got == {
         **{f"t{n}": p for n, p in enumerate(PAYLOADS)},
@@ -219,8 +220,12 @@ def _rows_by_id(session: Session, model: Any) -> list[dict[str, Any]]:
 def test_rows_match_what_enqueue_writes(
     Sessions: sessionmaker[QueueSession], method: Any, options: dict[str, Any]
 ) -> None:
-    """Same transaction, so now() (created_at, run_after) is the same instant for both."""
+    """Same transaction, so now() (created_at) is the same instant for both.
+
+    A ``delay`` is measured from each insert, so only its run_after differs: checked apart.
+    """
     with Sessions() as session:
+        started = session.scalar(select(func.clock_timestamp()))
         order_id = new_order(session)
         session.enqueue(EmailJob(order_id=order_id), **options)
         session.flush()
@@ -229,10 +234,15 @@ def test_rows_match_what_enqueue_writes(
         session.enqueue(Task(task="t"), **options)
         session.flush()
         session.enqueue_many(Task, [{"task": "t"}, Task(task="t")], method=method, **options)
+        ended = session.scalar(select(func.clock_timestamp()))
+        skip = {"id", "run_after"} if "delay" in options else {"id"}
         for model in (EmailJob, Task):
-            by_enqueue, *by_bulk = [
-                {k: v for k, v in row.items() if k != "id"} for row in _rows_by_id(session, model)
-            ]
+            rows = _rows_by_id(session, model)
+            if "delay" in options:
+                assert started is not None and ended is not None
+                delay = timedelta(seconds=options["delay"])
+                assert all(started + delay <= row["run_after"] <= ended + delay for row in rows)
+            by_enqueue, *by_bulk = [{k: v for k, v in row.items() if k not in skip} for row in rows]
             assert len(by_bulk) == 2 and by_bulk == [by_enqueue, by_enqueue]
             assert by_enqueue.get("recipient", "someone@example.com") == "someone@example.com"
             assert by_enqueue.get("payload", {}) == {}
@@ -240,16 +250,22 @@ def test_rows_match_what_enqueue_writes(
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_delay_is_measured_by_the_database_clock(
+def test_delay_is_measured_by_the_database_clock_at_the_call(
     Sessions: sessionmaker[QueueSession], method: Any
 ) -> None:
     with Sessions() as session:
-        session.execute(text("SELECT pg_sleep(0.01)"))  # now() (transaction start) is in the past
+        session.execute(text("SELECT pg_sleep(1)"))  # the transaction has been open 1 s
+        before = session.scalar(select(func.clock_timestamp()))
         session.enqueue_many(EmailJob, [{}] * 3, delay=timedelta(minutes=5), method=method)
+        after = session.scalar(select(func.clock_timestamp()))
         now = session.scalar(select(func.now()))
         run_after = set(session.scalars(select(EmailJob.run_after)))
-        # exactly the transaction's now() + delay: the Python clock would be later
-        assert run_after == {now + timedelta(minutes=5)}
+        assert len(run_after) == 1  # one instant for the whole call
+        (at,) = run_after
+        assert before is not None and after is not None and now is not None
+        # from the call, not from the transaction's start (now() + 5 min is 1 s earlier)
+        assert before + timedelta(minutes=5) <= at <= after + timedelta(minutes=5)
+        assert at - now >= timedelta(minutes=5, seconds=1)
         session.rollback()
 
 
@@ -257,6 +273,7 @@ def test_delay_is_measured_by_the_database_clock(
 def test_row_values_win_over_options(Sessions: sessionmaker[QueueSession], method: Any) -> None:
     at = datetime(2030, 1, 1, tzinfo=timezone.utc)
     with Sessions() as session:
+        before = session.scalar(select(func.clock_timestamp()))
         session.enqueue_many(
             EmailJob,
             [{"queue": "own", "priority": 9, "run_after": at}, {}],
@@ -265,11 +282,15 @@ def test_row_values_win_over_options(Sessions: sessionmaker[QueueSession], metho
             delay=60,
             method=method,
         )
+        after = session.scalar(select(func.clock_timestamp()))
         got = session.execute(
             select(EmailJob.queue, EmailJob.priority, EmailJob.run_after).order_by(EmailJob.id)
         ).all()
-        now = session.scalar(select(func.now()))
-        assert [tuple(r) for r in got] == [("own", 9, at), ("opt", 1, now + timedelta(seconds=60))]
+        assert [tuple(r)[:2] for r in got] == [("own", 9), ("opt", 1)]
+        assert got[0].run_after == at
+        minute = timedelta(seconds=60)
+        assert before is not None and after is not None
+        assert before + minute <= got[1].run_after <= after + minute
         session.rollback()
 
 
@@ -367,7 +388,7 @@ def test_bad_row_in_the_first_batch_writes_nothing(
     with Sessions() as session:
         order = Order(customer="pending")
         session.add(order)
-        with pytest.raises(BulkRowError, match="^row 3: "):
+        with pytest.raises(BulkRowError, match=r"^row 3: "):
             session.enqueue_many(EmailJob, [{}, {}, {}, {"status": "done"}, {}])
         assert order in session.new  # not even the autoflush ran
         session.commit()
@@ -427,7 +448,7 @@ def test_payload_must_be_json(
     Sessions: sessionmaker[QueueSession], payload: dict[str, Any], method: Any
 ) -> None:
     with Sessions() as session:
-        with pytest.raises(BulkRowError, match="^row 1: payload is not JSON-serialisable") as info:
+        with pytest.raises(BulkRowError, match=r"^row 1: payload is not JSON-serialisable") as info:
             session.enqueue_many(
                 Task, [{"task": "ok"}, {"task": "t", "payload": payload}], method=method
             )
@@ -457,11 +478,11 @@ def test_persistent_and_pending_instances_are_refused(Sessions: sessionmaker[Que
     with Sessions() as session:
         pending = EmailJob()
         session.add(pending)
-        with pytest.raises(BulkRowError, match="^row 0: EmailJob is already in a session"):
+        with pytest.raises(BulkRowError, match=r"^row 0: EmailJob is already in a session"):
             session.enqueue_many(EmailJob, [pending])
         session.commit()
         with pytest.raises(
-            BulkRowError, match="^row 1: EmailJob is already in a session or persistent"
+            BulkRowError, match=r"^row 1: EmailJob is already in a session or persistent"
         ):
             session.enqueue_many(EmailJob, [{}, pending])
 
@@ -498,7 +519,7 @@ def test_rows_the_database_would_reject_are_refused_first(
     with Session(engine) as session:
         with pytest.raises(BulkRowError, match=f"^row 0: {message}"):
             enqueue_many(session, _ChildJob, [row], method="insert")
-        with pytest.raises(EnqueueError, match="label.*only an INSERT can evaluate"):
+        with pytest.raises(EnqueueError, match=r"label.*only an INSERT can evaluate"):
             enqueue_many(session, _ChildJob, [{"size": 1}], method="copy")
 
 
@@ -543,24 +564,6 @@ def test_rows_must_be_an_iterable_of_rows(Sessions: sessionmaker[QueueSession]) 
         with pytest.raises(TypeError, match="wrap a single row"):
             session.enqueue_many(EmailJob, EmailJob())  # type: ignore[arg-type]
         assert session.enqueue_many(EmailJob, iter(())) == 0
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("batch_size", [1000, 10])
-def test_database_errors_raise_sqlalchemy_errors(
-    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any, batch_size: int
-) -> None:
-    with Sessions() as session:
-        session.add(Order(customer="lost with the rollback"))
-        rows = [{"recipient": "ok"}] * 30 + [{"order_id": 987654}] + [{"recipient": "ok"}] * 5
-        with pytest.raises(IntegrityError, match="foreign key"):
-            session.enqueue_many(EmailJob, rows, method=method, batch_size=batch_size)
-        session.rollback()
-        assert session.enqueue_many(EmailJob, [{"recipient": "again"}] * 2, method=method) == 2
-        session.commit()
-    assert count(engine, Order) == 0
-    with engine.connect() as conn:
-        assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]
 
 
 # -- choosing the path --------------------------------------------------------------------
@@ -622,3 +625,99 @@ def test_copy_honours_schema_translate_map(engine: Engine) -> None:
     finally:
         with engine.begin() as conn:
             conn.execute(text("DROP SCHEMA bulk_other CASCADE"))
+
+
+# -- one set of rules, in every batch path -------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("form", ["dict", "instance"])
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+def test_bad_row_values_are_bulk_row_errors_in_every_path(
+    Sessions: sessionmaker[QueueSession],
+    engine: Engine,
+    method: Any,
+    form: str,
+    model: Any,
+    column: str,
+    value: Any,
+    error: type[Exception],
+    message: str,
+) -> None:
+    values = row_values(model, column, value)
+    good = row_values(model, "queue", "fine")
+    rows: list[Any] = [good, values] if form == "dict" else [model(**good), model(**values)]
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(BulkRowError, match=message) as raised:
+            session.enqueue_many(model, rows, method=method)
+        assert raised.value.index == 1
+        assert type(raised.value.__cause__) is error
+        session.commit()  # the caller's transaction, and its business row, are intact
+    assert count(engine, Order) == 1 and count(engine, model) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+def test_bad_option_values_fail_before_any_row_is_written(
+    Sessions: sessionmaker[QueueSession],
+    engine: Engine,
+    method: Any,
+    options: dict[str, Any],
+    message: str,
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(EnqueueError, match=message) as raised:
+            session.enqueue_many(EmailJob, [{}, {}], method=method, **options)
+        assert not isinstance(raised.value, BulkRowError)
+        session.commit()
+    assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_text_and_json_near_the_rules_are_stored_as_given(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    with Sessions() as session:
+        session.enqueue_many(EmailJob, [{"recipient": GOOD_TEXT}, EmailJob(recipient=GOOD_TEXT)], method=method)
+        session.enqueue_many(Task, [{"task": "t", "payload": GOOD_PAYLOAD}] * 2, method=method)
+        session.commit()
+    with engine.connect() as conn:
+        assert conn.scalars(select(EmailJob.recipient)).all() == [GOOD_TEXT, GOOD_TEXT]
+        assert conn.scalars(select(Task.payload)).all() == [GOOD_PAYLOAD, GOOD_PAYLOAD]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batches", ["one batch", "several batches"])
+def test_a_database_error_leaves_the_callers_transaction_usable(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any, batches: str
+) -> None:
+    """One batch or many, the load runs in a SAVEPOINT: a foreign key error undoes only it."""
+    batch_size = 1000 if batches == "one batch" else 10
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        rows = [{"recipient": "ok"}] * 30 + [{"order_id": 987654}] + [{"recipient": "ok"}] * 5
+        with pytest.raises(IntegrityError, match="foreign key"):
+            session.enqueue_many(EmailJob, rows, method=method, batch_size=batch_size)
+        assert session.enqueue_many(EmailJob, [{"recipient": "again"}] * 2, method=method) == 2
+        session.commit()
+    assert count(engine, Order) == 1
+    with engine.connect() as conn:
+        assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_one_row_load_with_a_database_error_leaves_the_transaction_usable(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(IntegrityError, match="foreign key"):
+            session.enqueue_many(EmailJob, [{"order_id": 987654}], method=method)
+        session.commit()
+    assert count(engine, Order) == 1 and count(engine, EmailJob) == 0

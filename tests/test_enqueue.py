@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_queue import (
@@ -22,6 +22,7 @@ from sqla_queue import (
     queue_table,
 )
 
+from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 from .models import EmailJob, Order, ReportJob, Task
 
@@ -35,10 +36,10 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
 
 
 @pytest.fixture
-def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     for channel in (EMAIL_CHANNEL, TASK_CHANNEL, queue_table(ReportJob).channel, SENTINEL_CHANNEL):
         listener.execute(f'LISTEN "{channel}"')
-    yield listener
+    return listener
 
 
 def count(engine: Engine, model: Any) -> int:
@@ -142,6 +143,7 @@ def test_options_set_queue_priority_attempts_and_delay(
         scheduled = session.enqueue(EmailJob(), run_at=at)
         session.commit()
         now = session.scalar(select(func.now()))
+        assert now is not None
         assert (delayed.queue, delayed.priority, delayed.max_attempts) == ("later", -3, 2)
         # the delay is measured by the database clock
         assert timedelta(seconds=89) < delayed.run_after - now <= timedelta(seconds=90)
@@ -250,3 +252,137 @@ def test_async_session_enqueue_notifies_on_commit(
     job_id = asyncio.run(main())
     assert job_id is not None and count(engine, EmailJob) == 1
     assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "async")]
+
+
+# -- one set of rules: values the database would refuse at commit ------------------------
+
+
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+def test_bad_job_attributes_fail_before_anything_is_added(
+    Sessions: sessionmaker[QueueSession],
+    engine: Engine,
+    model: Any,
+    column: str,
+    value: Any,
+    error: type[Exception],
+    message: str,
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        job = model(**row_values(model, column, value))
+        with pytest.raises(error, match=message) as raised:
+            session.enqueue(job)
+        assert type(raised.value) is error
+        assert job not in session
+        session.commit()  # the caller's transaction, and its business row, are intact
+    assert count(engine, Order) == 1 and count(engine, model) == 0
+
+
+@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+def test_bad_option_values_fail_before_anything_is_added(
+    Sessions: sessionmaker[QueueSession], engine: Engine, options: dict[str, Any], message: str
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        job = EmailJob()
+        with pytest.raises(EnqueueError, match=message):
+            session.enqueue(job, **options)
+        assert job not in session
+        session.commit()
+    assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
+
+
+def test_text_and_json_near_the_rules_are_stored_as_given(
+    Sessions: sessionmaker[QueueSession], engine: Engine
+) -> None:
+    """Surrogate pairs (non-BMP characters) and escaped-looking text are not refused."""
+    with Sessions() as session:
+        session.enqueue(EmailJob(recipient=GOOD_TEXT, queue="q" * 128))
+        session.enqueue(Task(task="t" * 200, payload=GOOD_PAYLOAD))
+        session.commit()
+    with engine.connect() as conn:
+        assert conn.scalar(select(EmailJob.recipient)) == GOOD_TEXT
+        assert conn.scalar(select(Task.payload)) == GOOD_PAYLOAD
+
+
+# -- NOTIFY only from the outermost commit -------------------------------------------------
+
+
+def _failing_savepoint(session: QueueSession) -> None:
+    """A SAVEPOINT whose flush fails (a duplicate primary key), caught as callers do."""
+    existing = session.scalars(select(Order.id)).first()
+    with pytest.raises(IntegrityError), session.begin_nested():
+        session.add(Order(id=existing, customer="duplicate"))
+
+
+def test_a_failed_savepoint_does_not_use_up_the_wake_up(
+    Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="first"))
+        session.enqueue(EmailJob(), queue="before-savepoint")
+        _failing_savepoint(session)
+        session.commit()
+    assert count(engine, EmailJob) == 1
+    assert notifications_until_sentinel(listening, server.conninfo) == [
+        (EMAIL_CHANNEL, "before-savepoint")
+    ]
+
+
+def test_a_committed_savepoint_and_its_commit_wake_once(
+    Sessions: sessionmaker[QueueSession], listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.enqueue(EmailJob(), queue="outer")
+        with session.begin_nested():
+            session.enqueue(EmailJob(), queue="inner")
+        session.commit()
+    got = notifications_until_sentinel(listening, server.conninfo)
+    assert sorted(got) == [(EMAIL_CHANNEL, "inner"), (EMAIL_CHANNEL, "outer")]
+
+
+def test_commit_with_a_savepoint_still_open_wakes(
+    Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
+) -> None:
+    """The outermost commit runs the hook while the savepoint is still the current one."""
+    with Sessions() as session, session.begin():
+        session.enqueue(EmailJob(), queue="open-savepoint")
+        session.begin_nested()
+    assert count(engine, EmailJob) == 1
+    assert notifications_until_sentinel(listening, server.conninfo) == [
+        (EMAIL_CHANNEL, "open-savepoint")
+    ]
+
+
+def test_rollback_after_a_failed_savepoint_sends_nothing(
+    Sessions: sessionmaker[QueueSession], engine: Engine, listening: Any, server: Server
+) -> None:
+    with Sessions() as session:
+        session.add(Order(customer="first"))
+        session.enqueue(EmailJob(), queue="rolled-back")
+        _failing_savepoint(session)
+        session.rollback()
+    assert count(engine, EmailJob) == 0
+    assert notifications_until_sentinel(listening, server.conninfo) == []
+
+
+# -- delay: from the insert, in seconds ----------------------------------------------------
+
+
+def test_delay_is_measured_from_the_insert(
+    Sessions: sessionmaker[QueueSession], engine: Engine
+) -> None:
+    with Sessions() as session:
+        session.execute(select(func.pg_sleep(1)))  # a transaction that waited 1 s
+        before = session.scalar(select(func.clock_timestamp()))
+        job = session.enqueue(EmailJob(), delay=2)
+        session.flush()
+        after = session.scalar(select(func.clock_timestamp()))
+        started = session.scalar(select(func.now()))
+        assert before is not None and after is not None and started is not None
+        assert before + timedelta(seconds=2) <= job.run_after <= after + timedelta(seconds=2)
+        # now() + 2 s, the transaction's start, would already be over
+        assert job.run_after - started >= timedelta(seconds=3)
+        session.rollback()

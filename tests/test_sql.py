@@ -523,3 +523,74 @@ def test_builders_compose_with_the_callers_statements(engine: Engine) -> None:
         assert {r.recipient for r in conn.execute(stmt)} == {"r0@example.com", "r2@example.com"}
 
 
+
+
+# -- intervals are seconds; empty id lists mean none ---------------------------------------
+
+
+def test_intervals_are_seconds_across_a_daylight_saving_change(engine: Engine) -> None:
+    """A one-day delay is 86400 s even when the session's clocks go forward that night."""
+    from zoneinfo import ZoneInfo
+
+    from sqlalchemy import DateTime, Interval, literal
+
+    start = datetime(2026, 3, 28, 12, 0, tzinfo=ZoneInfo("Europe/Paris"))  # DST begins 29 March
+    at = literal(start, DateTime(timezone=True))
+    with engine.connect() as conn:
+        conn.execute(text("SET TIME ZONE 'Europe/Paris'"))
+        calendar = conn.scalar(select(at + literal(timedelta(days=1), Interval())))
+        exact = conn.scalar(select(at + q.seconds_interval(timedelta(days=1).total_seconds())))
+        conn.rollback()
+    utc_start = start.astimezone(timezone.utc)
+    assert calendar is not None and exact is not None
+    assert calendar.astimezone(timezone.utc) - utc_start == timedelta(hours=23)  # the trap
+    assert exact.astimezone(timezone.utc) - utc_start == timedelta(seconds=86400)
+
+
+def test_every_builder_sends_its_durations_as_seconds() -> None:
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+    day = timedelta(days=1)
+    token = ClaimToken(1, 1)
+    statements = [
+        q.claim(EmailJob, owner="w", lease=day),
+        q.extend_leases_if_owner(EmailJob, owner="w", tokens=[token], lease=day),
+        q.retry_if_owner(EmailJob, owner="w", token=token, error="e", delay=day),
+        q.requeue_failed(EmailJob, delay=day),
+        q.prune_finished(EmailJob, older_than=day),
+        q.archive_finished(EmailJob, archive_table(EmailJob, "email_jobs_archive_sql", Base.metadata), older_than=day),
+    ]
+    Base.metadata.remove(Base.metadata.tables["email_jobs_archive_sql"])
+    for stmt in statements:
+        compiled = stmt.compile(dialect=dialect)
+        assert "* interval '1 second'" in str(compiled)
+        assert 86400.0 in compiled.params.values()
+        assert not any(isinstance(v, timedelta) for v in compiled.params.values())
+
+
+def test_requeue_and_retry_delays_count_from_the_statement(engine: Engine) -> None:
+    with engine.begin() as conn:
+        (dead,) = add_jobs(conn, 1, status="failed", attempts=3, finished_at=func.now())
+        conn.execute(select(func.pg_sleep(0.5)))
+        before = conn.scalar(select(func.clock_timestamp()))
+        conn.execute(q.requeue_failed(EmailJob, ids=[dead], delay=10))
+        run_after = conn.scalar(select(JOBS.c.run_after).where(JOBS.c.id == dead))
+        assert before is not None and run_after is not None
+        assert run_after >= before + timedelta(seconds=10)
+
+
+def test_empty_ids_mean_no_jobs(engine: Engine) -> None:
+    from sqla_queue import admin
+
+    with engine.begin() as conn:
+        dead = add_jobs(conn, 2, status="failed", attempts=3, finished_at=func.now())
+        pending = add_jobs(conn, 2)
+        assert conn.scalars(q.requeue_failed(EmailJob, ids=[])).all() == []
+        assert conn.scalars(q.cancel_pending(EmailJob, ids=[])).all() == []
+        assert conn.scalars(q.cancel_pending(EmailJob, ids=iter(()))).all() == []
+        assert {status_of(conn, i) for i in pending} == {"pending"}
+    assert admin.requeue(engine, EmailJob, ids=[]) == 0
+    with engine.connect() as conn:
+        assert {status_of(conn, i) for i in dead} == {"failed"}
+    assert admin.requeue(engine, EmailJob, ids=None) == 2
+    with pytest.raises(TypeError, match="single string"):
+        q.cancel_pending(EmailJob, ids="12")

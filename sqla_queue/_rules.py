@@ -1,0 +1,306 @@
+"""The rules a job's values must pass before they reach the session: one set for all.
+
+``enqueue()`` (its options and the attributes set on the job) and ``enqueue_many()`` (its
+options and every dict or instance row) apply these same checks, so a value that the
+database would refuse at flush or commit (where it would abort the caller's transaction,
+business rows included) is refused here instead, with a typed error naming the column.
+
+Per table the rules are resolved once (:func:`table_rules`); checking a value is then a
+dict lookup and a few comparisons, because ``enqueue()`` of one job is a hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any, Final
+
+from sqlalchemy import JSON, String, Table
+
+from .errors import EnqueueError, InvalidPayload
+from .model import JobStatus
+
+__all__ = [
+    "MAX_DELAY_SECONDS",
+    "TableRules",
+    "check_json",
+    "check_max_attempts",
+    "check_priority",
+    "check_queue",
+    "check_run_at",
+    "check_task_name",
+    "check_text",
+    "delay_seconds",
+    "dialect_json_serializer",
+    "managed_violation",
+    "table_rules",
+    "validate_options",
+]
+
+_INT32: Final = 2**31
+#: The longest ``delay``: 1000 years. A ``run_after`` must stay readable as a Python
+#: ``datetime`` (year 9999 at most) and a delay this long is a mistake in any case.
+MAX_DELAY_SECONDS: Final = 1000 * 365.25 * 86400.0
+
+#: Columns the queue manages; a job arriving with other values in them is a mistake.
+_MANAGED_DEFAULTS: Final = {
+    "status": (None, JobStatus.PENDING.value),
+    "attempts": (None, 0),
+    "lease_owner": (None,),
+    "lease_expires_at": (None,),
+    "finished_at": (None,),
+}
+
+#: Characters PostgreSQL text cannot hold (NUL) or psycopg cannot encode (lone surrogates).
+_BAD_CHAR: Final = re.compile("[\x00\ud800-\udfff]")
+#: Every escape in JSON text (the ``.`` alternative consumes ``\\\\``, keeping parity).
+_JSON_ESCAPE: Final = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+
+
+# -- single values ------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_queue(value: Any, name: str = "queue") -> None:
+    if not isinstance(value, str) or not value:
+        raise EnqueueError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def check_priority(value: Any, name: str = "priority") -> None:
+    if not _is_int(value) or not -_INT32 <= value < _INT32:
+        raise EnqueueError(f"{name} must be a 32-bit integer, got {value!r}")
+
+
+def check_max_attempts(value: Any, name: str = "max_attempts") -> None:
+    if not _is_int(value) or not 1 <= value < _INT32:
+        raise EnqueueError(f"{name} must be an integer >= 1 (32-bit), got {value!r}")
+
+
+def check_run_at(value: Any, name: str = "run_at") -> None:
+    if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
+        raise EnqueueError(f"{name} must be a timezone-aware datetime, got {value!r}")
+    try:
+        value.astimezone(timezone.utc)  # year 9999 at +02:00 is year 10000 in UTC
+    except OverflowError:
+        raise EnqueueError(f"{name} is out of range, got {value!r}") from None
+
+
+def check_task_name(value: Any, name: str = "task") -> None:
+    if not isinstance(value, str) or not value:
+        raise EnqueueError(f"needs a task name (a non-empty string), got {value!r}")
+
+
+def check_text(value: str, name: str, length: int | None) -> None:
+    """A string PostgreSQL can store in a column of ``length`` characters (None: any)."""
+    if length is not None and len(value) > length:
+        raise EnqueueError(f"{name} is longer than {length} characters ({len(value)})")
+    # "\x00" in s is a memchr; isascii() is a flag test, so ASCII strings skip the regex.
+    if "\x00" in value or (not value.isascii() and _BAD_CHAR.search(value)):
+        raise EnqueueError(
+            f"{name} contains a NUL character or a lone surrogate, which PostgreSQL "
+            f"text cannot store: {value[:60]!r}"
+        )
+
+
+def delay_seconds(delay: Any) -> float:
+    """``delay`` (seconds or a timedelta) as float seconds, checked."""
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        try:
+            seconds = float(delay)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+    else:
+        raise EnqueueError(f"delay must be seconds or a timedelta, got {delay!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise EnqueueError(f"delay must be a finite, non-negative duration, got {delay!r}")
+    if seconds > MAX_DELAY_SECONDS:
+        raise EnqueueError(f"delay must be at most 1000 years, got {delay!r}")
+    return seconds
+
+
+def validate_options(
+    *,
+    queue: str | None,
+    priority: int | None,
+    delay: timedelta | float | None,
+    run_at: datetime | None,
+    max_attempts: int | None,
+) -> tuple[dict[str, Any], float | None]:
+    """The column values the enqueue options ask for, and the delay in seconds, checked.
+
+    The delay is returned apart, not as a ``run_after`` value: it is measured by the
+    database clock at the insert, which only the caller's connection can read. The
+    values still go through the table's rules (:meth:`TableRules.check`), which know the
+    column lengths.
+    """
+    values: dict[str, Any] = {}
+    if queue is not None:
+        check_queue(queue)
+        values["queue"] = queue
+    if priority is not None:
+        check_priority(priority)
+        values["priority"] = priority
+    if max_attempts is not None:
+        check_max_attempts(max_attempts)
+        values["max_attempts"] = max_attempts
+    if delay is not None and run_at is not None:
+        raise EnqueueError("give either delay or run_at, not both")
+    seconds = delay_seconds(delay) if delay is not None else None
+    if run_at is not None:
+        check_run_at(run_at)
+        values["run_after"] = run_at
+    return values, seconds
+
+
+def managed_violation(values: Any) -> tuple[str, Any] | None:
+    """The first queue-managed column ``values`` (a mapping) sets, with its value, or None."""
+    for key, allowed in _MANAGED_DEFAULTS.items():
+        value = values.get(key)
+        if value not in allowed:
+            return key, value
+    return None
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+
+def dialect_json_serializer(dialect: Any) -> Callable[[Any], Any]:
+    """The engine's ``json_serializer`` if it has one, else strict ``json.dumps``.
+
+    Strict (``allow_nan=False``) because PostgreSQL rejects the ``NaN`` that the
+    standard ``json.dumps`` writes; better to fail on the Python side, naming the column.
+    """
+    custom = getattr(dialect, "_json_serializer", None)
+    if custom is not None:
+        return custom  # type: ignore[no-any-return]
+    return _strict_dumps
+
+
+#: ``json.dumps(value, allow_nan=False)``, without building an encoder per call.
+_strict_dumps: Final[Callable[[Any], str]] = json.JSONEncoder(allow_nan=False).encode
+
+
+def check_json(value: Any, name: str, serializer: Callable[[Any], Any]) -> str:
+    """``value`` as the JSON text the database will get, or :class:`InvalidPayload`.
+
+    Beyond what the serializer refuses, PostgreSQL's jsonb refuses ``\\u0000`` and lone
+    surrogates anywhere (keys too), and a value nested past Python's recursion limit
+    must fail as a payload error rather than a ``RecursionError``.
+    """
+    try:
+        text = serializer(value)
+    except RecursionError:
+        raise InvalidPayload(f"{name} is nested too deeply to be stored as JSON") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidPayload(f"{name} is not JSON-serialisable: {exc}") from exc
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidPayload(f"{name}: the JSON serializer wrote invalid UTF-8") from exc
+    elif not isinstance(text, str):
+        text = str(text)
+    if "\\u" in text or "\x00" in text or not text.isascii():
+        problem = _json_text_problem(text)
+        if problem:
+            raise InvalidPayload(f"{name} contains {problem}, which PostgreSQL jsonb cannot store")
+    return text
+
+
+def _json_text_problem(text: str) -> str | None:
+    """What in JSON text PostgreSQL would refuse: NUL, or a surrogate escape without a pair."""
+    if "\x00" in text:
+        return "a NUL character"
+    if not text.isascii() and _BAD_CHAR.search(text):
+        return "a lone surrogate"
+    high_end = -1  # where an unpaired high-surrogate escape ended
+    for match in _JSON_ESCAPE.finditer(text):
+        digits = match.group(1)
+        code = int(digits, 16) if digits is not None else -1
+        if high_end >= 0:
+            if 0xDC00 <= code <= 0xDFFF and match.start() == high_end:
+                high_end = -1
+                continue
+            return "a lone surrogate (\\ud800-\\udfff)"
+        if code == 0:
+            return "\\u0000"
+        if 0xD800 <= code <= 0xDBFF:
+            high_end = match.end()
+        elif 0xDC00 <= code <= 0xDFFF:
+            return "a lone surrogate (\\ud800-\\udfff)"
+    if high_end >= 0:
+        return "a lone surrogate (\\ud800-\\udfff)"
+    return None
+
+
+# -- per table ----------------------------------------------------------------------------
+
+#: A check of one column's non-NULL value: (value, column key).
+Check = Callable[[Any, str], None]
+
+
+def _text_check(length: int | None, first: Check | None = None) -> Check:
+    def check(value: Any, name: str) -> None:
+        if first is not None:
+            first(value, name)
+        if isinstance(value, str):
+            check_text(value, name, length)
+
+    return check
+
+
+#: The queue's own columns: their type rules, before the generic text rule.
+_QUEUE_CHECKS: Final[dict[str, Check]] = {
+    "queue": check_queue,
+    "priority": check_priority,
+    "max_attempts": check_max_attempts,
+    "run_after": check_run_at,
+}
+
+
+class TableRules:
+    """The checks of one queue table's columns, resolved once per table."""
+
+    def __init__(self, table: Table) -> None:
+        #: Column key -> check of a non-NULL, non-SQL-expression value (JSON apart).
+        self.checks: dict[str, Check] = {}
+        #: Keys of the JSON columns, checked with the dialect's serializer.
+        self.json: frozenset[str] = frozenset(
+            c.key for c in table.c if isinstance(c.type, JSON)
+        )
+        is_task_table = "task" in table.c and "payload" in table.c
+        for column in table.c:
+            if column.key in self.json:
+                continue
+            first = _QUEUE_CHECKS.get(column.key)
+            if column.key == "task" and is_task_table:
+                first = check_task_name
+            if isinstance(column.type, String):
+                self.checks[column.key] = _text_check(column.type.length, first)
+            elif first is not None:
+                self.checks[column.key] = first
+
+    def check(self, key: str, value: Any) -> None:
+        """Raise :class:`EnqueueError` if column ``key`` cannot hold ``value``."""
+        check = self.checks.get(key)
+        if check is not None and value is not None:
+            check(value, key)
+
+
+_rules: dict[Table, TableRules] = {}
+
+
+def table_rules(table: Table) -> TableRules:
+    """The (cached) rules of ``table``."""
+    rules = _rules.get(table)
+    if rules is None:
+        rules = _rules[table] = TableRules(table)
+    return rules
