@@ -92,7 +92,7 @@ FULL = Plan(
     jobs=20_000,
     rounds=3,
     processes=(1, 2),
-    settings={SQLA: (4, 16, 32), PGQUEUER: (10, 100, 500), PROCRASTINATE: (10, 50)},
+    settings={SQLA: (4, 16, 32, 64), PGQUEUER: (10, 100, 500, 1000), PROCRASTINATE: (10, 50)},
     # procrastinate fetches and finishes one job per statement: some 200 jobs/s here.
     fewer_jobs={PROCRASTINATE: 4_000},
 )
@@ -112,6 +112,10 @@ QUICK = Plan(
 
 def jobs_for(plan: Plan, side: str) -> int:
     return plan.fewer_jobs.get(side, plan.jobs)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
 def available(name: str) -> bool:
@@ -680,7 +684,10 @@ def report(
     for processes, best in processing.items():
         for side in sides:
             swept = ", ".join(f"{k}: {v:,.0f}" for k, v in best[side].all.items())
-            lines.append(f"- {processes} process{'es' if processes > 1 else ''}, {side}: {swept}")
+            edge = ""
+            if len(best[side].all) > 1 and best[side].setting == list(best[side].all)[-1]:
+                edge = " (best at the largest setting swept: a larger one may do better)"
+            lines.append(f"- {processes} process{'es' if processes > 1 else ''}, {side}: {swept}{edge}")
     return "\n".join(lines)
 
 
@@ -725,8 +732,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         info,
         f"- {versions}; {plan.jobs:,} jobs per processing run"
         + "".join(f" ({side}: {jobs_for(plan, side):,})" for side in sides if side in plan.fewer_jobs)
-        + f", medians of {plan.rounds} rounds; enqueue {plan.enqueue_txns} transactions x "
-        f"{plan.enqueue_rounds} rounds; pickup {plan.pickup_jobs} jobs each",
+        + f", medians of {plural(plan.rounds, 'round')}; enqueue {plan.enqueue_txns} transactions x "
+        f"{plural(plan.enqueue_rounds, 'round')}; pickup {plural(plan.pickup_jobs, 'job')} each",
     ]
     lines += [f"- {p}: skipped, not installed ({INSTALL_HINT})" for p in skipped]
     lines += [f"- the whole run took {took:.0f} s", "", report(sides, processing, enqueue, pickup), ""]
