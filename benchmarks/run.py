@@ -84,7 +84,10 @@ RAW_COMPLETE = (
 
 @dataclass(frozen=True)
 class Processing:
-    """One processing configuration: OS processes x handler threads, jobs per claim."""
+    """One processing configuration: OS processes x handler threads, jobs per claim.
+
+    ``batch`` 0 leaves the Worker's ``batch_size`` at its default (the baseline has no
+    default and needs a batch)."""
 
     processes: int
     concurrency: int
@@ -95,7 +98,7 @@ class Processing:
     def label(self) -> str:
         procs = f"{self.processes} processes" if self.processes > 1 else "1 process"
         threads = f"{self.concurrency} threads" if self.concurrency > 1 else "1 thread"
-        return f"{procs} x {threads}, batch {self.batch}"
+        return f"{procs} x {threads}, batch {self.batch or 'default'}"
 
 
 @dataclass(frozen=True)
@@ -421,8 +424,10 @@ def _processing_child(
     url = make_url(url_text)
     if kind == "sqla_queue":
         engine = create_engine(url, pool_size=concurrency + 3)
-        worker = Worker(engine, BenchJob, noop, concurrency=concurrency, batch_size=batch)
-        _warm_sqla(engine, worker.owner, batch)
+        # batch 0: the Worker's default batch size (only ``concurrency`` set).
+        options = {"batch_size": batch} if batch else {}
+        worker = Worker(engine, BenchJob, noop, concurrency=concurrency, **options)
+        _warm_sqla(engine, worker.owner, batch or concurrency)
         ready.put(os.getpid())
         go.wait()
         cpu = cpu_seconds()
@@ -464,7 +469,7 @@ def wait_ready(ready: Any, procs: Sequence[Any], timeout: float = 60) -> None:
         except queue_module.Empty:
             dead = [p.exitcode for p in procs if p.exitcode is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"a benchmark process failed to start (exit codes {dead})")
+                raise RuntimeError(f"a benchmark process failed to start (exit codes {dead})") from None
 
 
 def cpu_seconds() -> float:

@@ -1,11 +1,12 @@
-"""The benchmark harness runs end to end (``benchmarks/run.py --quick``).
+"""The benchmark harnesses run end to end (``benchmarks/run.py --quick``, ``peers.py --quick``).
 
-A smoke test of the harness only: every benchmark runs with tiny sizes against the test
+A smoke test of the harnesses only: every benchmark runs with tiny sizes against the test
 server and prints its row. Speed is not asserted; the figures of a quick run mean nothing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 from .helpers import Server
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+PEERS_SCRIPT = SCRIPT.with_name("peers.py")
+PEERS = ("pgqueuer", "procrastinate")
 
 #: The first cell of every row the results table must have.
 EXPECTED_ROWS = (
@@ -56,3 +59,40 @@ def test_quick_run_prints_every_benchmark(server: Server) -> None:
         assert any(line.startswith(f"| {expected}") for line in table), (expected, result.stdout)
     assert len(table) == len(EXPECTED_ROWS) + 1, result.stdout
     assert "PostgreSQL" in result.stdout and "CPUs" in result.stdout
+
+
+#: The first cell of every row of the peers' table.
+PEER_ROWS = (
+    "processing, 1 process, best setting |",
+    "processing, 2 processes, best setting |",
+    "enqueue, 1 job per transaction |",
+    "pickup latency p50",
+    "pickup latency p99",
+)
+
+
+@pytest.mark.timeout(300)
+def test_quick_peers_run_prints_every_peer(server: Server) -> None:
+    missing = [name for name in PEERS if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (the bench extra: pip install -e '.[bench]')")
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(PEERS_SCRIPT), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table, result.stdout
+    assert table[0] == (
+        "| benchmark | sqla_queue | pgqueuer | procrastinate | sqla_queue / pgqueuer (target) |"
+    ), result.stdout
+    for expected in PEER_ROWS:
+        assert any(line.startswith(f"| {expected}") for line in table), (expected, result.stdout)
+    assert len(table) == len(PEER_ROWS) + 1, result.stdout
+    for line in table[1:]:
+        assert len(line.split(" | ")) == 5, line
+    assert "skipped" not in result.stdout, result.stdout
