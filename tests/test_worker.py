@@ -4,70 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select, text, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from sqla_queue import Backoff, LeaseLost, QueueSession, Tasks, Worker
+from sqla_queue import LeaseLost, Tasks, Worker
 from sqla_queue import sql as q
 
 from .helpers import wait_for
-from .models import EmailJob, Effect, Task
+from .models import Effect, EmailJob, Task
 from .worker_app import tasks as app_tasks
-
-FAST = Backoff(base=0.05, factor=2, cap=0.2, jitter=0)
-TASKS = Task.__table__
-
-
-@pytest.fixture
-def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
-    return sessionmaker(engine, class_=QueueSession)
-
-
-@pytest.fixture
-def start_worker(engine: Engine) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
-
-    def start(handler: Any = app_tasks, model: Any = Task, **options: Any) -> Worker:
-        options.setdefault("backoff", FAST)
-        options.setdefault("poll_interval", 0.5)
-        options.setdefault("sweep_interval", 0.2)
-        options.setdefault("shutdown_grace", 5)
-        worker = Worker(engine, model, handler, **options)
-        worker.start()
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop(grace=1)
-
-
-def add(Sessions: sessionmaker[QueueSession], task: str, n: int = 1, **payload: Any) -> list[int]:
-    options = {k: payload.pop(k) for k in ("max_attempts", "queue", "priority") if k in payload}
-    with Sessions() as session:
-        jobs = [session.enqueue(Task(task=task, payload=dict(payload)), **options) for _ in range(n)]
-        session.commit()
-        return [job.id for job in jobs]
-
-
-def job(engine: Engine, job_id: int) -> Any:
-    with engine.connect() as conn:
-        return conn.execute(select(TASKS).where(TASKS.c.id == job_id)).one()
-
-
-def status_is(engine: Engine, job_id: int, *statuses: str) -> Callable[[], bool]:
-    return lambda: job(engine, job_id).status in statuses
-
-
-def effects(engine: Engine) -> list[Any]:
-    with engine.connect() as conn:
-        return conn.execute(select(Effect).order_by(Effect.id)).all()
-
+from .workers import FAST, TASKS, add, effects, job, status_is
 
 # -- outcomes ------------------------------------------------------------------------------
 
