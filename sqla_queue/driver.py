@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import psycopg
 from psycopg import sql as pgsql
@@ -25,6 +25,7 @@ from psycopg.types.string import TextLoader
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from .errors import SqlaQueueError
 
@@ -136,7 +137,7 @@ class DbConnection:
         assert result is not None
         data = result.get_value(row, col)
         oid, fmt = result.ftype(col), result.fformat(col)
-        loader_class = cur.adapters.get_loader(oid, fmt)
+        loader_class = cur.adapters.get_loader(oid, psycopg.pq.Format(fmt))
         if data is None or loader_class is None:
             return data
         return loader_class(oid, cur).load(data)
@@ -178,7 +179,7 @@ class Driver:
     # -- statements --------------------------------------------------------------------
 
     def compile(self, stmt: ClauseElement) -> Statement:
-        compiled = stmt.compile(dialect=self.dialect)
+        compiled = cast(SQLCompiler, stmt.compile(dialect=self.dialect))
         defaults = compiled.construct_params(_check=False) or {}
         processors = {
             name: proc for name, proc in (compiled._bind_processors or {}).items() if proc
@@ -328,7 +329,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def tokens_params(
-    owner: str, tokens: Sequence[tuple[Any, int]], **arrays: Sequence[Any]
+    owner: str, tokens: Sequence[tuple[Any, int]], **arrays: Any
 ) -> dict[str, Any]:
     """Parameters of the token templates of :mod:`sqla_queue.sql`."""
     from . import sql as q

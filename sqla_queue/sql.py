@@ -679,7 +679,7 @@ def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
         qt.table.update()
         .where(_token_fence(qt, tokens))
         .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
-        .returning(qt.pk, qt.c.attempts)
+        .returning(qt.pk, tokens.c.attempt)
     )
 
 
@@ -706,7 +706,7 @@ def retry_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             lease_expires_at=null(),
             isolated=false(),
         )
-        .returning(qt.pk, c.attempts, c.status)
+        .returning(qt.pk, tokens.c.attempt, c.status)
     )
 
 
@@ -724,7 +724,7 @@ def fail_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             last_error=tokens.c[ERRORS_PARAM],
             lease_expires_at=null(),
         )
-        .returning(qt.pk, qt.c.attempts)
+        .returning(qt.pk, tokens.c.attempt)
     )
 
 
@@ -743,7 +743,7 @@ def release_many_if_owner(model: QueueModel, *, refund_attempt: bool) -> Returni
             lease_expires_at=null(),
             attempts=c.attempts - 1 if refund_attempt else c.attempts,
         )
-        .returning(qt.pk, qt.c.attempts)
+        .returning(qt.pk, tokens.c.attempt)
     )
 
 

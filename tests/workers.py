@@ -47,7 +47,7 @@ def start_worker(engine: Engine) -> Iterator[Callable[..., Worker]]:
 
 def add(Sessions: sessionmaker[QueueSession], task: str, n: int = 1, **payload: Any) -> list[int]:
     """Enqueue ``n`` tasks named ``task`` with ``payload``; options are taken from it."""
-    options = {k: payload.pop(k) for k in ("max_attempts", "queue", "priority", "delay") if k in payload}
+    options = {k: payload.pop(k) for k in ("max_attempts", "queue", "priority") if k in payload}
     with Sessions() as session:
         jobs = [session.enqueue(Task(task=task, payload=dict(payload)), **options) for _ in range(n)]
         session.commit()

@@ -238,12 +238,15 @@ class Worker:
             return
         self.executors.request_stop()
         grace = self.config.shutdown_grace if grace is None else grace
+        waiting = self.ledger.take_unstarted()
+        if waiting:
+            self._hand_back(waiting, refund=True)
         self.ledger.wait_empty(grace, self._hard_stop)
         left = self.ledger.held()
         if left:
             log.warning("worker %s: %d job(s) still running after the grace period; handing them back",
                         self.owner, len(left))
-            self._hand_back(left)
+            self._hand_back(left, refund=False)
         self.executors.join(1.0)
         for service in (self.heartbeat, self.sweeper, self.listener):
             if service is not None:
@@ -251,7 +254,8 @@ class Worker:
         self._stopped.set()
         log.info("worker %s stopped: %s", self.owner, self.stats)
 
-    def _hand_back(self, held: list[Any]) -> None:
+    def _hand_back(self, held: list[Any], *, refund: bool) -> None:
+        """Release ``held`` on a connection of its own, within a deadline."""
         lane = Lane(self._driver, "sqla_queue shutdown")
         done = threading.Event()
 
@@ -259,7 +263,7 @@ class Worker:
             try:
                 conn = lane.connect()
                 with self._driver.deadline(conn, _HAND_BACK_SECONDS):
-                    self._completer.hand_back(lambda: conn, held)
+                    self._completer.hand_back(lambda: conn, held, refund=refund)
             except Exception as exc:  # noqa: BLE001 - their leases will expire instead
                 log.warning("worker %s: could not hand back %d job(s) (%s); they return after their lease",
                             self.owner, len(held), exc)

@@ -73,9 +73,9 @@ class Completer:
         for kind, group in by_kind.items():
             self._record_kind(connect, kind, group)
 
-    def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held]) -> None:
-        """Running jobs left after the grace: pending again, their attempt counted."""
-        self._record_kind(connect, Kind.RELEASE, [Outcome(h, Kind.RELEASE) for h in held], refund=False)
+    def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
+        """Shutdown: jobs back to ``pending`` at once; ``refund`` for those never started."""
+        self._record_kind(connect, Kind.RELEASE, [Outcome(h, Kind.RELEASE) for h in held], refund=refund)
 
     # -- one kind ----------------------------------------------------------------------
 
@@ -112,8 +112,12 @@ class Completer:
             safe = Outcome(outcome.held, outcome.kind, "the error text could not be stored", outcome.delay)
             attempts.append(safe)
         for candidate in attempts:
+
+            def run(conn: DbConnection, c: Outcome = candidate) -> list[tuple[Any, ...]]:
+                return self._run(conn, c.kind, [c], refund)
+
             try:
-                rows = self._with_retries(connect, lambda conn, c=candidate: self._run(conn, c.kind, [c], refund))
+                rows = self._with_retries(connect, run)
             except Exception as exc:  # noqa: BLE001
                 log.warning("job %s: recording %s failed: %s", outcome.held.token.job_id, candidate.kind.value, exc)
                 continue

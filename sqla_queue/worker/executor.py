@@ -311,10 +311,9 @@ class ExecutorPool(Service):
         outcomes: list[Outcome] = []
         ran = 0
         try:
-            for n, h in enumerate(held):
-                if self.stopping:
-                    outcomes.extend(Outcome(rest, Kind.RELEASE) for rest in held[n:])
-                    break
+            for h in held:
+                if not self.ledger.start(h):
+                    continue  # lost meanwhile, or handed back by a shutdown
                 outcomes.append(self.executor.run(h, lane))
                 ran += 1
             self.completer.record(lane.connect, outcomes)

@@ -29,6 +29,8 @@ class Held:
     load_error: str | None = None
     isolated: bool = False
     claimed_at: float = field(default_factory=time.monotonic)
+    #: Its handler was started (a job never started gets its attempt back at shutdown).
+    started: bool = False
     #: Its outcome is being recorded: only that statement's result says if it was lost.
     finishing: bool = False
     #: The lease is known lost (or the job handed back): its outcome must not be recorded.
@@ -55,6 +57,22 @@ class Ledger:
         with self._lock:
             for h in held:
                 self._held[h.token] = h
+
+    def start(self, held: Held) -> bool:
+        """Mark a job started, unless it was lost or is being handed back meanwhile."""
+        with self._lock:
+            if held.lost or held.finishing:
+                return False
+            held.started = True
+            return True
+
+    def take_unstarted(self) -> list[Held]:
+        """The jobs whose handler never started, marked for hand-back (at shutdown)."""
+        with self._lock:
+            taken = [h for h in self._held.values() if not (h.started or h.finishing or h.lost)]
+            for h in taken:
+                h.finishing = True
+            return taken
 
     def finishing(self, held: Iterable[Held]) -> list[Held]:
         """Mark jobs whose outcome is about to be recorded; returns those not lost."""
