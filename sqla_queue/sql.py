@@ -30,6 +30,7 @@ from sqlalchemy import (
     Select,
     String,
     Table,
+    Text,
     and_,
     any_,
     bindparam,
@@ -624,3 +625,204 @@ class Backoff:
         """The delay before retrying after attempt ``attempt`` (1-based) failed."""
         low, high = self.bounds(attempt)
         return timedelta(seconds=low + (high - low) * rand())
+
+
+# -- templates: built once, the owner and tokens bound at execution ------------------------
+#
+# The worker runs these for every batch. Each takes its tokens as PostgreSQL arrays, so one
+# SQL text serves any batch size (no parameter limit, no parse per size), and returns
+# ``(pk, attempts)`` so the caller can tell exactly which attempts it moved.
+
+#: Bound-parameter names of the templates below.
+LIMIT_PARAM: Final = "sqla_queue_limit"
+LEASE_PARAM: Final = "sqla_queue_lease_seconds"
+ERRORS_PARAM: Final = "sqla_queue_errors"
+DELAYS_PARAM: Final = "sqla_queue_delays"
+
+
+def _seconds_interval(seconds: ColumnElement[Any]) -> ColumnElement[timedelta]:
+    """``interval '1 second' * seconds``: a duration in seconds, never a calendar unit,
+    so 86400 seconds stay 24 hours across a daylight-saving change."""
+    return type_coerce((seconds * literal_column("interval '1 second'")).self_group(), Interval())
+
+
+def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
+    """``unnest(:ids, :attempts, ...) AS tokens(pk, attempt, ...)``: tokens as a relation,
+    joined to the table by primary key (an index lookup per token)."""
+    arrays: list[ColumnElement[Any]] = [
+        bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type)),
+        bindparam(ATTEMPTS_PARAM, type_=ARRAY(qt.c.attempts.type)),
+    ]
+    names = ["pk", "attempt"]
+    for name, kind in extra:
+        element_type = Text() if kind == "text" else Float()
+        arrays.append(bindparam(name, type_=ARRAY(element_type)))
+        names.append(name)
+    return func.unnest(*arrays).table_valued(*names).render_derived(name="tokens")
+
+
+def _token_fence(qt: QueueTable, tokens: Any) -> ColumnElement[bool]:
+    return and_(
+        qt.pk == tokens.c.pk,
+        qt.c.attempts == tokens.c.attempt,
+        _status(qt, RUNNING),
+        qt.c.lease_owner == bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
+    )
+
+
+def claim_template(
+    model: QueueModel, *, queues: Sequence[str] | None = None, isolated: bool = False
+) -> ReturningUpdate[Any]:
+    """:func:`claim` with the owner, the limit and the lease (seconds) bound at execution:
+    ``{OWNER_PARAM: owner, LIMIT_PARAM: n, LEASE_PARAM: 60.0}``."""
+    qt = queue_table(model)
+    c = qt.c
+    conditions = [
+        _status(qt, PENDING),
+        c.run_after <= func.now(),
+        c.isolated if isolated else not_(c.isolated),
+        *_queue_filter(qt, queues),
+    ]
+    claimable = (
+        select(qt.pk)
+        .where(*conditions)
+        .order_by(c.priority.desc(), c.run_after, qt.pk)
+        .limit(bindparam(LIMIT_PARAM, type_=c.attempts.type))
+        .with_for_update(skip_locked=True)
+        .subquery("claimable")
+    )
+    lease = bindparam(LEASE_PARAM, type_=Float())
+    return (
+        qt.table.update()
+        .where(qt.pk == claimable.c[qt.pk.name])
+        .values(
+            status=status_literal(RUNNING),
+            lease_owner=bindparam(OWNER_PARAM, type_=c.lease_owner.type),
+            lease_expires_at=_clock() + _seconds_interval(lease),
+            attempts=c.attempts + 1,
+        )
+        .returning(*qt.table.c)
+    )
+
+
+def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """``done`` for every token still running under its owner and attempt:
+    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``; returns ``(pk, attempts)`` of each."""
+    qt = queue_table(model)
+    tokens = _token_table(qt)
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def retry_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """Failed attempts: back to ``pending`` after each token's delay (seconds), or
+    ``failed`` once ``max_attempts`` are used; ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM,
+    ERRORS_PARAM, DELAYS_PARAM}``. Returns ``(pk, attempts, status)``."""
+    qt = queue_table(model)
+    c = qt.c
+    tokens = _token_table(qt, (ERRORS_PARAM, "text"), (DELAYS_PARAM, "float"))
+    exhausted = c.attempts >= c.max_attempts
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
+            run_after=case(
+                (exhausted, c.run_after),
+                else_=_clock() + _seconds_interval(tokens.c[DELAYS_PARAM]),
+            ),
+            finished_at=case((exhausted, _clock()), else_=null()),
+            last_error=tokens.c[ERRORS_PARAM],
+            lease_owner=case((exhausted, c.lease_owner), else_=null()),
+            lease_expires_at=null(),
+            isolated=false(),
+        )
+        .returning(qt.pk, tokens.c.attempt, c.status)
+    )
+
+
+def fail_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """Dead-letter (``failed``) now, whatever attempts remain: ``{OWNER_PARAM, IDS_PARAM,
+    ATTEMPTS_PARAM, ERRORS_PARAM}``. Returns ``(pk, attempts)``."""
+    qt = queue_table(model)
+    tokens = _token_table(qt, (ERRORS_PARAM, "text"))
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=status_literal(FAILED),
+            finished_at=_clock(),
+            last_error=tokens.c[ERRORS_PARAM],
+            lease_expires_at=null(),
+        )
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def release_many_if_owner(model: QueueModel, *, refund_attempt: bool) -> ReturningUpdate[Any]:
+    """Back to ``pending`` at once (shutdown, a lost connection): ``{OWNER_PARAM,
+    IDS_PARAM, ATTEMPTS_PARAM}``. See :func:`release_if_owner` on ``refund_attempt``."""
+    qt = queue_table(model)
+    c = qt.c
+    tokens = _token_table(qt)
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=status_literal(PENDING),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            attempts=c.attempts - 1 if refund_attempt else c.attempts,
+        )
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def extend_unlocked_leases_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """The heartbeat: push the leases of the tokens forward, skipping rows locked by
+    another transaction (a handler updating its own job row) instead of waiting for them:
+    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM, LEASE_PARAM}``. Returns ``(pk, attempts)``;
+    a token missing from the result is locked or lost: ask :func:`owned_tokens`."""
+    qt = queue_table(model)
+    tokens = _token_table(qt)
+    lockable = (
+        select(qt.pk)
+        .select_from(qt.table.join(tokens, qt.pk == tokens.c.pk))
+        .where(_token_fence(qt, tokens))
+        .with_for_update(skip_locked=True, of=qt.table)
+        .subquery("lockable")
+    )
+    lease = bindparam(LEASE_PARAM, type_=Float())
+    return (
+        qt.table.update()
+        .where(qt.pk == lockable.c[qt.pk.name], _status(qt, RUNNING))
+        .values(lease_expires_at=_clock() + _seconds_interval(lease))
+        .returning(qt.pk, qt.c.attempts)
+    )
+
+
+def owned_tokens(model: QueueModel) -> Select[Any]:
+    """Which tokens ``owner`` still holds, read without locking (a row another transaction
+    has locked reads as last committed): ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``."""
+    qt = queue_table(model)
+    tokens = _token_table(qt)
+    return select(qt.pk, qt.c.attempts).select_from(qt.table).join(tokens, _token_fence(qt, tokens))
+
+
+def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) -> Select[Any]:
+    """When the next delayed job (or retry) of ``queues`` falls due, as seconds from now
+    (NULL when none waits): lets an idle worker wake at that time, not at its next poll."""
+    qt = queue_table(model)
+    c = qt.c
+    soonest = (
+        select(c.run_after)
+        .where(_status(qt, PENDING), c.run_after > func.now(), *_queue_filter(qt, queues))
+        .order_by(c.run_after)
+        .limit(1)
+        .scalar_subquery()
+    )
+    return select(func.extract("epoch", soonest - func.now()))

@@ -20,6 +20,8 @@ from sqla_queue.embedded import EmbeddedPostgres
 from . import models
 from .helpers import Server
 
+pytest_plugins = ["tests.workers"]
+
 
 def _admin_url() -> tuple[URL, EmbeddedPostgres | None]:
     raw = os.environ.get("DATABASE_URL")

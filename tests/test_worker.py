@@ -4,70 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select, text, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from sqla_queue import Backoff, LeaseLost, QueueSession, Tasks, Worker
+from sqla_queue import Tasks, Worker
 from sqla_queue import sql as q
 
 from .helpers import wait_for
-from .models import EmailJob, Effect, Task
+from .models import Effect, EmailJob, Task
 from .worker_app import tasks as app_tasks
-
-FAST = Backoff(base=0.05, factor=2, cap=0.2, jitter=0)
-TASKS = Task.__table__
-
-
-@pytest.fixture
-def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
-    return sessionmaker(engine, class_=QueueSession)
-
-
-@pytest.fixture
-def start_worker(engine: Engine) -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
-
-    def start(handler: Any = app_tasks, model: Any = Task, **options: Any) -> Worker:
-        options.setdefault("backoff", FAST)
-        options.setdefault("poll_interval", 0.5)
-        options.setdefault("sweep_interval", 0.2)
-        options.setdefault("shutdown_grace", 5)
-        worker = Worker(engine, model, handler, **options)
-        worker.start()
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop(grace=1)
-
-
-def add(Sessions: sessionmaker[QueueSession], task: str, n: int = 1, **payload: Any) -> list[int]:
-    options = {k: payload.pop(k) for k in ("max_attempts", "queue", "priority") if k in payload}
-    with Sessions() as session:
-        jobs = [session.enqueue(Task(task=task, payload=dict(payload)), **options) for _ in range(n)]
-        session.commit()
-        return [job.id for job in jobs]
-
-
-def job(engine: Engine, job_id: int) -> Any:
-    with engine.connect() as conn:
-        return conn.execute(select(TASKS).where(TASKS.c.id == job_id)).one()
-
-
-def status_is(engine: Engine, job_id: int, *statuses: str) -> Callable[[], bool]:
-    return lambda: job(engine, job_id).status in statuses
-
-
-def effects(engine: Engine) -> list[Any]:
-    with engine.connect() as conn:
-        return conn.execute(select(Effect).order_by(Effect.id)).all()
-
+from .workers import FAST, TASKS, add, effects, job, status_is
 
 # -- outcomes ------------------------------------------------------------------------------
 
@@ -257,10 +207,12 @@ def test_stale_completion_is_refused_and_its_writes_rolled_back(
     assert (final.status, final.attempts, final.lease_owner) == ("done", 2, fresh.owner)
 
 
-def test_lease_lost_reaches_a_handler_that_commits_itself(
+def test_a_handler_that_commits_after_losing_its_lease_commits_nothing(
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
-    caught: list[BaseException] = []
+    """The handler's own commit() only releases a savepoint: the worker commits, and
+    finding the job taken, rolls everything back."""
+    committed = threading.Event()
     tasks = Tasks()
 
     @tasks.task
@@ -268,16 +220,14 @@ def test_lease_lost_reaches_a_handler_that_commits_itself(
         session.add(Effect(job_id=job.id, worker="w"))
         with engine.begin() as conn:  # someone else takes the job meanwhile
             conn.execute(update(TASKS).values(lease_owner="thief"))
-        try:
-            session.commit()
-        except LeaseLost as exc:
-            caught.append(exc)
-            raise
+        session.commit()
+        committed.set()
 
-    (job_id,) = add(Sessions, "commits")
-    start_worker(tasks)
-    wait_for(lambda: caught)
-    assert "no longer leased" in str(caught[0]) and effects(engine) == []
+    add(Sessions, "commits")
+    worker = start_worker(tasks)
+    assert committed.wait(10)
+    wait_for(lambda: worker.stats.lost == 1, what="the lost lease to be noticed")
+    assert effects(engine) == [] and worker.stats.done == 0
 
 
 # -- wake-ups ------------------------------------------------------------------------------
@@ -285,7 +235,7 @@ def test_lease_lost_reaches_a_handler_that_commits_itself(
 
 def test_notify_wakes_an_idle_worker(engine: Engine, Sessions: Any, start_worker: Any) -> None:
     worker = start_worker(poll_interval=120)
-    wait_for(worker._claimer.went_idle, what="the worker to go idle")
+    wait_for(worker.idle, what="the worker to go idle")
     started = time.monotonic()
     (job_id,) = add(Sessions, "record")
     wait_for(status_is(engine, job_id, "done"), timeout=10)
@@ -295,8 +245,8 @@ def test_notify_wakes_an_idle_worker(engine: Engine, Sessions: Any, start_worker
 
 def test_poll_only_mode_still_finds_jobs(engine: Engine, Sessions: Any, start_worker: Any) -> None:
     worker = start_worker(listen=False, poll_interval=0.3)
-    assert worker._listener is None
-    wait_for(worker._claimer.went_idle)
+    assert worker.listener is None
+    wait_for(worker.idle)
     (job_id,) = add(Sessions, "record")
     wait_for(status_is(engine, job_id, "done"), timeout=10)
 
@@ -305,11 +255,11 @@ def test_polling_still_finds_jobs_when_listen_is_broken(
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
     worker = Worker(engine, Task, app_tasks, poll_interval=0.4, backoff=FAST)
-    assert worker._listener is not None
-    worker._listener._channel = "a_channel_nobody_notifies"  # LISTEN works, hears nothing
+    assert worker.listener is not None
+    worker.listener.channel = "a_channel_nobody_notifies"  # LISTEN works, hears nothing
     worker.start()
     try:
-        wait_for(worker._claimer.went_idle)
+        wait_for(worker.idle)
         (job_id,) = add(Sessions, "record")
         wait_for(status_is(engine, job_id, "done"), timeout=10)
     finally:
@@ -328,25 +278,25 @@ def test_every_worker_connection_uses_the_engine_options(
     worker.start()
     try:
         wait_for(started.exists)
-        wait_for(lambda: worker._heartbeat._conn is not None, what="a heartbeat")
+        wait_for(lambda: worker.stats.heartbeats >= 2, what="heartbeats")
 
         def tagged() -> dict[int, str]:
             with engine.connect() as conn:
                 rows = conn.execute(
                     text(
                         "SELECT pid, coalesce(query, '') FROM pg_stat_activity "
-                        "WHERE application_name = 'sqla_queue_tagged'"
+                        "WHERE application_name = 'sqla_queue_tagged' AND datname = current_database()"
                     )
                 )
                 return dict(rows.all())
 
-        listening = lambda: [pid for pid, q in tagged().items() if q.startswith("LISTEN")]  # noqa: E731
-        wait_for(listening, what="the listener's connection, tagged")
-        heartbeat_conn = worker._heartbeat._conn
-        assert heartbeat_conn is not None
-        heartbeat_pid = heartbeat_conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
-        assert heartbeat_pid in tagged() and heartbeat_pid not in listening()
-        assert len(tagged()) >= 3  # and the handler's pooled connection besides
+        def with_query(prefix: str) -> list[int]:
+            return [pid for pid, q in tagged().items() if q.startswith(prefix)]
+
+        wait_for(lambda: with_query("LISTEN"), what="the listener's connection, tagged")
+        wait_for(lambda: with_query("UPDATE tasks SET lease_expires_at"), what="the heartbeat's, tagged")
+        # listener, heartbeat, sweeper and one connection per executor: all made by app_engine
+        assert len(tagged()) >= 3 + worker.config.concurrency
     finally:
         worker.stop(grace=0.1)
         app_engine.dispose()
@@ -354,20 +304,20 @@ def test_every_worker_connection_uses_the_engine_options(
 
 def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, start_worker: Any) -> None:
     worker = start_worker(poll_interval=120)
-    listener = worker._listener
+    listener = worker.listener
     assert listener is not None
-    wait_for(lambda: listener.connected_count == 1)
-    wait_for(worker._claimer.went_idle)
+    wait_for(lambda: listener.connections == 1)
+    wait_for(worker.idle)
     with engine.begin() as conn:
         killed = conn.scalar(
             text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid() AND datname = current_database()"
             )
         )
     assert killed == 1
     (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
-    wait_for(lambda: listener.connected_count == 2, what="the listener to reconnect")
+    wait_for(lambda: listener.connections == 2, what="the listener to reconnect")
     wait_for(status_is(engine, job_id, "done"), timeout=10)
 
 

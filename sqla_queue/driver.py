@@ -1,0 +1,343 @@
+"""What the worker runtime needs from PostgreSQL and psycopg 3, and nothing else does.
+
+The services of :mod:`sqla_queue.worker` talk to a :class:`Driver`: it makes dedicated
+connections (kept out of the engine's pool, with keepalives and server-side timeouts),
+compiles the statements of :mod:`sqla_queue.sql` once and runs them on the psycopg
+connection, reads claimed rows so that one unreadable row cannot spoil its batch, LISTENs,
+cuts a hung call short, and tells connection errors from the rest. An asyncio driver
+offers the same operations as coroutines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import psycopg
+from psycopg import sql as pgsql
+from psycopg.types.string import TextLoader
+from sqlalchemy import Connection, Engine
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from .errors import SqlaQueueError
+
+__all__ = ["DbConnection", "Driver", "RowError", "Statement", "WorkerStartError"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+#: Queue columns a table must have for the worker to run it.
+REQUIRED_COLUMNS: Final = (
+    "queue",
+    "status",
+    "priority",
+    "run_after",
+    "attempts",
+    "max_attempts",
+    "lease_owner",
+    "lease_expires_at",
+    "last_error",
+    "isolated",
+    "finished_at",
+)
+
+
+class WorkerStartError(SqlaQueueError, RuntimeError):
+    """The worker cannot start: no connection, not PostgreSQL, or no usable queue table."""
+
+
+@dataclass(frozen=True)
+class Statement:
+    """A SQLAlchemy statement compiled once for psycopg: SQL text, defaults, processors."""
+
+    sql: str
+    defaults: Mapping[str, Any]
+    processors: Mapping[str, Any]
+
+    def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        params = dict(self.defaults)
+        params.update(values)
+        for name, process in self.processors.items():
+            if name in params and params[name] is not None:
+                params[name] = process(params[name])
+        return params
+
+
+@dataclass(frozen=True)
+class RowError:
+    """A claimed row psycopg could not read: its key and attempt, and why."""
+
+    pk: Any
+    attempt: int
+    error: BaseException
+
+
+class DbConnection:
+    """A dedicated connection: the SQLAlchemy ``Connection`` (for sessions) and its
+    psycopg connection (for the runtime's own statements), autocommit between uses."""
+
+    def __init__(self, sa: Connection, purpose: str) -> None:
+        self.sa = sa
+        self.purpose = purpose
+        raw: Any = sa.connection.dbapi_connection
+        self.raw: psycopg.Connection[Any] = raw
+        self.raw.autocommit = True
+        # JSON is read as text and parsed per row by the loader, so one value Python
+        # cannot parse fails its own job, not the whole claim.
+        self._cursor = self.raw.cursor()
+        for name in ("json", "jsonb"):
+            self._cursor.adapters.register_loader(name, TextLoader)
+        self.closed = False
+
+    @property
+    def broken(self) -> bool:
+        return self.closed or self.raw.closed or self.raw.broken
+
+    def execute(self, stmt: Statement, values: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """Run ``stmt`` (autocommit: one round trip) and return its rows."""
+        cur = self._cursor
+        cur.execute(stmt.sql, stmt.params(values))
+        return cur.fetchall() if cur.pgresult is not None and cur.description else []
+
+    def fetch_claimed(
+        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int
+    ) -> list[tuple[Any, ...] | RowError]:
+        """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`."""
+        cur = self._cursor
+        cur.execute(stmt.sql, stmt.params(values))
+        try:
+            return list(cur.fetchall())
+        except Exception:  # noqa: BLE001 - find the unreadable rows one by one
+            pass
+        rows: list[tuple[Any, ...] | RowError] = []
+        result = cur.pgresult
+        assert result is not None
+        for n in range(result.ntuples):
+            cur.scroll(n, mode="absolute")
+            try:
+                row = cur.fetchone()
+                assert row is not None
+                rows.append(row)
+            except Exception as error:  # noqa: BLE001 - this row fails alone
+                pk = self._load_one(cur, n, pk_index)
+                attempt = self._load_one(cur, n, attempt_index)
+                rows.append(RowError(pk, int(attempt), error))
+        return rows
+
+    @staticmethod
+    def _load_one(cur: psycopg.Cursor[Any], row: int, col: int) -> Any:
+        result = cur.pgresult
+        assert result is not None
+        data = result.get_value(row, col)
+        oid, fmt = result.ftype(col), result.fformat(col)
+        loader_class = cur.adapters.get_loader(oid, psycopg.pq.Format(fmt))
+        if data is None or loader_class is None:
+            return data
+        return loader_class(oid, cur).load(data)
+
+    def fileno(self) -> int:
+        return self.raw.pgconn.socket
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with suppress(Exception):
+            self._cursor.close()
+        with suppress(Exception):
+            self.sa.invalidate()
+        with suppress(Exception):
+            self.sa.close()
+        with suppress(Exception):
+            self.raw.close()
+
+
+class Driver:
+    """psycopg 3 on PostgreSQL, for one engine."""
+
+    def __init__(self, engine: Engine, *, keepalive: float = 5.0) -> None:
+        if engine.dialect.name != "postgresql":
+            raise WorkerStartError(
+                f"the worker needs PostgreSQL, got the {engine.dialect.name!r} dialect"
+            )
+        if engine.dialect.driver != "psycopg":
+            raise WorkerStartError(
+                f"the worker needs the psycopg 3 driver (postgresql+psycopg://), got "
+                f"{engine.dialect.driver!r}"
+            )
+        self.engine = engine
+        self.dialect = engine.dialect
+        self.keepalive = keepalive
+
+    # -- statements --------------------------------------------------------------------
+
+    def compile(self, stmt: ClauseElement) -> Statement:
+        compiled = cast(SQLCompiler, stmt.compile(dialect=self.dialect))
+        defaults = compiled.construct_params(_check=False) or {}
+        processors = {
+            name: proc for name, proc in (compiled._bind_processors or {}).items() if proc
+        }
+        return Statement(compiled.string, dict(defaults), processors)
+
+    # -- connections -------------------------------------------------------------------
+
+    def connect(
+        self,
+        purpose: str,
+        *,
+        statement_timeout: float | None = None,
+        lock_timeout: float | None = None,
+        listen: str | None = None,
+    ) -> DbConnection:
+        """A connection made by the engine (its URL, ``connect_args`` and events) but kept
+        out of its pool, so a busy pool can never starve the runtime."""
+        sa = self.engine.connect()
+        try:
+            sa.detach()
+            conn = DbConnection(sa, purpose)
+            self._keepalive(conn)
+            settings = []
+            if statement_timeout is not None:
+                settings.append(("statement_timeout", f"{int(statement_timeout * 1000)}ms"))
+            if lock_timeout is not None:
+                settings.append(("lock_timeout", f"{int(lock_timeout * 1000)}ms"))
+            for name, value in settings:
+                conn.raw.execute(
+                    pgsql.SQL("SELECT set_config({}, {}, false)").format(
+                        pgsql.Literal(name), pgsql.Literal(value)
+                    )
+                )
+            if listen is not None:
+                conn.raw.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(listen)))
+        except BaseException:
+            with suppress(Exception):
+                sa.invalidate()
+            with suppress(Exception):
+                sa.close()
+            raise
+        return conn
+
+    def _keepalive(self, conn: DbConnection) -> None:
+        """TCP keepalives and a user timeout: a dead peer is noticed in seconds."""
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return
+            idle = max(int(self.keepalive), 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (
+                ("TCP_KEEPIDLE", idle),
+                ("TCP_KEEPINTVL", idle),
+                ("TCP_KEEPCNT", 3),
+                ("TCP_USER_TIMEOUT", idle * 4 * 1000),
+            ):
+                if hasattr(socket, option):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        finally:
+            sock.close()  # closes the duplicate descriptor only
+
+    @staticmethod
+    def notify(conn: DbConnection, channel: str, payloads: Sequence[str]) -> None:
+        """Wake the listeners of ``channel``, one notification per payload."""
+        conn.raw.execute(
+            "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload", (channel, list(payloads))
+        )
+
+    def notifies(self, conn: DbConnection, timeout: float) -> list[str]:
+        """Payloads of the notifications that arrive within ``timeout`` seconds."""
+        return [n.payload for n in conn.raw.notifies(timeout=timeout, stop_after=1)]
+
+    @contextmanager
+    def deadline(self, conn: DbConnection, seconds: float) -> Iterator[None]:
+        """Cut a call on ``conn`` short after ``seconds``: the socket is shut down, so a
+        call blocked on a hung server or network raises instead of waiting forever."""
+        timer = threading.Timer(seconds, self.abort, (conn,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    @staticmethod
+    def abort(conn: DbConnection) -> None:
+        with suppress(OSError):
+            fd = conn.fileno()
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+        log.warning("%s: a database call overran its deadline; connection dropped", conn.purpose)
+
+    # -- errors ------------------------------------------------------------------------
+
+    @staticmethod
+    def is_connection_error(exc: BaseException) -> bool:
+        """A lost connection or server, as opposed to an error of the statement."""
+        if isinstance(exc, sa_exc.DBAPIError):
+            if exc.connection_invalidated:
+                return True
+            exc = exc.orig if exc.orig is not None else exc
+        if isinstance(exc, psycopg.OperationalError):
+            return not isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
+        return isinstance(exc, ConnectionError)
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def check_table(self, schema: str | None, table: str) -> None:
+        """Fail fast: the server answers and the table exists with the queue columns."""
+        try:
+            conn = self.connect("start-up check", statement_timeout=10)
+        except Exception as exc:
+            raise WorkerStartError(
+                f"cannot connect to {self.engine.url.render_as_string(hide_password=True)}: "
+                f"{_first_line(exc)}"
+            ) from exc
+        try:
+            name = f"{schema}.{table}" if schema else table
+            rows = conn.raw.execute(
+                "SELECT a.attname FROM pg_attribute a "
+                "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+                (pgsql.Identifier(*([schema, table] if schema else [table])).as_string(conn.raw),),
+            ).fetchall()
+        finally:
+            conn.close()
+        if not rows:
+            raise WorkerStartError(
+                f"table {name!r} does not exist in that database: create it (metadata.create_all "
+                f"or a migration) before starting the worker"
+            )
+        missing = sorted(set(REQUIRED_COLUMNS) - {r[0] for r in rows})
+        if missing:
+            raise WorkerStartError(
+                f"table {name!r} lacks the queue columns {', '.join(missing)}: migrate it "
+                f"(the model uses JobMixin, the table does not yet)"
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def tokens_params(
+    owner: str, tokens: Sequence[tuple[Any, int]], **arrays: Any
+) -> dict[str, Any]:
+    """Parameters of the token templates of :mod:`sqla_queue.sql`."""
+    from . import sql as q
+
+    params: dict[str, Any] = {
+        q.OWNER_PARAM: owner,
+        q.IDS_PARAM: [t[0] for t in tokens],
+        q.ATTEMPTS_PARAM: [t[1] for t in tokens],
+    }
+    params.update(arrays)
+    return params

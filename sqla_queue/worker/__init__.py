@@ -1,0 +1,295 @@
+"""The worker: services that claim jobs, run handlers and keep every lease honest.
+
+A :class:`Worker` builds and supervises services that share one start/stop shape
+(:mod:`.service`) and one :class:`~.ledger.Ledger` of held jobs, and talk to PostgreSQL
+only through the :class:`~sqla_queue.driver.Driver`:
+
+- the **executors** (``concurrency`` threads, :mod:`.executor`): each claims a batch on
+  its own connection (:mod:`.producer`), runs the handlers, and hands every outcome to
+  the **completer** (:mod:`.completer`), the one path by which results reach the table;
+- the **heartbeat** (:mod:`.heartbeat`) extends the leases of every held job;
+- the **sweeper** (:mod:`.sweeper`) returns expired leases of dead workers;
+- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups (unless ``listen=False``).
+
+Services get their config, the ledger and the driver, never the worker. No SQL is
+written here: statements come from :mod:`sqla_queue.sql`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from types import FrameType
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..driver import Driver, WorkerStartError
+from ..model import QueueTable, queue_table
+from ..session import QueueSession
+from ..sql import ClaimToken
+from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
+from .completer import Completer
+from .config import WorkerConfig, check_options
+from .executor import Executor, ExecutorPool, Lane
+from .heartbeat import Heartbeat
+from .ledger import Ledger
+from .listener import Listener
+from .producer import Producer, WorkSignal
+from .service import Service
+from .stats import WorkerStats
+from .sweeper import Sweeper
+
+__all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+#: How long stop() gives the final hand-back of jobs still running after the grace.
+_HAND_BACK_SECONDS = 3.0
+
+
+class Worker:
+    """Run ``handler`` for the jobs of ``model``'s table.
+
+    ``handler`` is a callable taking ``(job)`` or ``(job, session)``, or a
+    :class:`~sqla_queue.Tasks` registry for a task table. ``job`` is an instance of
+    ``model`` built from the claimed row (detached: ``session.add(job)`` to change it in a
+    transactional handler).
+
+    ``session_factory`` makes the sessions of transactional handlers (default: a
+    :class:`~sqla_queue.QueueSession` on ``engine``, so handlers can enqueue follow-ups);
+    they are joined to the worker's transaction on ``engine`` (see the README).
+    ``job_context`` is entered around every job in its thread (Flask's
+    ``app.app_context``, a tracing span...). Every connection the worker uses is made by
+    ``engine`` (its URL, ``connect_args`` and events) but kept out of its pool: one per
+    executor thread, and one each for the heartbeat, the sweeper and the listener.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: Any,
+        handler: Handler | Tasks,
+        *,
+        config: WorkerConfig | None = None,
+        session_factory: Callable[[], Session] | None = None,
+        job_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        **options: Any,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.handler = handler
+        self.job_context = job_context
+        self.config = replace(config, **options) if config is not None else check_options(**options)
+        self.session_factory = session_factory or sessionmaker(engine, class_=QueueSession)
+        self._qt: QueueTable = queue_table(model)
+        if self._qt.mapped_class is None:
+            raise TypeError("Worker needs a mapped model class, not a Table")
+        resolved = self._resolve_handlers(handler)
+        self._driver = Driver(engine)
+        name = self.config.name or f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = f"{name}:{uuid.uuid4().hex[:8]}"
+        self.stats = WorkerStats()
+        self.ledger = Ledger()
+        self.signal = WorkSignal()
+
+        cfg, driver, qt = self.config, self._driver, self._qt
+        self._producer = Producer(cfg, self.ledger, driver, qt, self._qt.mapped_class, self.owner, self.signal)
+        completer = Completer(cfg, self.ledger, driver, qt, self.owner, self.stats, self.signal)
+        self._completer = completer
+        executor = Executor(cfg, self.ledger, driver, qt, self.owner, resolved, self.session_factory, job_context)
+        self.executors = ExecutorPool(
+            cfg, self.ledger, driver, self._producer, executor, completer, self.signal, self.stats
+        )
+        self.heartbeat = Heartbeat(cfg, self.ledger, driver, qt, self.owner, self.stats)
+        self.sweeper = (
+            Sweeper(cfg, driver, qt, self.stats, self._producer, self.signal) if cfg.sweep_interval > 0 else None
+        )
+        self.listener = (
+            Listener(cfg, driver, qt.channel, self.signal, queues=cfg.queues) if cfg.listen else None
+        )
+        self._stopping = threading.Event()
+        self._hard_stop = threading.Event()
+        self._stopped = threading.Event()
+        self._started = False
+
+    def _resolve_handlers(self, handler: Handler | Tasks) -> ResolvedHandler | Tasks:
+        if isinstance(handler, Tasks):
+            if not self._qt.is_task_table:
+                raise TypeError(f"a Tasks registry needs a TaskMixin model, {self.model!r} is not one")
+            for name in handler:
+                _refuse_async(handler.lookup(name))
+            return handler
+        resolved = resolve_handler(handler)
+        _refuse_async(resolved)
+        return resolved
+
+    @staticmethod
+    def check_options(**options: Any) -> None:
+        """Raise now (TypeError, ValueError) for options a worker would refuse later."""
+        check_options(**options)
+
+    def with_options(self, **options: Any) -> Worker:
+        """A new, unstarted worker like this one with some options changed."""
+        if not options:
+            return self
+        return Worker(
+            self.engine,
+            self.model,
+            self.handler,
+            config=replace(self.config, **options),
+            session_factory=self.session_factory,
+            job_context=self.job_context,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def services(self) -> list[Service]:
+        found: list[Service | None] = [self.heartbeat, self.sweeper, self.listener, self.executors]
+        return [s for s in found if s is not None]
+
+    def start(self) -> None:
+        """Check the database and the table, start every service, and return.
+
+        Raises :class:`~sqla_queue.driver.WorkerStartError` (one clear line) when the
+        database cannot be reached or the table is missing or lacks the queue columns.
+        """
+        if self._started:
+            raise RuntimeError("worker already started")
+        table = self._qt.table
+        self._driver.check_table(table.schema, table.name)
+        self._started = True
+        cfg = self.config
+        log.info(
+            "worker %s starting: table=%s queues=%s concurrency=%d lease=%.1fs",
+            self.owner, table.fullname, ",".join(cfg.queues) if cfg.queues else "*",
+            cfg.concurrency, cfg.lease,
+        )
+        for service in self.services():
+            service.start()
+
+    def run(self, *, install_signal_handlers: bool = True, until_idle: bool = False) -> None:
+        """Run until stopped (SIGTERM/SIGINT, :meth:`request_stop`), then shut down gracefully.
+
+        The first signal stops claiming and lets running jobs finish within
+        ``shutdown_grace``; a second one hands everything back at once.
+        ``until_idle=True`` stops once no job is runnable, none is running, and none
+        falls due within ``poll_interval`` (for scripts and tests).
+        """
+        previous: dict[signal.Signals, Any] = {}
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self.start()
+            quiet_since: float | None = None
+            while not self._stopping.is_set():
+                if until_idle:
+                    if self.idle():
+                        quiet_since = quiet_since or time.monotonic()
+                        if time.monotonic() - quiet_since >= 0.05:
+                            break
+                    else:
+                        quiet_since = None
+                self._stopping.wait(0.02 if until_idle else 1.0)
+            self.stop()
+        finally:
+            for sig, old_handler in previous.items():
+                signal.signal(sig, old_handler)
+
+    def idle(self) -> bool:
+        """No job held, every executor waiting for work, none due within the poll."""
+        return not len(self.ledger) and self.signal.quiet(self.config.concurrency, self.config.poll_interval)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stopping.is_set():
+            log.warning("worker %s: second signal, stopping now", self.owner)
+            self._hard_stop.set()
+        else:
+            log.info("worker %s: %s received, finishing running jobs (grace %.1fs)",
+                     self.owner, signal.Signals(signum).name, self.config.shutdown_grace)
+        self._stopping.set()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop gracefully (thread-safe, returns at once)."""
+        self._stopping.set()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop claiming, let running jobs finish within ``grace``, hand back the rest.
+
+        Returns within ``grace`` plus a few seconds, whatever the database or the
+        handlers are doing: every statement it runs has a deadline.
+        """
+        if self._stopped.is_set():
+            return
+        self._stopping.set()
+        if not self._started:
+            self._stopped.set()
+            return
+        self.executors.request_stop()
+        grace = self.config.shutdown_grace if grace is None else grace
+        waiting = self.ledger.take_unstarted()
+        if waiting:
+            self._hand_back(waiting, refund=True)
+        self.ledger.wait_empty(grace, self._hard_stop)
+        left = self.ledger.held()
+        if left:
+            log.warning("worker %s: %d job(s) still running after the grace period; handing them back",
+                        self.owner, len(left))
+            self._hand_back(left, refund=False)
+        self.executors.join(1.0)
+        for service in (self.heartbeat, self.sweeper, self.listener):
+            if service is not None:
+                service.stop(timeout=2.0)
+        self._stopped.set()
+        log.info("worker %s stopped: %s", self.owner, self.stats)
+
+    def _hand_back(self, held: list[Any], *, refund: bool) -> None:
+        """Release ``held`` on a connection of its own, within a deadline."""
+        lane = Lane(self._driver, "sqla_queue shutdown")
+        done = threading.Event()
+
+        def hand_back() -> None:
+            try:
+                conn = lane.connect()
+                with self._driver.deadline(conn, _HAND_BACK_SECONDS):
+                    self._completer.hand_back(lambda: conn, held, refund=refund)
+            except Exception as exc:  # noqa: BLE001 - their leases will expire instead
+                log.warning("worker %s: could not hand back %d job(s) (%s); they return after their lease",
+                            self.owner, len(held), exc)
+            finally:
+                lane.reset()
+                done.set()
+
+        thread = threading.Thread(target=hand_back, name="sqla_queue-hand-back", daemon=True)
+        thread.start()
+        done.wait(_HAND_BACK_SECONDS + 1.0)
+        self.ledger.lose(held)  # a handler still running must not complete after hand-back
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def held(self) -> list[ClaimToken]:
+        """Tokens of the jobs this worker holds right now (for tests and introspection)."""
+        return [h.token for h in self.ledger.held()]
+
+
+def _refuse_async(handler: ResolvedHandler) -> None:
+    fn = handler.fn
+    target = getattr(fn, "func", fn)  # functools.partial
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__):
+        raise TypeError(
+            f"handler {handler.name!r} is a coroutine function: the thread Worker cannot await it; "
+            f"make it a plain function, or run it on an asyncio worker"
+        )

@@ -1,0 +1,204 @@
+"""The completer: the one path by which every outcome reaches the database.
+
+Outcomes are recorded in batches, one fenced statement per kind (built once by
+:mod:`sqla_queue.sql`, tokens as arrays), on the executor's own connection. A statement
+that moves fewer tokens than it was given tells which leases were lost meanwhile. One
+retry policy covers the database: connection errors are retried (the statements are
+fenced, so a repeat cannot do harm) until the lease would have lapsed anyway; any other
+error falls back to recording each job alone with a minimal error text, and a job that
+still cannot be recorded is let go, so its lease expires and the sweeper returns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import sql as q
+from ..driver import DbConnection, Driver, tokens_params
+from ..model import QueueTable
+from .config import WorkerConfig
+from .ledger import Held, Ledger
+from .outcome import Kind, Outcome
+from .producer import WorkSignal
+from .stats import WorkerStats
+
+__all__ = ["Completer"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+
+class Completer:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        ledger: Ledger,
+        driver: Driver,
+        qt: QueueTable,
+        owner: str,
+        stats: WorkerStats,
+        signal: WorkSignal,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.driver = driver
+        self.owner = owner
+        self.stats = stats
+        self.signal = signal
+        self._done = driver.compile(q.complete_many_if_owner(qt.table))
+        self._retry = driver.compile(q.retry_many_if_owner(qt.table))
+        self._fail = driver.compile(q.fail_many_if_owner(qt.table))
+        self._release = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=True))
+        self._hand_back = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=False))
+
+    def record(self, connect: Callable[[], DbConnection], outcomes: Sequence[Outcome]) -> None:
+        """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use."""
+        by_kind: dict[Kind, list[Outcome]] = {}
+        committed: list[Held] = []
+        lost: list[Held] = []
+        for outcome in outcomes:
+            if outcome.kind is Kind.COMMITTED:
+                committed.append(outcome.held)
+            elif outcome.kind is Kind.LOST or outcome.held.lost:
+                lost.append(outcome.held)
+            else:
+                by_kind.setdefault(outcome.kind, []).append(outcome)
+        if committed:
+            self.ledger.remove(committed)
+            self.stats.add("done", len(committed))
+        if lost:
+            self._lost(lost, "lease lost while running")
+        for kind, group in by_kind.items():
+            self._record_kind(connect, kind, group)
+
+    def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
+        """Shutdown: jobs back to ``pending`` at once; ``refund`` for those never started."""
+        self._record_kind(connect, Kind.RELEASE, [Outcome(h, Kind.RELEASE) for h in held], refund=refund)
+
+    # -- one kind ----------------------------------------------------------------------
+
+    def _record_kind(
+        self,
+        connect: Callable[[], DbConnection],
+        kind: Kind,
+        group: list[Outcome],
+        *,
+        refund: bool = True,
+    ) -> None:
+        alive = set(self.ledger.finishing([o.held for o in group]))
+        self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
+        outcomes = [o for o in group if o.held in alive]
+        if not outcomes:
+            return
+        try:
+            rows = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
+        except Exception as exc:  # noqa: BLE001 - fall back to one job at a time
+            if len(outcomes) > 1 or kind in (Kind.RETRY, Kind.FAIL):
+                log.warning("recording %d %s outcome(s) failed (%s); one at a time", len(outcomes), kind.value, exc)
+                for outcome in outcomes:
+                    self._record_alone(connect, outcome, refund)
+                return
+            log.error("job %s: could not record %s (%s); its lease will expire",
+                      outcomes[0].held.token.job_id, kind.value, exc)
+            self.ledger.lose([o.held for o in outcomes])
+            return
+        self._settle(kind, outcomes, rows)
+
+    def _record_alone(self, connect: Callable[[], DbConnection], outcome: Outcome, refund: bool) -> None:
+        attempts = [outcome]
+        if outcome.kind in (Kind.RETRY, Kind.FAIL):
+            safe = Outcome(outcome.held, outcome.kind, "the error text could not be stored", outcome.delay)
+            attempts.append(safe)
+        for candidate in attempts:
+
+            def run(conn: DbConnection, c: Outcome = candidate) -> list[tuple[Any, ...]]:
+                return self._run(conn, c.kind, [c], refund)
+
+            try:
+                rows = self._with_retries(connect, run)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("job %s: recording %s failed: %s", outcome.held.token.job_id, candidate.kind.value, exc)
+                continue
+            self._settle(candidate.kind, [candidate], rows)
+            return
+        log.error("job %s: no outcome could be recorded; its lease will expire", outcome.held.token.job_id)
+        self.ledger.lose([outcome.held])
+
+    def _run(self, conn: DbConnection, kind: Kind, outcomes: list[Outcome], refund: bool) -> list[tuple[Any, ...]]:
+        tokens = [o.held.token for o in outcomes]
+        if kind is Kind.DONE:
+            return conn.execute(self._done, tokens_params(self.owner, tokens))
+        if kind is Kind.RETRY:
+            params = tokens_params(
+                self.owner,
+                tokens,
+                **{q.ERRORS_PARAM: [o.error for o in outcomes], q.DELAYS_PARAM: [o.delay for o in outcomes]},
+            )
+            return conn.execute(self._retry, params)
+        if kind is Kind.FAIL:
+            params = tokens_params(self.owner, tokens, **{q.ERRORS_PARAM: [o.error for o in outcomes]})
+            return conn.execute(self._fail, params)
+        if kind is Kind.RELEASE:
+            return conn.execute(self._release if refund else self._hand_back, tokens_params(self.owner, tokens))
+        raise AssertionError(kind)
+
+    def _with_retries(self, connect: Callable[[], DbConnection], work: Callable[[DbConnection], Any]) -> Any:
+        """Connection errors are retried until about a lease has passed; the rest raise."""
+        give_up = time.monotonic() + self.config.lease
+        failures = 0
+        while True:
+            try:
+                return work(connect())
+            except Exception as exc:
+                if not self.driver.is_connection_error(exc) or time.monotonic() >= give_up:
+                    raise
+                failures += 1
+                delay = min(0.05 * 2**failures, self.config.reconnect_backoff)
+                log.warning("recording outcomes: %s; retrying in %.2fs", type(exc).__name__, delay)
+                time.sleep(delay)
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def _settle(self, kind: Kind, outcomes: list[Outcome], rows: list[tuple[Any, ...]]) -> None:
+        moved = {(row[0], row[1]): row for row in rows}
+        recorded = [o for o in outcomes if o.held.token in moved]
+        missed = [o.held for o in outcomes if o.held.token not in moved]
+        self.ledger.remove(o.held for o in recorded)
+        if missed:
+            self._lost(missed, "re-claimed or swept before its outcome was recorded")
+        if kind is Kind.DONE:
+            self.stats.add("done", len(recorded))
+        elif kind is Kind.FAIL:
+            self.stats.add("failed", len(recorded))
+            for o in recorded:
+                log.error("job %s attempt %d dead-lettered: %s",
+                          o.held.token.job_id, o.held.token.attempt, _first(o.error))
+        elif kind is Kind.RELEASE:
+            self.stats.add("released", len(recorded))
+        elif kind is Kind.RETRY:
+            now = time.monotonic()
+            for o in recorded:
+                status = moved[o.held.token][2]
+                if status == "failed":
+                    self.stats.add("failed")
+                    log.error("job %s attempt %d failed for good (dead letter): %s",
+                              o.held.token.job_id, o.held.token.attempt, _first(o.error))
+                else:
+                    self.stats.add("retried")
+                    self.signal.wake_at(now + o.delay)
+                    log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
+                                o.held.token.job_id, o.held.token.attempt, _first(o.error), o.delay)
+
+    def _lost(self, held: list[Held], why: str) -> None:
+        """Forget jobs whose lease is gone; count and log those not already known lost."""
+        newly = self.ledger.lose(held)
+        if newly:
+            self.stats.add("lost", len(newly))
+        for h in newly:
+            log.warning("job %s attempt %d: %s; its result was not recorded", h.token.job_id, h.token.attempt, why)
+
+
+def _first(text: str) -> str:
+    return text.splitlines()[0] if text else ""

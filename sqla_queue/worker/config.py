@@ -1,0 +1,107 @@
+"""How a worker is sized and timed: one frozen dataclass, checked when it is made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..sql import Backoff
+
+__all__ = ["WorkerConfig", "check_options"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Timing and sizing of a worker. Durations are in seconds.
+
+    The lease must comfortably exceed the heartbeat interval: a worker that misses
+    ``lease / heartbeat_interval`` beats in a row loses its jobs to the sweeper.
+    """
+
+    #: Handler threads; each claims, runs and completes its own jobs on its own connection.
+    concurrency: int = 4
+    #: Most jobs one thread claims at once. Default: sized by the handlers' speed, up to
+    #: 32 (fast handlers get large batches; slow ones, one job at a time).
+    batch_size: int | None = None
+    lease: float = 60.0
+    #: Default: a third of the lease.
+    heartbeat_interval: float | None = None
+    #: 0 turns the sweeper off (run ``sqla-queue sweep`` elsewhere then).
+    sweep_interval: float = 15.0
+    #: Idle threads claim at least this often, NOTIFY or not.
+    poll_interval: float = 5.0
+    shutdown_grace: float = 30.0
+    queues: tuple[str, ...] | None = None
+    #: False: poll only (PgBouncer in transaction pooling mode cannot LISTEN).
+    listen: bool = True
+    backoff: Backoff = field(default_factory=Backoff)
+    #: ``last_error`` keeps the exception and the end of its traceback, up to this size.
+    max_error_length: int = 4000
+    #: Prefix of the lease owner name; default: host name and process id.
+    name: str | None = None
+    #: Longest wait between reconnection attempts after the database went away.
+    reconnect_backoff: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.queues is not None and not isinstance(self.queues, tuple):
+            if isinstance(self.queues, str):
+                raise ValueError("queues must be a sequence of queue names, not a single string")
+            object.__setattr__(self, "queues", tuple(self.queues))
+        _positive_int("concurrency", self.concurrency)
+        if self.batch_size is not None:
+            _positive_int("batch_size", self.batch_size)
+        for name in ("lease", "poll_interval", "reconnect_backoff"):
+            _duration(name, getattr(self, name), positive=True)
+        for name in ("sweep_interval", "shutdown_grace"):
+            _duration(name, getattr(self, name), positive=False)
+        if self.heartbeat_interval is not None:
+            _duration("heartbeat_interval", self.heartbeat_interval, positive=True)
+        if self.effective_heartbeat >= self.lease:
+            raise ValueError(
+                f"heartbeat_interval ({self.effective_heartbeat}s) must be shorter than the "
+                f"lease ({self.lease}s)"
+            )
+        if self.queues is not None:
+            if not self.queues:
+                raise ValueError("queues must name at least one queue, or be None for all")
+            for queue in self.queues:
+                if not isinstance(queue, str) or not queue or "\x00" in queue:
+                    raise ValueError(f"queue names must be non-empty strings, got {queue!r}")
+        _positive_int("max_error_length", self.max_error_length)
+        if not isinstance(self.backoff, Backoff):
+            raise TypeError(f"backoff must be a sqla_queue.Backoff, got {self.backoff!r}")
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_size or 32
+
+    @property
+    def effective_heartbeat(self) -> float:
+        return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease / 3
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _duration(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} "
+                         f"number of seconds, got {value!r}")
+    if value > 10 * 365 * 86400:
+        raise ValueError(f"{name} is implausibly long: {value!r} seconds")
+
+
+def check_options(**options: Any) -> WorkerConfig:
+    """A config from keyword options, raising TypeError/ValueError for bad ones."""
+    known = {f.name for f in fields(WorkerConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown worker option(s): {', '.join(unknown)}")
+    return WorkerConfig(**options)

@@ -1,0 +1,323 @@
+"""Execution: threads that each claim, run and complete their own jobs.
+
+Each executor thread owns one dedicated connection: it claims a batch on it, runs the
+handlers one after another, and hands the outcomes to the completer, which records them
+on the same connection. No job crosses a thread, and a batch costs two round trips
+(claim, record) however many jobs it holds. The batch is sized by the handlers' measured
+speed: up to ``batch_size`` jobs for fast handlers, one at a time for slow ones, so a job
+never waits long behind its batch-mates.
+
+:class:`Executor` turns one run of a handler into an :class:`~.outcome.Outcome`; nothing a
+handler does (any ``BaseException``, a bad return value, an unformattable error, a lost
+connection) escapes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext, suppress
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from .. import sql as q
+from ..driver import DbConnection, Driver
+from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
+from ..model import QueueTable
+from ..tasks import ResolvedHandler, Tasks
+from .completer import Completer
+from .config import WorkerConfig
+from .ledger import Held, Ledger
+from .outcome import Kind, Outcome, describe_error, storable
+from .producer import Producer, WorkSignal
+from .service import Service
+from .stats import WorkerStats
+
+__all__ = ["Executor", "ExecutorPool", "Lane"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+#: Handler time one batch aims at: long enough to amortise the claim and the completion,
+#: short enough that a job waits little behind its batch-mates.
+BATCH_TARGET_SECONDS = 0.05
+#: The longest delay a retry can ask for (about ten years).
+MAX_DELAY_SECONDS = 10 * 365 * 86400.0
+
+
+class Lane:
+    """An executor thread's connection, reconnected on demand."""
+
+    def __init__(self, driver: Driver, name: str) -> None:
+        self.driver = driver
+        self.name = name
+        self.conn: DbConnection | None = None
+
+    def connect(self) -> DbConnection:
+        conn = self.conn
+        if conn is None or conn.broken:
+            if conn is not None:
+                conn.close()
+            self.conn = conn = None
+            self.conn = conn = self.driver.connect(self.name)
+        return conn
+
+    def reset(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+class Executor:
+    """Runs one job's handler and says what came of it."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        ledger: Ledger,
+        driver: Driver,
+        qt: QueueTable,
+        owner: str,
+        handler: ResolvedHandler | Tasks,
+        session_factory: Callable[[], Session],
+        job_context: Callable[[], AbstractContextManager[Any]] | None,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.driver = driver
+        self.owner = owner
+        self.handler = handler
+        self.session_factory = session_factory
+        self.job_context = job_context
+        self._complete_one = q.complete_template(qt.table, single=True)
+
+    def run(self, held: Held, lane: Lane) -> Outcome:
+        if held.load_error is not None:
+            return Outcome(held, Kind.FAIL, held.load_error)
+        try:
+            handler = self._resolve(held.job)
+            with self.job_context() if self.job_context is not None else nullcontext():
+                if handler.transactional:
+                    return self._transactional(held, handler, lane)
+                result = handler.fn(held.job)
+                if inspect.isawaitable(result):
+                    return self._awaitable(held, handler, result)
+                return Outcome(held, Kind.DONE)
+        except BaseException as exc:  # noqa: BLE001 - whatever a handler raises is its job's
+            return self.failure(held, exc)
+
+    def _resolve(self, job: Any) -> ResolvedHandler:
+        if isinstance(self.handler, Tasks):
+            return self.handler.lookup(job.task)
+        return self.handler
+
+    def _awaitable(self, held: Held, handler: ResolvedHandler, result: Any) -> Outcome:
+        close = getattr(result, "close", None)
+        if close is not None:
+            with suppress(Exception):
+                close()
+        return Outcome(
+            held,
+            Kind.FAIL,
+            f"handler {handler.name!r} returned an awaitable ({type(result).__name__}); the thread "
+            f"Worker runs plain functions: make it a def, or run it on an asyncio worker",
+        )
+
+    def failure(self, held: Held, exc: BaseException) -> Outcome:
+        limit = self.config.max_error_length
+        if isinstance(exc, LeaseLost):
+            return Outcome(held, Kind.LOST)
+        if isinstance(exc, UnknownTask):
+            return Outcome(held, Kind.FAIL, storable(str(exc), limit))
+        if isinstance(exc, DeadLetter):
+            return Outcome(held, Kind.FAIL, storable(f"DeadLetter: {_reason(exc)}", limit))
+        if isinstance(exc, RetryLater):
+            delay = min(exc.delay.total_seconds(), MAX_DELAY_SECONDS)
+            return Outcome(held, Kind.RETRY, storable(f"RetryLater: {_reason(exc)}", limit), delay)
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            log.error("job %s: the handler raised %s; the job will be retried",
+                      held.token.job_id, type(exc).__name__)
+        error = describe_error(exc, limit)
+        if self.driver.is_connection_error(exc):
+            # Not the job's fault: hand it back at once, no backoff.
+            return Outcome(held, Kind.RETRY, storable(f"connection lost: {error}", limit), 0.0)
+        try:
+            delay = min(self.config.backoff.delay(held.token.attempt).total_seconds(), MAX_DELAY_SECONDS)
+        except (OverflowError, ValueError):
+            delay = min(self.config.backoff.cap, MAX_DELAY_SECONDS)
+        return Outcome(held, Kind.RETRY, error, delay)
+
+    def _transactional(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
+        """The handler's writes and the fenced completion commit in one transaction.
+
+        The handler's session is joined to a transaction on this thread's connection in
+        ``create_savepoint`` mode: its ``commit()`` and ``rollback()`` (and its own
+        savepoints) act on a SAVEPOINT, and only this method commits the transaction,
+        after the handler returned, with the completion in it. So whatever shape the
+        handler's transaction takes, its final writes and the job's completion commit
+        together, or neither does.
+        """
+        conn = lane.connect()
+        conn.raw.autocommit = False
+        sa: Connection = conn.sa
+        trans = sa.begin()
+        session: Session | None = None
+        try:
+            try:
+                session = self._session_on(sa)
+                result = handler.fn(held.job, session)
+                if inspect.isawaitable(result):
+                    return self._awaitable(held, handler, result)
+                session.commit()
+            except BaseException as exc:  # noqa: BLE001
+                return self.failure(held, exc)
+            if not self.ledger.finishing([held]):
+                return Outcome(held, Kind.LOST)
+            params = {q.OWNER_PARAM: self.owner, q.JOB_PARAM: held.token.job_id,
+                      q.ATTEMPT_PARAM: held.token.attempt}
+            try:
+                row = sa.execute(self._complete_one, params).first()
+                if row is None:
+                    return Outcome(held, Kind.LOST)
+                trans.commit()
+            except Exception as exc:  # noqa: BLE001
+                if self.driver.is_connection_error(exc):
+                    # The commit may or may not have landed: claim neither; the row says.
+                    log.warning("job %s: connection lost while committing; outcome unknown",
+                                held.token.job_id)
+                    return Outcome(held, Kind.LOST)
+                return self.failure(held, exc)
+            return Outcome(held, Kind.COMMITTED)
+        finally:
+            if session is not None:
+                with suppress(Exception):
+                    session.close()
+            with suppress(Exception):
+                if trans.is_active:
+                    trans.rollback()
+            try:
+                conn.raw.autocommit = True
+            except Exception:  # noqa: BLE001 - a broken connection: make a new one
+                lane.reset()
+
+    def _session_on(self, sa: Connection) -> Session:
+        session = self.session_factory()
+        session.join_transaction_mode = "create_savepoint"
+        engine = self.driver.engine
+        resolve = session.get_bind
+
+        def get_bind(*args: Any, **kwargs: Any) -> Any:
+            found = resolve(*args, **kwargs)
+            return sa if found is engine else found
+
+        session.get_bind = get_bind  # type: ignore[method-assign]
+        return session
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _reason(exc: DeadLetter | RetryLater) -> str:
+    try:
+        return str(exc.reason)
+    except Exception:  # noqa: BLE001
+        return "<reason could not be formatted>"
+
+
+class ExecutorPool(Service):
+    """``concurrency`` executor threads, started and stopped as one service."""
+
+    name = "executor"
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        ledger: Ledger,
+        driver: Driver,
+        producer: Producer,
+        executor: Executor,
+        completer: Completer,
+        signal: WorkSignal,
+        stats: WorkerStats,
+    ) -> None:
+        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff)
+        self.config = config
+        self.ledger = ledger
+        self.driver = driver
+        self.producer = producer
+        self.executor = executor
+        self.completer = completer
+        self.signal = signal
+        self.stats = stats
+
+    def start(self) -> None:
+        if self._threads:
+            raise RuntimeError("executors already started")
+        for n in range(self.config.concurrency):
+            self._spawn(self._thread, f"sqla_queue-executor-{n}", n)
+
+    def request_stop(self) -> None:
+        super().request_stop()
+        self.signal.stop()
+
+    def _thread(self, index: int) -> None:
+        lane = Lane(self.driver, f"sqla_queue executor {index}")
+        limit = min(4, self.config.max_batch)
+        per_job: float | None = None
+        failures = 0
+        try:
+            while not self.stopping:
+                try:
+                    conn = lane.connect()
+                    held = self.producer.claim(conn, limit)
+                    if not held:
+                        if not self.stopping:
+                            self.producer.wait_for_work(conn)
+                        failures = 0
+                        continue
+                except Exception as exc:  # noqa: BLE001 - the database went away: back off
+                    lane.reset()
+                    failures += 1
+                    delay = self.backoff.delay(failures).total_seconds()
+                    log.warning("executor %d: %s: %s (retrying in %.2fs)", index, type(exc).__name__,
+                                _first_line(exc), delay)
+                    self.sleep(delay)
+                    continue
+                if failures:
+                    log.info("executor %d: recovered after %d error(s)", index, failures)
+                failures = 0
+                self.stats.add("claimed", len(held))
+                isolated = held[0].isolated
+                if len(held) == limit and not isolated:
+                    self.signal.wake()  # there may be more: rouse an idle peer
+                started = time.monotonic()
+                ran = self._run_batch(held, lane)
+                if ran:
+                    took = (time.monotonic() - started) / ran
+                    per_job = took if per_job is None else 0.7 * per_job + 0.3 * took
+                    limit = max(1, min(self.config.max_batch, int(BATCH_TARGET_SECONDS / max(per_job, 1e-6))))
+                if isolated:
+                    self.producer.look_for_isolated()
+                self._round_done()
+        finally:
+            lane.reset()
+
+    def _run_batch(self, held: list[Held], lane: Lane) -> int:
+        outcomes: list[Outcome] = []
+        ran = 0
+        try:
+            for h in held:
+                if not self.ledger.start(h):
+                    continue  # lost meanwhile, or handed back by a shutdown
+                outcomes.append(self.executor.run(h, lane))
+                ran += 1
+            self.completer.record(lane.connect, outcomes)
+        except Exception:
+            log.exception("executor: unexpected error; the batch's jobs return after their lease")
+            self.ledger.lose(held)
+        return ran

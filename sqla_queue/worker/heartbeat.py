@@ -1,0 +1,98 @@
+"""The heartbeat: keeps the leases of every held job, on a connection of its own.
+
+One statement per beat extends every token (arrays: any number of jobs). It skips rows
+another transaction has locked (a handler updating its own job row) instead of waiting
+for them, and asks which of the skipped tokens are still owned, so only a job that is
+really gone is reported lost. Each beat runs under a deadline: a hung connection is cut
+and replaced. If no beat succeeded for a whole lease, the sweeper may already have handed
+the jobs to others: the worker stops claiming and treats what it holds as lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import sql as q
+from ..driver import DbConnection, Driver, tokens_params
+from ..model import QueueTable
+from .config import WorkerConfig
+from .ledger import Ledger
+from .service import Service
+from .stats import WorkerStats
+
+__all__ = ["Heartbeat"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+
+class Heartbeat(Service):
+    name = "heartbeat"
+
+    def __init__(
+        self, config: WorkerConfig, ledger: Ledger, driver: Driver, qt: QueueTable, owner: str, stats: WorkerStats
+    ) -> None:
+        super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff)
+        self.config = config
+        self.ledger = ledger
+        self.driver = driver
+        self.owner = owner
+        self.stats = stats
+        self._extend = driver.compile(q.extend_unlocked_leases_if_owner(qt.table))
+        self._owned = driver.compile(q.owned_tokens(qt.table))
+        self._conn: DbConnection | None = None
+        self._last_ok = time.monotonic()
+
+    def tick(self) -> None:
+        self._check_health()
+        tokens = self.ledger.tokens()
+        if tokens:
+            lost = self._beat(tokens)
+            for token in lost:
+                if self.ledger.mark_lost(token) is not None:
+                    self.stats.add("lost")
+                    log.warning("job %s attempt %d: lease lost (re-claimed or swept); its result "
+                                "will not be recorded", token.job_id, token.attempt)
+        self._last_ok = time.monotonic()
+        if not self.ledger.healthy:
+            log.info("heartbeat: the database answers again; claiming resumes")
+            self.ledger.set_healthy(True)
+        self.stats.add("heartbeats")
+
+    def _beat(self, tokens: list[q.ClaimToken]) -> set[q.ClaimToken]:
+        conn = self._conn
+        if conn is None or conn.broken:
+            self.close()
+            self._conn = conn = self.driver.connect(
+                "sqla_queue heartbeat", statement_timeout=self.interval, lock_timeout=self.interval / 2
+            )
+        values = {**tokens_params(self.owner, tokens), q.LEASE_PARAM: float(self.config.lease)}
+        with self.driver.deadline(conn, self.interval):
+            extended = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._extend, values)}
+            missing = [t for t in tokens if t not in extended]
+            if not missing:
+                return set()
+            owned = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._owned, tokens_params(self.owner, missing))}
+        return {t for t in missing if t not in owned}
+
+    def _check_health(self) -> None:
+        if self.ledger.healthy and time.monotonic() - self._last_ok > self.config.lease:
+            held = self.ledger.held()
+            self.ledger.set_healthy(False)
+            lost = self.ledger.lose(held)
+            if lost:
+                self.stats.add("lost", len(lost))
+            log.error("heartbeat: no beat succeeded for a whole lease (%.1fs): claiming stops and "
+                      "the %d held job(s) are treated as lost", self.config.lease, len(lost))
+            for h in lost:
+                log.warning("job %s attempt %d: lease lost (no heartbeat for a whole lease); its "
+                            "result will not be recorded", h.token.job_id, h.token.attempt)
+
+    def on_error(self, exc: BaseException) -> None:
+        self.close()
+        self._check_health()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,62 @@
+"""LISTEN for committed jobs and wake an idle executor.
+
+The listener holds one dedicated autocommit connection (a connection idle in a
+transaction receives nothing). NOTIFY is not durable: notifications sent while the
+connection is down are lost, so after every (re)connect it wakes an executor once, and
+idle executors poll on their own timer regardless.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from ..driver import DbConnection, Driver
+from .config import WorkerConfig
+from .producer import WorkSignal
+from .service import Service
+
+__all__ = ["Listener"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+
+class Listener(Service):
+    name = "listener"
+
+    def __init__(
+        self, config: WorkerConfig, driver: Driver, channel: str, signal: WorkSignal,
+        *, queues: Collection[str] | None = None, timeout: float = 0.25,
+    ) -> None:
+        super().__init__(0.0, reconnect_backoff=config.reconnect_backoff)
+        self.driver = driver
+        self.channel = channel
+        self.signal = signal
+        self.queues = set(queues) if queues is not None else None
+        self.timeout = timeout
+        self._conn: DbConnection | None = None
+        #: Connections made so far; above 1 means it reconnected.
+        self.connections = 0
+
+    def tick(self) -> float:
+        conn = self._conn
+        if conn is None or conn.broken:
+            self.close()
+            self._conn = conn = self.driver.connect("sqla_queue listener", listen=self.channel)
+            self.connections += 1
+            if self.connections > 1:
+                log.info("listener: reconnected; polling once for jobs sent meanwhile")
+            self.signal.wake()  # jobs committed while we were not listening
+        payloads = self.driver.notifies(conn, self.timeout)
+        relevant = [p for p in payloads if self.queues is None or p in self.queues]
+        if relevant:
+            self.signal.wake(len(relevant))
+        return 0.0
+
+    def on_error(self, exc: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

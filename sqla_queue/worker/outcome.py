@@ -1,0 +1,69 @@
+"""What a handler's run came to: the executor's only product, the completer's only input."""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from dataclasses import dataclass
+
+from .ledger import Held
+
+__all__ = ["Kind", "Outcome", "describe_error", "storable"]
+
+
+class Kind(enum.Enum):
+    #: Finished: mark it ``done``.
+    DONE = "done"
+    #: Completed inside the handler's own transaction, which committed: nothing to record.
+    COMMITTED = "committed"
+    #: Failed: back to ``pending`` after ``delay`` (``failed`` once attempts are used up).
+    RETRY = "retry"
+    #: Dead-letter now.
+    FAIL = "fail"
+    #: Never started (shutdown): back to ``pending`` with the attempt refunded.
+    RELEASE = "release"
+    #: The lease was lost: someone else owns the job now; record nothing.
+    LOST = "lost"
+
+
+@dataclass(slots=True)
+class Outcome:
+    held: Held
+    kind: Kind
+    error: str = ""
+    delay: float = 0.0
+
+
+def storable(text: str, limit: int) -> str:
+    """Text PostgreSQL accepts: no NUL (text rejects it), no lone surrogate (not UTF-8),
+    at most ``limit`` characters."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[:limit]
+
+
+def describe_error(exc: BaseException, limit: int) -> str:
+    """``module.Type: message`` and the end of the traceback, storable and bounded,
+    whatever the exception does when formatted."""
+    kind = type(exc)
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+        message = "<exception message could not be formatted>"
+    head = storable(f"{kind.__module__}.{kind.__qualname__}: {message}", limit)
+    try:
+        tb = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+    except Exception:  # noqa: BLE001
+        return head
+    tb = storable(tb, limit * 4)
+    text = f"{head}\n\n{tb}"
+    if len(text) <= limit:
+        return text
+    keep = limit - len(head) - 40
+    if keep <= 0:
+        return head[:limit]
+    return f"{head}\n\n... (traceback truncated) ...\n{tb[-keep:]}"[:limit]

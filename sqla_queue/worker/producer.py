@@ -1,0 +1,180 @@
+"""Claiming: when to claim, how many, and the isolated-job policy.
+
+Every executor thread claims for itself, on its own connection, when it has nothing to
+run: there is no shared claim loop to hand jobs across threads. Idle threads wait on the
+:class:`WorkSignal`, which a NOTIFY, a due timer (a delayed job, a retry) or the poll
+interval ends. Jobs whose last lease expired (``isolated``: their worker may have died
+running them) are claimed one at a time, and a worker runs at most one at once, beside
+its ordinary jobs: a job that kills its worker costs an attempt only to the ordinary jobs
+running with it, never to another isolated job, so a poison job cannot take innocent
+ones down with it attempt after attempt.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from typing import Any
+
+from .. import sql as q
+from ..driver import DbConnection, Driver, RowError
+from ..model import QueueTable
+from ..sql import ClaimToken
+from .config import WorkerConfig
+from .ledger import Held, Ledger
+from .loader import RowLoader
+from .outcome import describe_error, storable
+
+__all__ = ["Producer", "WorkSignal"]
+
+log = logging.getLogger("sqla_queue.worker")
+
+
+class WorkSignal:
+    """Wakes idle executor threads: one per NOTIFY, at due times, or at the poll."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._tokens = 0
+        self._due: list[float] = []
+        self._stopped = False
+        self.idle = 0
+        #: Bumped by every wake-up; lets one idle thread per wake-up ask for due times.
+        self.generation = 0
+
+    def wake(self, count: int = 1) -> None:
+        with self._cond:
+            self._tokens += count
+            self.generation += 1
+            self._cond.notify(count)
+
+    def wake_at(self, when: float) -> None:
+        """Wake one idle thread at ``when`` (``time.monotonic()``)."""
+        with self._cond:
+            if len(self._due) > 1024:  # bounded: keep the soonest
+                self._due = heapq.nsmallest(512, self._due)
+                heapq.heapify(self._due)
+            if not any(abs(due - when) < 0.005 for due in self._due):
+                heapq.heappush(self._due, when)
+            self._cond.notify(1)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def next_due(self) -> float | None:
+        with self._cond:
+            return self._due[0] if self._due else None
+
+    def wait(self, poll: float) -> None:
+        """Idle until woken, a due time, the poll, or stop."""
+        with self._cond:
+            self.idle += 1
+            try:
+                deadline = time.monotonic() + poll
+                while not self._stopped:
+                    if self._tokens:
+                        self._tokens -= 1
+                        return
+                    now = time.monotonic()
+                    if self._due and self._due[0] <= now:
+                        heapq.heappop(self._due)
+                        self.generation += 1
+                        return
+                    if now >= deadline:
+                        self.generation += 1
+                        return
+                    until = min(deadline, self._due[0]) if self._due else deadline
+                    self._cond.wait(until - now)
+            finally:
+                self.idle -= 1
+
+    def quiet(self, threads: int, within: float) -> bool:
+        """Every thread idle, no wake-up pending, and nothing due within ``within``."""
+        with self._cond:
+            due_soon = bool(self._due) and self._due[0] - time.monotonic() <= within
+            return self.idle == threads and not self._tokens and not due_soon
+
+
+class Producer:
+    """Claims for an executor thread: statements compiled once, rows loaded one by one."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        ledger: Ledger,
+        driver: Driver,
+        qt: QueueTable,
+        model: type[Any],
+        owner: str,
+        signal: WorkSignal,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.signal = signal
+        self.owner = owner
+        self._claim = driver.compile(q.claim_template(qt.table, queues=config.queues))
+        self._claim_isolated = driver.compile(
+            q.claim_template(qt.table, queues=config.queues, isolated=True)
+        )
+        self._next_due = driver.compile(q.next_run_after(qt.table, queues=config.queues))
+        columns = list(qt.table.c)
+        self._pk_index = columns.index(qt.pk)
+        self._attempt_index = columns.index(qt.c.attempts)
+        self._loader = RowLoader(model, columns, driver.dialect)
+        self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
+        self._checked_generation = -1
+
+    def look_for_isolated(self) -> None:
+        """Look for isolated jobs at the next claim (the sweeper just made some)."""
+        self._isolated_after = 0.0
+
+    def claim(self, conn: DbConnection, limit: int) -> list[Held]:
+        if not self.ledger.healthy:
+            return []
+        if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
+            got = self._run_claim(conn, self._claim_isolated, 1, isolated=True)
+            if got:
+                log.info("job %s: its last lease expired; running it alone", got[0].token.job_id)
+                return got
+            self.ledger.give_back_isolated_slot()
+            self._isolated_after = time.monotonic() + self.config.poll_interval
+        return self._run_claim(conn, self._claim, limit, isolated=False)
+
+    def _run_claim(self, conn: DbConnection, stmt: Any, limit: int, *, isolated: bool) -> list[Held]:
+        values = {
+            q.OWNER_PARAM: self.owner,
+            q.LIMIT_PARAM: limit,
+            q.LEASE_PARAM: float(self.config.lease),
+        }
+        rows = conn.fetch_claimed(stmt, values, self._pk_index, self._attempt_index)
+        held = [self._held(row, isolated) for row in rows]
+        self.ledger.add(held)
+        return held
+
+    def _held(self, row: tuple[Any, ...] | RowError, isolated: bool) -> Held:
+        limit = self.config.max_error_length
+        if isinstance(row, RowError):
+            error = storable(f"cannot read the row: {describe_error(row.error, limit)}", limit)
+            return Held(ClaimToken(row.pk, row.attempt), load_error=error, isolated=isolated)
+        token = ClaimToken(row[self._pk_index], row[self._attempt_index])
+        try:
+            job = self._loader.load(row)
+        except Exception as exc:  # noqa: BLE001 - this row fails alone
+            error = storable(f"cannot load the row as the model: {describe_error(exc, limit)}", limit)
+            return Held(token, load_error=error, isolated=isolated)
+        return Held(token, job=job, isolated=isolated)
+
+    def wait_for_work(self, conn: DbConnection) -> None:
+        """Nothing to claim: learn when the next delayed job falls due, then idle."""
+        signal = self.signal
+        if signal.generation != self._checked_generation:
+            self._checked_generation = signal.generation
+            rows = conn.execute(self._next_due, {})
+            seconds = rows[0][0] if rows else None
+            if seconds is not None:
+                signal.wake_at(time.monotonic() + max(float(seconds), 0.0))
+        signal.wait(self.config.poll_interval)

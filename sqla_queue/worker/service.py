@@ -1,0 +1,149 @@
+"""The start/stop shape every background service of a worker shares.
+
+A service is one or more daemon threads. The periodic ones run ``tick()``, wait
+``interval`` seconds (or until woken), and on an error log it and back off, up to the
+configured reconnect cap, instead of dying: a lost database must never take a worker down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import ClassVar
+
+from ..sql import Backoff
+
+log = logging.getLogger("sqla_queue.worker")
+
+
+def error_backoff(cap: float) -> Backoff:
+    """0.05 s, 0.1 s, 0.2 s ... up to ``cap``: quick to retry a blip, never sleeping long
+    after the database is back."""
+    return Backoff(base=min(0.05, cap), factor=2.0, cap=cap, jitter=0.2)
+
+
+class Service:
+    """``start()``, ``wake()``, ``stop(timeout)``: the same for every service."""
+
+    name: ClassVar[str] = "service"
+
+    def __init__(self, interval: float, *, reconnect_backoff: float = 2.0) -> None:
+        self.interval = interval
+        self.backoff = error_backoff(reconnect_backoff)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.failures = 0
+        #: Rounds completed without error; tests wait on it instead of sleeping.
+        self.rounds = 0
+        self._rounds_changed = threading.Condition()
+
+    # -- the part each service defines -------------------------------------------------
+
+    def tick(self) -> float | None:
+        """One round; may return how long to wait before the next (0: at once)."""
+        raise NotImplementedError
+
+    def on_error(self, exc: BaseException) -> None:
+        """Called after ``tick()`` raised; drop broken connections here."""
+
+    def close(self) -> None:
+        """Called once in the service's thread after it stopped."""
+
+    # -- the shared shape --------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        if self._threads:
+            raise RuntimeError(f"{self.name} already started")
+        self._spawn(self._run, f"sqla_queue-{self.name}")
+
+    def _spawn(self, target: object, name: str, *args: object) -> None:
+        thread = threading.Thread(target=target, name=name, args=args, daemon=True)  # type: ignore[arg-type]
+        self._threads.append(thread)
+        thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the service to stop and wait up to ``timeout`` seconds; True if it did."""
+        self.request_stop()
+        return self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            if thread is threading.current_thread():
+                continue
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in self._threads if t is not threading.current_thread())
+
+    def sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` unless woken or stopped; True if the service should go on."""
+        if seconds > 0:
+            self._wake.wait(seconds)
+        self._wake.clear()
+        return not self._stop.is_set()
+
+    def wait_rounds(self, count: int, timeout: float) -> bool:
+        """Block until ``rounds`` reaches ``count`` (a test hook); False on timeout."""
+        with self._rounds_changed:
+            return self._rounds_changed.wait_for(lambda: self.rounds >= count, timeout)
+
+    def _round_done(self) -> None:
+        with self._rounds_changed:
+            self.rounds += 1
+            self._rounds_changed.notify_all()
+
+    def failed(self, exc: BaseException) -> float:
+        """Log an error of a round and return how long to back off."""
+        self.failures += 1
+        delay = self.backoff.delay(self.failures).total_seconds()
+        text = str(exc).strip()
+        log.warning(
+            "%s: %s: %s (retrying in %.2fs)",
+            self.name,
+            type(exc).__name__,
+            text.splitlines()[0] if text else "",
+            delay,
+        )
+        return delay
+
+    def recovered(self) -> None:
+        if self.failures:
+            log.info("%s: recovered after %d error(s)", self.name, self.failures)
+        self.failures = 0
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    delay = self.tick()
+                except Exception as exc:  # noqa: BLE001 - a service must survive anything
+                    delay = self.failed(exc)
+                    try:
+                        self.on_error(exc)
+                    except Exception:
+                        log.debug("%s: error in on_error", self.name, exc_info=True)
+                else:
+                    self.recovered()
+                    self._round_done()
+                    if delay is None:
+                        delay = max(self.interval - (time.monotonic() - started), 0.0)
+                if not self.sleep(delay):
+                    break
+        finally:
+            try:
+                self.close()
+            except Exception:
+                log.debug("%s: error while closing", self.name, exc_info=True)
