@@ -21,8 +21,8 @@ from sqlalchemy import URL
 from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from . import admin
+from ._rules import check_queue
 from .errors import SqlaQueueError
-from .session import check_queue
 from .urls import psycopg_url
 
 __all__ = ["main"]

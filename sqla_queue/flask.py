@@ -35,10 +35,11 @@ from flask.cli import AppGroup
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from . import admin
+from ._rules import check_queue
 from .bulk import DEFAULT_BATCH_SIZE, enqueue_many
 from .cli import LOG_FORMAT, check_database, parse_duration, worker_overrides
 from .model import queue_table
-from .session import check_queue, enqueue
+from .session import enqueue
 from .tasks import Handler, Tasks
 from .worker import Worker
 

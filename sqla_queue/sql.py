@@ -103,15 +103,18 @@ def _seconds(value: Duration, what: str) -> float:
 _ONE_SECOND: Final = literal_column("interval '1 second'", Interval())
 
 
-def seconds_interval(seconds: float) -> ColumnElement[timedelta]:
-    """``CAST(:s AS FLOAT) * interval '1 second'``: exactly ``seconds`` seconds.
+def seconds_interval(seconds: float | ColumnElement[Any]) -> ColumnElement[timedelta]:
+    """``CAST(:s AS FLOAT) * interval '1 second'``: exactly ``seconds`` seconds (a number,
+    or an expression such as a bound parameter).
 
     Not a bound ``timedelta``: psycopg sends ``timedelta(days=1)`` as the interval
     ``'1 day'``, which PostgreSQL adds by the calendar, so across a daylight-saving
     change in the session's time zone it lasts 23 or 25 hours. Seconds are seconds.
     The explicit cast lets the statement prepare on its own (PREPARE, other drivers).
     """
-    return type_coerce(cast(literal(float(seconds), Float()), Float()) * _ONE_SECOND, Interval())
+    if not isinstance(seconds, ColumnElement):
+        seconds = literal(float(seconds), Float())
+    return type_coerce(cast(seconds, Float()) * _ONE_SECOND, Interval())
 
 
 def _interval(value: Duration, what: str) -> ColumnElement[timedelta]:
@@ -640,12 +643,6 @@ ERRORS_PARAM: Final = "sqla_queue_errors"
 DELAYS_PARAM: Final = "sqla_queue_delays"
 
 
-def _seconds_interval(seconds: ColumnElement[Any]) -> ColumnElement[timedelta]:
-    """``interval '1 second' * seconds``: a duration in seconds, never a calendar unit,
-    so 86400 seconds stay 24 hours across a daylight-saving change."""
-    return type_coerce((seconds * literal_column("interval '1 second'")).self_group(), Interval())
-
-
 def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
     """``unnest(:ids, :attempts, ...) AS tokens(pk, attempt, ...)``: tokens as a relation,
     joined to the table by primary key (an index lookup per token)."""
@@ -698,7 +695,7 @@ def claim_template(
         .values(
             status=status_literal(RUNNING),
             lease_owner=bindparam(OWNER_PARAM, type_=c.lease_owner.type),
-            lease_expires_at=_clock() + _seconds_interval(lease),
+            lease_expires_at=_clock() + seconds_interval(lease),
             attempts=c.attempts + 1,
         )
         .returning(*qt.table.c)
@@ -733,7 +730,7 @@ def retry_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
             run_after=case(
                 (exhausted, c.run_after),
-                else_=_clock() + _seconds_interval(tokens.c[DELAYS_PARAM]),
+                else_=_clock() + seconds_interval(tokens.c[DELAYS_PARAM]),
             ),
             finished_at=case((exhausted, _clock()), else_=null()),
             last_error=tokens.c[ERRORS_PARAM],
@@ -800,7 +797,7 @@ def extend_unlocked_leases_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
     return (
         qt.table.update()
         .where(qt.pk == lockable.c[qt.pk.name], _status(qt, RUNNING))
-        .values(lease_expires_at=_clock() + _seconds_interval(lease))
+        .values(lease_expires_at=_clock() + seconds_interval(lease))
         .returning(qt.pk, qt.c.attempts)
     )
 
