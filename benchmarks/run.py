@@ -82,6 +82,11 @@ RAW_COMPLETE = (
 )
 
 
+#: The baseline's batch when sqla_queue runs at its default ``batch_size`` (the most a
+#: Worker's thread claims at once by default; the baseline has no default of its own).
+BASELINE_BATCH = 32
+
+
 @dataclass(frozen=True)
 class Processing:
     """One processing configuration: OS processes x handler threads, jobs per claim.
@@ -98,7 +103,8 @@ class Processing:
     def label(self) -> str:
         procs = f"{self.processes} processes" if self.processes > 1 else "1 process"
         threads = f"{self.concurrency} threads" if self.concurrency > 1 else "1 thread"
-        return f"{procs} x {threads}, batch {self.batch or 'default'}"
+        batch = self.batch or f"default (baseline {BASELINE_BATCH})"
+        return f"{procs} x {threads}, batch {batch}"
 
 
 @dataclass(frozen=True)
@@ -124,11 +130,11 @@ FULL = Plan(
     bulk_rows=100_000,
     bulk_rounds=3,
     processing=(
-        Processing(1, 1, 1, 3_000),
-        Processing(1, 4, 4, 6_000),
-        Processing(1, 4, 32, 20_000),
+        Processing(1, 1, 0, 10_000),
+        Processing(1, 4, 0, 20_000),
+        Processing(1, 16, 0, 30_000),
+        Processing(2, 4, 0, 30_000),
         Processing(1, 16, 128, 30_000),
-        Processing(2, 4, 32, 20_000),
     ),
     processing_rounds=5,
     pickup_jobs=200,
@@ -427,7 +433,7 @@ def _processing_child(
         # batch 0: the Worker's default batch size (only ``concurrency`` set).
         options = {"batch_size": batch} if batch else {}
         worker = Worker(engine, BenchJob, noop, concurrency=concurrency, **options)
-        _warm_sqla(engine, worker.owner, batch or concurrency)
+        engine.connect().close()  # warm: the first connection of a process costs more
         ready.put(os.getpid())
         go.wait()
         cpu = cpu_seconds()
@@ -438,11 +444,13 @@ def _processing_child(
         engine.dispose()
     else:
         owner = f"raw-{os.getpid()}"
-        sql, params = claim_sql(create_engine(url), owner, batch)
-        conns = [raw_connect(url) for _ in range(concurrency)]
+        sql, params = claim_sql(create_engine(url), owner, batch or BASELINE_BATCH)
+        raw_connect(url).close()  # warm: the first connection of a process costs more
         ready.put(os.getpid())
         go.wait()
         cpu = cpu_seconds()
+        # Connected after the start signal, as the Worker's threads connect when it starts.
+        conns = [raw_connect(url) for _ in range(concurrency)]
         threads = [
             threading.Thread(target=_raw_processing_loop, args=(conn, sql, params, owner))
             for conn in conns
@@ -475,24 +483,6 @@ def wait_ready(ready: Any, procs: Sequence[Any], timeout: float = 60) -> None:
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _warm_sqla(engine: Engine, owner: str, batch: int) -> None:
-    """Compile the worker's statements once (a running worker has them cached), rolled back."""
-    from sqlalchemy import select
-
-    with Session(engine) as session:
-        stmt = q.claim(BenchJob, owner=owner, limit=batch, lease=60)
-        session.scalars(select(BenchJob).from_statement(stmt)).all()
-        session.rollback()
-    with engine.connect() as conn:
-        params = {q.OWNER_PARAM: owner, q.IDS_PARAM: [-1, -2], q.ATTEMPTS_PARAM: [1, 1]}
-        conn.execute(q.complete_template(BenchJob), params).all()
-        conn.rollback()
-    # Fill the pool, so that no connection is opened while measuring.
-    conns = [engine.connect() for _ in range(4)]
-    for c in conns:
-        c.close()
 
 
 def _raw_processing_loop(

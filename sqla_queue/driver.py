@@ -167,6 +167,11 @@ class Driver:
             raise WorkerStartError(
                 f"the worker needs PostgreSQL, got the {engine.dialect.name!r} dialect"
             )
+        if engine.dialect.is_async:
+            raise WorkerStartError(
+                "the thread Worker needs a synchronous engine (postgresql+psycopg://), got an "
+                "asyncio one: use create_engine(), not create_async_engine()"
+            )
         if engine.dialect.driver != "psycopg":
             raise WorkerStartError(
                 f"the worker needs the psycopg 3 driver (postgresql+psycopg://), got "
@@ -321,6 +326,70 @@ class Driver:
                 f"table {name!r} lacks the queue columns {', '.join(missing)}: migrate it "
                 f"(the model uses JobMixin, the table does not yet)"
             )
+
+
+# -- NOTIFY in the COMMIT's round trip -------------------------------------------------------
+
+_ON_COMMIT_KEY: Final = "sqla_queue.notify_with_commit"
+
+
+def notify_with_commit(conn: Connection, pairs: set[tuple[str, str]]) -> bool:
+    """Send ``pg_notify(channel, payload)`` for ``pairs`` together with the COMMIT of the
+    transaction ``conn`` is in, in one round trip (a psycopg pipeline); False when the
+    driver cannot (then send them yourself). PostgreSQL delivers them only if it commits.
+    """
+    if conn.dialect.driver != "psycopg" or conn.dialect.is_async:
+        return False
+    transaction = conn.get_transaction()
+    if transaction is None:
+        return False
+    root = transaction
+    while getattr(root, "_parent", None) not in (None, root):  # a savepoint's root
+        root = root._parent  # type: ignore[attr-defined]
+    info = conn.info
+    waiting = info.get(_ON_COMMIT_KEY)
+    if waiting is None or waiting[0] is not root:
+        waiting = info[_ON_COMMIT_KEY] = (root, set())
+    waiting[1].update(pairs)
+    _listen_for_commits(conn.engine)
+    return True
+
+
+def _on_commit(conn: Connection) -> None:
+    waiting = conn.info.pop(_ON_COMMIT_KEY, None)
+    if waiting is None or waiting[0] is not conn.get_transaction():
+        return
+    raw: Any = conn.connection.dbapi_connection
+    pairs = sorted(waiting[1])
+    try:
+        with raw.pipeline():
+            for channel, payload in pairs:
+                raw.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+            raw.commit()  # queued with the notifications: one round trip
+    except psycopg.Error as exc:
+        raise sa_exc.DBAPIError.instance(
+            "COMMIT", None, exc, psycopg.Error, dialect=conn.dialect
+        ) from exc
+    # The connection is committed: SQLAlchemy's own commit() that follows is a no-op.
+
+
+def _on_rollback(conn: Connection) -> None:
+    conn.info.pop(_ON_COMMIT_KEY, None)
+
+
+_listening: set[int] = set()
+
+
+def _listen_for_commits(engine: Engine) -> None:
+    key = id(engine)
+    if key in _listening:
+        return
+    from sqlalchemy import event
+
+    if not event.contains(engine, "commit", _on_commit):
+        event.listen(engine, "commit", _on_commit)
+        event.listen(engine, "rollback", _on_rollback)
+    _listening.add(key)
 
 
 def _first_line(exc: BaseException) -> str:

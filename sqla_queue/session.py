@@ -28,6 +28,7 @@ from ._rules import (
     table_rules,
     validate_options,
 )
+from .driver import notify_with_commit
 from .errors import EnqueueError, NotAQueueModel
 from .model import QueueTable, queue_table
 from .sql import delay_from_insert
@@ -294,14 +295,16 @@ def _before_commit(session: Session) -> None:
         if bind.dialect.name == "postgresql":
             by_bind.setdefault(bind, (table, set()))[1].add((channel, queue))
     for table, pairs in by_bind.values():
+        conn = session.connection(bind_arguments={"clause": table})
+        if notify_with_commit(conn, pairs):
+            continue  # sent in the COMMIT's own round trip
         # One statement per database, whatever the number of jobs; on the connection,
         # not session.execute(), which would autoflush from inside before_commit.
         params: dict[str, str] = {}
         for n, (channel, queue) in enumerate(sorted(pairs)):
             params[f"sqla_queue_channel_{n}"] = channel
             params[f"sqla_queue_queue_{n}"] = queue
-        statement = _notify_statement(len(pairs))
-        session.connection(bind_arguments={"clause": table}).execute(statement, params)
+        conn.execute(_notify_statement(len(pairs)), params)
 
 
 @lru_cache(maxsize=16)

@@ -54,8 +54,9 @@ __all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
 
 log = logging.getLogger("sqla_queue.worker")
 
-#: How long stop() gives the final hand-back of jobs still running after the grace.
-_HAND_BACK_SECONDS = 3.0
+#: How long stop() gives the hand-back of jobs, and then the services to end.
+_HAND_BACK_SECONDS = 1.5
+_JOIN_SECONDS = 1.5
 
 
 class Worker:
@@ -247,16 +248,20 @@ class Worker:
             log.warning("worker %s: %d job(s) still running after the grace period; handing them back",
                         self.owner, len(left))
             self._hand_back(left, refund=False)
-        self.executors.join(1.0)
-        for service in (self.heartbeat, self.sweeper, self.listener):
-            if service is not None:
-                service.stop(timeout=2.0)
+        # Every service is asked at once, then all are joined against one deadline; an
+        # executor still inside a handler that outlived the grace is left to finish alone.
+        others = [s for s in (self.heartbeat, self.sweeper, self.listener) if s is not None]
+        for service in others:
+            service.request_stop()
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for service in [*others, self.executors]:
+            service.join(max(deadline - time.monotonic(), 0.0))
         self._stopped.set()
         log.info("worker %s stopped: %s", self.owner, self.stats)
 
     def _hand_back(self, held: list[Any], *, refund: bool) -> None:
         """Release ``held`` on a connection of its own, within a deadline."""
-        lane = Lane(self._driver, "sqla_queue shutdown")
+        lane = Lane(self._driver, "sqla_queue shutdown", lock_timeout=1.0, statement_timeout=1.0)
         done = threading.Event()
 
         def hand_back() -> None:

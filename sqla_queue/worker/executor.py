@@ -18,7 +18,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 from sqlalchemy import Connection
@@ -51,9 +51,10 @@ MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 class Lane:
     """An executor thread's connection, reconnected on demand."""
 
-    def __init__(self, driver: Driver, name: str) -> None:
+    def __init__(self, driver: Driver, name: str, **timeouts: float) -> None:
         self.driver = driver
         self.name = name
+        self.timeouts = timeouts
         self.conn: DbConnection | None = None
 
     def connect(self) -> DbConnection:
@@ -62,7 +63,7 @@ class Lane:
             if conn is not None:
                 conn.close()
             self.conn = conn = None
-            self.conn = conn = self.driver.connect(self.name)
+            self.conn = conn = self.driver.connect(self.name, **self.timeouts)
         return conn
 
     def reset(self) -> None:
@@ -99,15 +100,20 @@ class Executor:
             return Outcome(held, Kind.FAIL, held.load_error)
         try:
             handler = self._resolve(held.job)
-            with self.job_context() if self.job_context is not None else nullcontext():
-                if handler.transactional:
-                    return self._transactional(held, handler, lane)
-                result = handler.fn(held.job)
-                if inspect.isawaitable(result):
-                    return self._awaitable(held, handler, result)
-                return Outcome(held, Kind.DONE)
+            if self.job_context is not None:
+                with self.job_context():
+                    return self._call(held, handler, lane)
+            return self._call(held, handler, lane)
         except BaseException as exc:  # noqa: BLE001 - whatever a handler raises is its job's
             return self.failure(held, exc)
+
+    def _call(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
+        if handler.transactional:
+            return self._transactional(held, handler, lane)
+        result = handler.fn(held.job)
+        if result is not None and inspect.isawaitable(result):
+            return self._awaitable(held, handler, result)
+        return Outcome(held, Kind.DONE)
 
     def _resolve(self, job: Any) -> ResolvedHandler:
         if isinstance(self.handler, Tasks):
@@ -275,6 +281,9 @@ class ExecutorPool(Service):
                 try:
                     conn = lane.connect()
                     held = self.producer.claim(conn, limit)
+                    if held and self.stopping:  # claimed while stop() ran: give them back
+                        self.completer.hand_back(lane.connect, held, refund=True)
+                        break
                     if not held:
                         if not self.stopping:
                             self.producer.wait_for_work(conn)

@@ -46,7 +46,7 @@ class Heartbeat(Service):
     def tick(self) -> None:
         self._check_health()
         tokens = self.ledger.tokens()
-        if tokens:
+        if tokens or not self.ledger.healthy:  # recover only on a beat that reached the table
             lost = self._beat(tokens)
             for token in lost:
                 if self.ledger.mark_lost(token) is not None:

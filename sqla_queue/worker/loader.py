@@ -11,6 +11,7 @@ runs) and reports a row it cannot build as that job's error. The instance is det
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,36 +41,51 @@ class RowLoader:
         self._manager = mapper.class_manager
         self._cls = model
         deserialize: Callable[[str], Any] = getattr(dialect, "_json_deserializer", None) or json.loads
-        self._fields: list[tuple[str, int, Callable[[Any], Any] | None, bool]] = []
         pk_columns = list(mapper.primary_key)
-        self._pk_index = [list(columns).index(c) for c in pk_columns] if all(
-            c in columns for c in pk_columns
-        ) else []
+        column_list = list(columns)
+        pk_index = [column_list.index(c) for c in pk_columns if c in column_list]
+        self._pk = itemgetter(*pk_index) if len(pk_index) > 1 else None
+        self._pk_single = pk_index[0] if len(pk_index) == 1 else None
+        plain: list[tuple[str, int]] = []
+        self._processed: list[tuple[str, int, Callable[[Any], Any] | None, bool]] = []
         for index, column in enumerate(columns):
             try:
                 prop = mapper.get_property_by_column(column)
             except UnmappedColumnError:
                 continue
             process = column.type._cached_result_processor(dialect, None)
-            self._fields.append((prop.key, index, process, _is_json(column.type, dialect)))
+            is_json = _is_json(column.type, dialect)
+            if process is None and not is_json:
+                plain.append((prop.key, index))
+            else:
+                self._processed.append((prop.key, index, process, is_json))
+        self._plain_keys = tuple(key for key, _ in plain)
+        self._plain_values = itemgetter(*(index for _, index in plain)) if len(plain) > 1 else None
+        self._plain_one = plain[0] if len(plain) == 1 else None
         self._deserialize = deserialize
+        self._identity_key = mapper.identity_key_from_primary_key
+        self._new_instance = self._manager.new_instance
         self._fire_load = bool(self._manager.dispatch.load)
 
     def load(self, row: Sequence[Any]) -> Any:
         """The instance for one row; raises whatever building it raised."""
-        instance = self._manager.new_instance()
+        instance = self._new_instance()
         state = attributes.instance_state(instance)
         values = state.dict
-        deserialize = self._deserialize
-        for key, index, process, is_json in self._fields:
+        if self._plain_values is not None:
+            values.update(zip(self._plain_keys, self._plain_values(row)))
+        elif self._plain_one is not None:
+            values[self._plain_one[0]] = row[self._plain_one[1]]
+        for key, index, process, is_json in self._processed:
             value = row[index]
             if is_json and value is not None:
-                value = deserialize(value)
+                value = self._deserialize(value)
             if process is not None:
                 value = process(value)
             values[key] = value
-        state.key = self._mapper.identity_key_from_primary_key([row[i] for i in self._pk_index])
+        pk = [row[self._pk_single]] if self._pk_single is not None else list(self._pk(row)) if self._pk else []
+        state.key = self._identity_key(pk)
         if self._fire_load:
             self._manager.dispatch.load(state, None)
-        state._commit_all(values)
+            state._commit_all(values)  # as the ORM does after the load event
         return instance
