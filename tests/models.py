@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Uuid
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy import CheckConstraint, ForeignKey, Index, String, TypeDecorator, Uuid
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
 from sqla_queue import JobMixin, TaskMixin
 
@@ -69,6 +70,43 @@ class Effect(Base):
     job_id: Mapped[int] = mapped_column(index=True)
     worker: Mapped[str] = mapped_column(String(200))
     note: Mapped[str] = mapped_column(String(200), default="")
+
+
+class UniqueKey(Base):
+    """A business row with a unique key: what get-or-create handlers create once."""
+
+    __tablename__ = "unique_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(String(100), unique=True)
+    job_id: Mapped[int] = mapped_column(default=0)
+
+
+class Picky(TypeDecorator[str]):
+    """A column type whose result processing refuses the value ``"unreadable"``."""
+
+    impl = String(50)
+    cache_ok = True
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> str | None:
+        if value == "unreadable":
+            raise ValueError("Picky cannot read 'unreadable'")
+        return value
+
+
+class FragileJob(Base, JobMixin):
+    """A queue table whose rows can fail to load: a raising ``@reconstructor`` (label
+    ``"broken"``) or a raising ``TypeDecorator`` (code ``"unreadable"``)."""
+
+    __tablename__ = "fragile_jobs"
+
+    label: Mapped[str] = mapped_column(String(50), default="fine")
+    code: Mapped[str] = mapped_column(Picky(), default="ok")
+
+    @reconstructor
+    def _check_label(self) -> None:
+        if self.label == "broken":
+            raise RuntimeError("FragileJob refuses to load a 'broken' label")
 
 
 def all_tables() -> list[Any]:
