@@ -660,20 +660,70 @@ def test_stop_returns_within_the_grace_behind_a_table_lock_while_a_job_runs(
     assert rescuer.stats.claimed >= 1
 
 
-def test_stop_returns_within_the_grace_behind_a_table_lock_when_idle(
-    engine: Engine, start_worker: Any
-) -> None:
-    worker = start_worker(lease=3, heartbeat_interval=0.3)
-    wait_for(worker.idle, what="the worker idle")
-    assert worker.sweeper is not None and worker.sweeper.wait_rounds(worker.sweeper.rounds + 1, 5)
-    locker = _lock_tasks(engine)
+def test_stop_returns_within_the_grace_behind_a_table_lock_when_idle(engine: Engine, server: Server) -> None:
+    """Nothing runs, but the worker's own statements (the sweeper's) wait on the lock."""
+    app = unique_app_name("locked")
+    worker_engine = create_engine(server.url, connect_args={"application_name": app})
+    worker = Worker(worker_engine, Task, app_tasks, lease=3, heartbeat_interval=0.3, poll_interval=0.5,
+                    sweep_interval=0.2)
+    worker.start()
+    locker = None
     try:
+        wait_for(worker.idle, what="the worker idle")
+        locker = _lock_tasks(engine)
+        wait_for(lambda: _waiting_on_a_lock(engine, app) >= 1, timeout=10, what="a worker statement on the lock")
         began = time.monotonic()
         worker.stop(grace=1)
         took = time.monotonic() - began
     finally:
-        locker.rollback()
-        locker.close()
+        if locker is not None:
+            locker.rollback()
+            locker.close()
+        worker.stop(grace=0)
+        worker_engine.dispose()
     print(f"\nstop(grace=1) behind ACCESS EXCLUSIVE, idle, took {took:.2f}s")
     assert took < 1 + 4, f"stop(grace=1) took {took:.2f}s behind the lock"
     assert worker.stopped
+
+
+def _waiting_on_a_lock(engine: Engine, app_name: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = :app AND wait_event_type = 'Lock'"
+                ),
+                {"app": app_name},
+            )
+            or 0
+        )
+
+
+def test_claims_blocked_behind_the_lock_leave_nothing_claimed_after_stop(engine: Engine, server: Server) -> None:
+    """Jobs fall due while the table is locked: the idle executors' claims wait on the
+    lock. After stop() returned and the lock is gone, no job may stay claimed by the
+    stopped worker (a late claim must be handed back, or never happen)."""
+    app = unique_app_name("late_claim")
+    worker_engine = create_engine(server.url, connect_args={"application_name": app})
+    worker = Worker(worker_engine, Task, app_tasks, concurrency=2, lease=30, heartbeat_interval=0.3,
+                    poll_interval=0.5, sweep_interval=0.2)
+    worker.start()
+    locker = None
+    try:
+        wait_for(worker.idle, what="the worker idle")
+        ids = [enqueue_timed(engine, "work", delay=0.5)[0] for _ in range(3)]
+        locker = _lock_tasks(engine)
+        wait_for(lambda: _waiting_on_a_lock(engine, app) >= 2, timeout=10, what="claims waiting on the lock")
+        worker.stop(grace=1)
+    finally:
+        if locker is not None:
+            locker.rollback()
+            locker.close()
+    try:
+        def none_claimed() -> bool:
+            return all(r.status == "pending" and r.lease_owner is None for r in rows(engine, ids))
+
+        wait_for(none_claimed, timeout=5, what="no job left claimed by the stopped worker")
+    finally:
+        worker_engine.dispose()
