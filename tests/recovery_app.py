@@ -1,0 +1,45 @@
+"""The application the recovery tests run as worker *processes*.
+
+``sqla-queue worker tests.recovery_app:make_worker`` builds a worker on the test database
+(``SQLA_QUEUE_TEST_URL``) for the ``tasks`` table, like :mod:`tests.worker_app`, with the
+tasks the recovery scenarios need: a victim must hold its jobs until it is killed, and
+the same jobs must then run quickly for the rescuers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from sqla_queue import Tasks, Worker
+
+from .models import Effect, Task
+
+tasks = Tasks()
+
+
+@tasks.task
+def slow_first(job: Any, session: Session) -> None:
+    """Transactional: sleeps ``payload["first"]`` on attempt 1 and ``payload["sleep"]``
+    afterwards, then writes one ``Effect`` row that commits with the job's completion."""
+    key = "first" if job.attempts == 1 else "sleep"
+    time.sleep(float(job.payload.get(key, 0)))
+    session.add(Effect(job_id=job.id, worker=str(os.getpid()), note=f"attempt {job.attempts}"))
+
+
+@tasks.task
+def quick(job: Any) -> None:
+    """Not transactional: an ordinary short job."""
+    time.sleep(float(job.payload.get("sleep", 0)))
+
+
+def make_worker() -> Worker:
+    engine = create_engine(
+        os.environ["SQLA_QUEUE_TEST_URL"],
+        connect_args={"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")},
+    )
+    return Worker(engine, Task, tasks)

@@ -1,0 +1,729 @@
+"""Recovery, timers, connection loss, fail-fast start and bounded stop (issue 9, behaviours 6-10).
+
+Real PostgreSQL, real processes where the behaviour is about processes. Timing bounds
+are stated as the issue states them (lease + sweep + poll + run time, "within ~100 ms",
+"grace + a few seconds") with a margin for this loaded two-core machine; every wait is a
+poll with a deadline, and sleeps happen only inside handlers, to make them take time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import URL, Engine, MetaData, create_engine, select, text
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+from sqla_queue import Backoff, JobMixin, QueueSession, RetryLater, Tasks, Worker
+from sqla_queue.driver import WorkerStartError
+from sqla_queue.errors import SqlaQueueError
+from sqla_queue.worker import WorkerConfig
+
+from .helpers import Server, WorkerProcess, wait_for
+from .models import Effect, Task
+from .worker_app import tasks as app_tasks
+from .workers import TASKS, job
+
+REPO = Path(__file__).resolve().parent.parent
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def enqueue(engine: Engine, task: str, n: int = 1, *, max_attempts: int = 20, **payload: Any) -> list[int]:
+    with sessionmaker(engine, class_=QueueSession)() as session:
+        jobs = [session.enqueue(Task(task=task, payload=dict(payload)), max_attempts=max_attempts) for _ in range(n)]
+        session.commit()
+        return [j.id for j in jobs]
+
+
+def enqueue_timed(engine: Engine, task: str, *, delay: float | None = None, **payload: Any) -> tuple[int, float, float]:
+    """Enqueue one job; returns its id, the wall time before its transaction began and
+    the wall time once its commit returned (``run_after`` lies between the two + delay)."""
+    with sessionmaker(engine, class_=QueueSession)() as session:
+        before = time.time()
+        queued = session.enqueue(Task(task=task, payload=dict(payload)), delay=delay)
+        session.commit()
+        committed = time.time()
+        return queued.id, before, committed
+
+
+def rows(engine: Engine, ids: list[int]) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(TASKS).where(TASKS.c.id.in_(ids)).order_by(TASKS.c.id)).all())
+
+
+def all_done(engine: Engine, ids: list[int]) -> Callable[[], bool]:
+    return lambda: all(r.status == "done" for r in rows(engine, ids))
+
+
+def effect_counts(engine: Engine) -> Counter[int]:
+    with engine.connect() as conn:
+        return Counter(conn.scalars(select(Effect.job_id)))
+
+
+def owner_pid(lease_owner: str | None) -> int | None:
+    """The process id in a lease owner name (``host:pid:suffix``)."""
+    if not lease_owner:
+        return None
+    parts = lease_owner.split(":")
+    return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
+
+
+def backends(engine: Engine, app_name: str, *, listening: bool = False) -> int:
+    """Connections of this test database tagged ``app_name`` (LISTENing ones only)."""
+    with engine.connect() as conn:
+        return int(
+            conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = :app AND (NOT :listening OR query LIKE 'LISTEN %')"
+                ),
+                {"app": app_name, "listening": listening},
+            )
+            or 0
+        )
+
+
+def terminate_backends(engine: Engine, app_name: str) -> int:
+    """Terminate this test database's connections tagged ``app_name``; how many."""
+    with engine.connect() as conn:
+        killed = conn.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = :app AND pid <> pg_backend_pid()"
+            ),
+            {"app": app_name},
+        )
+        conn.commit()
+    return int(killed or 0)
+
+
+def unique_app_name(what: str) -> str:
+    return f"sqla_queue_recovery_{what}_{uuid.uuid4().hex[:8]}"
+
+
+class AppProcess(WorkerProcess):
+    """``sqla-queue worker tests.recovery_app:make_worker`` in a process of its own (the
+    same handle as :class:`tests.helpers.WorkerProcess`, another application)."""
+
+    def __init__(self, *args: str, app_name: str, log_dir: Any, target: str = "tests.recovery_app:make_worker") -> None:
+        self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.pid = self.proc.pid
+
+
+@pytest.fixture
+def app_processes(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
+    """``start(*cli_args, app_name=...)``: recovery-app worker processes, all killed after
+    the test (a frozen one too: SIGKILL ends a stopped process)."""
+    started: list[AppProcess] = []
+
+    def start(*args: str, app_name: str) -> AppProcess:
+        process = AppProcess(*args, app_name=app_name, log_dir=tmp_path)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+# -- 6. recovery -----------------------------------------------------------------------------
+
+LEASE, SWEEP, POLL, RUN = 1.0, 0.2, 0.5, 0.3
+#: Claim and completion of one recovered job, beside its run time.
+PER_JOB_OVERHEAD = 0.1
+#: For this loaded two-core machine (process scheduling, the feeder's inserts).
+MARGIN = 1.5
+TIMING = ("--lease", "1s", "--heartbeat", "0.3s", "--poll-interval", "0.5s", "--sweep-interval", "0.2s")
+RESCUERS = 3
+
+
+def _feed(engine: Engine, stop: threading.Event, made: list[int]) -> None:
+    """A stream of ordinary jobs: two every 0.1 s until told to stop."""
+    while not stop.is_set():
+        made.extend(enqueue(engine, "quick", 2, sleep=0.05))
+        stop.wait(0.1)
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
+    engine: Engine, app_processes: Callable[..., AppProcess], fault: signal.Signals
+) -> None:
+    """Every job the victim held runs again within lease + sweep + poll (+ its own run
+    time), while the rescuers' other threads keep running a stream of ordinary jobs.
+
+    Isolated jobs run one per worker: with N of them and R rescuers, a rescuer's k-th
+    recovered job may also wait for the k-1 before it. So the per-job bound is
+    lease + sweep + poll + k * (run + overhead) + margin, with k the job's rank on its
+    rescuer, and the last job's bound uses ceil(N / R): an uneven share fails it.
+    """
+    victim_app, rescuer_app = unique_app_name("victim"), unique_app_name("rescuer")
+    ids = enqueue(engine, "slow_first", 16, first=120, sleep=RUN)
+    victim = app_processes("--concurrency", "4", "--batch-size", "4", *TIMING, app_name=victim_app)
+
+    def held_by_victim() -> list[int]:
+        return [r.id for r in rows(engine, ids) if r.status == "running" and owner_pid(r.lease_owner) == victim.pid]
+
+    wait_for(lambda: len(held_by_victim()) == 16, timeout=30, what="the victim to hold all 16 jobs")
+    rescuers = [app_processes("--concurrency", "4", *TIMING, app_name=rescuer_app) for _ in range(RESCUERS)]
+    wait_for(lambda: backends(engine, rescuer_app, listening=True) == RESCUERS, timeout=30,
+             what="every rescuer listening")
+    in_flight = held_by_victim()
+    assert len(in_flight) >= 8, in_flight
+
+    stop_feeding = threading.Event()
+    ordinary: list[int] = []
+    feeder = threading.Thread(target=_feed, args=(engine, stop_feeding, ordinary), daemon=True)
+    fault_at = time.time()
+    victim.signal(fault)
+    feeder.start()
+    try:
+        wait_for(all_done(engine, in_flight), timeout=60, what="every job of the victim done again")
+    finally:
+        stop_feeding.set()
+        feeder.join(10)
+    if fault == signal.SIGKILL:
+        assert victim.wait(10) == -signal.SIGKILL
+
+    rescuer_pids = {r.pid for r in rescuers}
+    recovered = rows(engine, in_flight)
+    assert all(r.attempts == 2 for r in recovered), [(r.id, r.attempts) for r in recovered]
+    assert all(owner_pid(r.lease_owner) in rescuer_pids for r in recovered)
+    counts = effect_counts(engine)
+    assert {i: counts[i] for i in in_flight} == dict.fromkeys(in_flight, 1)  # the victim's attempts left nothing
+    with engine.connect() as conn:
+        writers = set(conn.scalars(select(Effect.worker).where(Effect.job_id.in_(in_flight))))
+    assert writers <= {str(pid) for pid in rescuer_pids}
+
+    by_rescuer: dict[int, list[float]] = {}
+    for r in sorted(recovered, key=lambda r: r.finished_at):
+        by_rescuer.setdefault(owner_pid(r.lease_owner) or 0, []).append(r.finished_at.timestamp() - fault_at)
+    base = LEASE + SWEEP + POLL
+    late = [
+        (pid, k, round(took, 2), round(base + k * (RUN + PER_JOB_OVERHEAD) + MARGIN, 2))
+        for pid, finished in by_rescuer.items()
+        for k, took in enumerate(finished, start=1)
+        if took > base + k * (RUN + PER_JOB_OVERHEAD) + MARGIN
+    ]
+    last = max(t for finished in by_rescuer.values() for t in finished)
+    share = math.ceil(len(in_flight) / RESCUERS)
+    print(
+        f"\n{fault.name}: {len(in_flight)} jobs recovered by {len(by_rescuer)} rescuer(s) "
+        f"{sorted(len(f) for f in by_rescuer.values())}; last done {last:.2f}s after the fault; "
+        f"issue's per-job bound lease+sweep+poll+run = {base + RUN:.2f}s (+{MARGIN}s margin); "
+        f"first per rescuer: {sorted(round(f[0], 2) for f in by_rescuer.values())}"
+    )
+    assert not late, f"recovered jobs later than their bound (rescuer, rank, took, bound): {late}"
+    assert last <= base + share * (RUN + PER_JOB_OVERHEAD) + MARGIN, (last, sorted(by_rescuer.items()))
+
+    # The rescuers' other threads kept running ordinary jobs while they recovered these.
+    window = (min(r.finished_at for r in recovered), max(r.finished_at for r in recovered))
+    beside = [r for r in rows(engine, ordinary) if r.status == "done" and window[0] <= r.finished_at <= window[1]]
+    assert len(beside) >= 3, f"only {len(beside)} ordinary job(s) done during the recovery window"
+    spans = {
+        owner_pid(r.lease_owner): (r.finished_at, r.finished_at) for r in recovered
+    }
+    for r in recovered:
+        pid = owner_pid(r.lease_owner)
+        lo, hi = spans[pid]
+        spans[pid] = (min(lo, r.finished_at), max(hi, r.finished_at))
+    interleaved = [
+        r for r in beside if (span := spans.get(owner_pid(r.lease_owner))) and span[0] < r.finished_at < span[1]
+    ]
+    assert interleaved, "no rescuer finished an ordinary job between two of its recovered ones"
+
+
+def test_a_job_that_kills_its_worker_burns_only_its_own_attempts(
+    engine: Engine, worker_processes: Callable[..., WorkerProcess]
+) -> None:
+    """A supervisor keeps restarting the worker a poison job keeps killing: the poison job
+    ends ``failed`` after max_attempts crashes; its batch-mates, and the ordinary jobs that
+    arrive between crashes and run beside it, each lose at most the one attempt a crash
+    took while they were running with it, and all end ``done``, their effects once."""
+    (poison,) = enqueue(engine, "crash", max_attempts=3, sleep=0.2)
+    mates = enqueue(engine, "record", 5, max_attempts=3, sleep=0.4)
+    args = ("--concurrency", "2", "--batch-size", "6", "--lease", "1s", "--heartbeat", "0.3s",
+            "--poll-interval", "0.5s", "--sweep-interval", "0.2s")
+    arrivals: list[int] = []
+
+    def settled() -> bool:
+        states = {r.id: r.status for r in rows(engine, [poison, *mates, *arrivals])}
+        return states[poison] == "failed" and all(states[i] == "done" for i in [*mates, *arrivals])
+
+    crashes = 0
+    for _ in range(10):  # the supervisor
+        worker = worker_processes(*args)
+
+        def ended(w: WorkerProcess = worker) -> bool:
+            return settled() or w.proc.poll() is not None
+
+        wait_for(ended, timeout=60, what="a crash or the end")
+        if worker.proc.poll() == -signal.SIGKILL:
+            crashes += 1
+            if crashes <= 3:
+                arrivals.extend(enqueue(engine, "record", 2, max_attempts=3, sleep=0.4))
+        if settled():
+            break
+    assert settled()
+    (dead,) = rows(engine, [poison])
+    assert dead.attempts == 3 and dead.last_error.startswith("lease expired"), dead
+    assert crashes == 3
+    innocents = rows(engine, [*mates, *arrivals])
+    assert all(r.attempts <= 2 for r in innocents), [(r.id, r.attempts) for r in innocents]
+    assert effect_counts(engine) == Counter(dict.fromkeys([*mates, *arrivals], 1))
+
+
+# -- 7. timers ---------------------------------------------------------------------------------
+
+#: "within ~100 ms" on an idle machine; this one is shared and loaded.
+ON_TIME = 0.3
+
+
+class Starts:
+    """Wall-clock start of every handler run, by (job id, attempt)."""
+
+    def __init__(self) -> None:
+        self.at: dict[tuple[int, int], float] = {}
+        self.ended: dict[tuple[int, int], float] = {}
+
+    def __call__(self, job: Any) -> None:
+        self.at[(job.id, job.attempts)] = time.time()
+
+
+def _timer_tasks(starts: Starts, release: threading.Event) -> Tasks:
+    tasks = Tasks()
+
+    @tasks.task
+    def stamp(job: Any) -> None:
+        starts(job)
+
+    @tasks.task
+    def busy(job: Any) -> None:
+        starts(job)
+        time.sleep(float(job.payload["sleep"]))
+
+    @tasks.task
+    def hold(job: Any) -> None:
+        starts(job)
+        release.wait(30)
+
+    @tasks.task
+    def later(job: Any) -> None:
+        starts(job)
+        if job.attempts == 1:
+            starts.ended[(job.id, 1)] = time.time()
+            raise RetryLater(float(job.payload["delay"]), "not yet")
+
+    @tasks.task
+    def flaky(job: Any) -> None:
+        starts(job)
+        if job.attempts == 1:
+            starts.ended[(job.id, 1)] = time.time()
+            raise RuntimeError("first attempt fails")
+
+    return tasks
+
+
+@pytest.fixture
+def timers() -> Iterator[tuple[Starts, Tasks, threading.Event]]:
+    starts, release = Starts(), threading.Event()
+    yield starts, _timer_tasks(starts, release), release
+    release.set()
+
+
+def _assert_on_time(starts: Starts, job_id: int, before: float, committed: float, delay: float) -> None:
+    wait_for(lambda: (job_id, 1) in starts.at, timeout=delay + 5, what=f"job {job_id} to start")
+    began = starts.at[(job_id, 1)]
+    assert began >= before + delay - 0.01, f"started {began - before:.3f}s after enqueue, before its delay {delay}"
+    assert began - committed <= delay + ON_TIME, f"started {began - committed:.3f}s after commit (delay {delay})"
+
+
+@pytest.mark.parametrize("delay", [1.0, 0.5])
+def test_delayed_job_starts_at_its_time_not_at_the_poll(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event], delay: float
+) -> None:
+    starts, tasks, _ = timers
+    worker = start_worker(tasks, poll_interval=30)
+    wait_for(worker.idle, what="the worker idle")
+    job_id, before, committed = enqueue_timed(engine, "stamp", delay=delay)
+    _assert_on_time(starts, job_id, before, committed, delay)
+
+
+def test_delayed_job_enqueued_before_the_worker_started_starts_at_its_time(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+) -> None:
+    """No NOTIFY reaches a worker that was not listening yet: it must learn the due time
+    from the table."""
+    starts, tasks, _ = timers
+    job_id, before, committed = enqueue_timed(engine, "stamp", delay=1.0)
+    start_worker(tasks, poll_interval=30)
+    _assert_on_time(starts, job_id, before, committed, 1.0)
+
+
+def test_delayed_job_enqueued_while_the_worker_is_busy_starts_at_its_time(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+) -> None:
+    """The only executor thread is running a job when the delayed one is enqueued (its
+    NOTIFY arrives while nobody is idle); it finishes before the delay is up."""
+    starts, tasks, _ = timers
+    worker = start_worker(tasks, poll_interval=30, concurrency=1)
+    wait_for(worker.idle, what="the worker idle")
+    (busy,) = enqueue(engine, "busy", sleep=0.6)
+    wait_for(lambda: (busy, 1) in starts.at, what="the busy job to start")
+    job_id, before, committed = enqueue_timed(engine, "stamp", delay=1.0)
+    _assert_on_time(starts, job_id, before, committed, 1.0)
+
+
+def test_delayed_job_starts_at_its_time_beside_a_long_running_job(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+) -> None:
+    starts, tasks, release = timers
+    worker = start_worker(tasks, poll_interval=30, concurrency=2)
+    (held,) = enqueue(engine, "hold")
+    wait_for(lambda: (held, 1) in starts.at, what="the long job to start")
+    job_id, before, committed = enqueue_timed(engine, "stamp", delay=1.0)
+    _assert_on_time(starts, job_id, before, committed, 1.0)
+    release.set()
+    wait_for(lambda: job(engine, held).status == "done")
+    assert worker.stats.done == 2
+
+
+@pytest.mark.parametrize("how", ["retry_later", "backoff"])
+def test_retry_starts_at_its_time_not_at_the_poll(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event], how: str
+) -> None:
+    starts, tasks, _ = timers
+    retry_in = 0.5
+    options: dict[str, Any] = {"poll_interval": 30}
+    if how == "backoff":
+        options["backoff"] = Backoff(base=retry_in, factor=2, cap=retry_in, jitter=0)
+    worker = start_worker(tasks, **options)
+    wait_for(worker.idle, what="the worker idle")
+    (job_id,) = enqueue(engine, "later" if how == "retry_later" else "flaky", delay=retry_in)
+    wait_for(lambda: job(engine, job_id).status == "done", timeout=10, what="the retry to run")
+    waited = starts.at[(job_id, 2)] - starts.ended[(job_id, 1)]
+    assert retry_in <= waited <= retry_in + ON_TIME, f"attempt 2 started {waited:.3f}s after attempt 1 failed"
+
+
+# -- 8. connection loss --------------------------------------------------------------------------
+
+
+def test_connection_lost_inside_the_handler_transaction_hands_the_job_back_at_once(
+    engine: Engine, start_worker: Any
+) -> None:
+    """The handler's own backend is terminated mid-transaction: not the job's fault, so
+    no 60 s backoff: attempt 2 starts within about a second."""
+    starts = Starts()
+    tasks = Tasks()
+
+    @tasks.task
+    def cut(job: Any, session: Session) -> None:
+        starts(job)
+        if job.attempts == 1:
+            session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+        session.add(Effect(job_id=job.id, worker="w", note=f"attempt {job.attempts}"))
+
+    worker = start_worker(tasks, backoff=Backoff(base=60, factor=2, cap=600, jitter=0))
+    (job_id,) = enqueue(engine, "cut")
+    wait_for(lambda: (job_id, 2) in starts.at, timeout=10, what="attempt 2 to start")
+    waited = starts.at[(job_id, 2)] - starts.at[(job_id, 1)]
+    assert waited < 1.0, f"attempt 2 started {waited:.2f}s after attempt 1"
+    wait_for(lambda: job(engine, job_id).status == "done")
+    assert effect_counts(engine) == Counter({job_id: 1})
+    assert worker.stats.failed == 0
+
+
+@pytest.mark.parametrize("cap", [None, 0.5], ids=["default_cap", "cap_0.5s"])
+def test_every_loop_resumes_within_the_reconnect_cap_after_an_outage(
+    engine: Engine, server: Server, cap: float | None
+) -> None:
+    """Every connection of the worker is terminated again and again for four seconds (long
+    enough for the back-off to reach its cap); once that stops, a new job is picked up
+    (through the reconnected listener: the poll is 30 s), the listener has reconnected and
+    heartbeats resume, each within the cap plus a margin."""
+    app = unique_app_name("outage")
+    worker_engine = create_engine(server.url, connect_args={"application_name": app})
+    starts, release = Starts(), threading.Event()
+    tasks = _timer_tasks(starts, release)
+    options: dict[str, Any] = {} if cap is None else {"reconnect_backoff": cap}
+    worker = Worker(worker_engine, Task, tasks, concurrency=2, lease=10, heartbeat_interval=0.3,
+                    poll_interval=30, sweep_interval=0.2, **options)
+    limit = worker.config.reconnect_backoff
+    assert limit == (2.0 if cap is None else cap)
+    worker.start()
+    try:
+        (held,) = enqueue(engine, "hold")  # keeps the heartbeat beating on its connection
+        wait_for(lambda: (held, 1) in starts.at, what="the held job to start")
+        assert worker.heartbeat.wait_rounds(worker.heartbeat.rounds + 2, 5)
+        killed = 0
+        until = time.monotonic() + 4.0
+        while time.monotonic() < until:
+            killed += terminate_backends(engine, app)
+        outage_over = time.monotonic()
+        assert killed >= 5, killed
+        beats = worker.stats.heartbeats
+        job_id, _, committed = enqueue_timed(engine, "stamp")
+        wait_for(lambda: (job_id, 1) in starts.at, timeout=limit + 10, what="the new job to start")
+        picked = starts.at[(job_id, 1)] - committed
+        wait_for(lambda: worker.stats.heartbeats >= beats + 2, timeout=limit + 10, what="heartbeats")
+        resumed = time.monotonic() - outage_over
+        assert worker.listener is not None and worker.listener.connections >= 2
+        print(f"\ncap {limit}s: {killed} backends terminated; job picked {picked:.2f}s after the outage, "
+              f"heartbeats resumed by {resumed:.2f}s")
+        assert picked <= limit + 1.5, f"new job picked up {picked:.2f}s after the outage (cap {limit}s)"
+        assert resumed <= limit + 1.5, f"heartbeats resumed {resumed:.2f}s after the outage (cap {limit}s)"
+        release.set()
+        wait_for(lambda: job(engine, held).status == "done", timeout=limit + 10)
+    finally:
+        release.set()
+        worker.stop(grace=1)
+        worker_engine.dispose()
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1, float("nan"), float("inf")])
+def test_reconnect_backoff_must_be_a_positive_finite_duration(engine: Engine, bad: float) -> None:
+    with pytest.raises(ValueError, match="reconnect_backoff"):
+        WorkerConfig(reconnect_backoff=bad)
+    with pytest.raises(ValueError, match="reconnect_backoff"):
+        Worker(engine, Task, app_tasks, reconnect_backoff=bad)
+
+
+def test_reconnect_backoff_is_configurable(engine: Engine) -> None:
+    assert WorkerConfig().reconnect_backoff == 2.0
+    worker = Worker(engine, Task, app_tasks, reconnect_backoff=0.5)
+    assert worker.config.reconnect_backoff == 0.5
+
+
+# -- 9. fail fast at start ----------------------------------------------------------------------
+
+
+class _NotCreatedBase(DeclarativeBase):
+    metadata = MetaData()
+
+
+class NeverCreatedJob(_NotCreatedBase, JobMixin):
+    """A queue model whose table nobody created."""
+
+    __tablename__ = "sqla_queue_test_never_created"
+
+
+class PlainTableJob(_NotCreatedBase, JobMixin):
+    """A queue model whose table exists without the queue columns (created by the test)."""
+
+    __tablename__ = "sqla_queue_test_plain_table"
+
+
+def _one_clear_line(exc: BaseException, *needles: str) -> None:
+    message = str(exc)
+    assert isinstance(exc, SqlaQueueError) and isinstance(exc, WorkerStartError)
+    assert message and "\n" not in message, repr(message)
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def _missing_database(server: Server) -> URL:
+    return server.url.set(database=f"sqla_queue_missing_{uuid.uuid4().hex[:8]}")
+
+
+def test_start_fails_fast_when_the_database_does_not_exist(server: Server) -> None:
+    url = _missing_database(server)
+    missing = create_engine(url)
+    try:
+        worker = Worker(missing, Task, app_tasks)
+        started = time.monotonic()
+        with pytest.raises(WorkerStartError) as caught:
+            worker.start()
+        assert time.monotonic() - started < 10
+        _one_clear_line(caught.value, str(url.database))
+        assert not worker.stopped
+        worker.stop(grace=0)  # a worker that never started stops at once
+    finally:
+        missing.dispose()
+
+
+def test_start_fails_fast_when_the_table_does_not_exist(engine: Engine) -> None:
+    with pytest.raises(WorkerStartError) as caught:
+        Worker(engine, NeverCreatedJob, lambda job: None).start()
+    _one_clear_line(caught.value, NeverCreatedJob.__tablename__, "does not exist")
+
+
+def test_start_fails_fast_when_the_table_lacks_the_queue_columns(engine: Engine) -> None:
+    name = PlainTableJob.__tablename__
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE TABLE "{name}" (id bigint PRIMARY KEY)'))
+    try:
+        with pytest.raises(WorkerStartError) as caught:
+            Worker(engine, PlainTableJob, lambda job: None).start()
+        _one_clear_line(caught.value, name, "status", "lease_expires_at")
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP TABLE IF EXISTS "{name}"'))
+
+
+def test_worker_refuses_a_database_that_is_not_postgresql() -> None:
+    sqlite = create_engine("sqlite://")
+    try:
+        with pytest.raises(WorkerStartError) as caught:
+            Worker(sqlite, Task, app_tasks)
+        _one_clear_line(caught.value, "PostgreSQL", "sqlite")
+    finally:
+        sqlite.dispose()
+
+
+class _OtherDriverDialect(PGDialect_psycopg):
+    """PostgreSQL through a driver that is not psycopg 3 (as far as the engine says)."""
+
+    driver = "sqla_queue_other"
+
+
+registry.register("postgresql.sqla_queue_other", __name__, "_OtherDriverDialect")
+
+
+def test_worker_refuses_a_driver_that_is_not_psycopg(server: Server) -> None:
+    other = create_engine(server.url.set(drivername="postgresql+sqla_queue_other"))
+    assert other.dialect.name == "postgresql" and other.dialect.driver == "sqla_queue_other"
+    try:
+        with pytest.raises(WorkerStartError) as caught:
+            Worker(other, Task, app_tasks)
+        _one_clear_line(caught.value, "psycopg", "sqla_queue_other")
+    finally:
+        other.dispose()
+
+
+def test_cli_worker_reports_a_missing_database_on_one_line(server: Server) -> None:
+    env = {**os.environ, "SQLA_QUEUE_TEST_URL": _missing_database(server).render_as_string(hide_password=False)}
+    done = subprocess.run(
+        [sys.executable, "-m", "sqla_queue.cli", "worker", "tests.worker_app:make_worker"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert "sqla_queue_missing_" in lines[0], lines[0]
+
+
+# -- 10. stop behind a table lock ----------------------------------------------------------------
+
+
+def _lock_tasks(engine: Engine) -> Any:
+    conn = engine.connect()
+    conn.execute(text("SET lock_timeout = '5s'"))
+    conn.execute(text(f'LOCK TABLE "{Task.__tablename__}" IN ACCESS EXCLUSIVE MODE'))
+    return conn
+
+
+def test_stop_returns_within_the_grace_behind_a_table_lock_while_a_job_runs(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+) -> None:
+    starts, tasks, _ = timers
+    worker = start_worker(tasks, lease=3, heartbeat_interval=0.3)
+    (job_id,) = enqueue(engine, "busy", sleep=5)
+    wait_for(lambda: (job_id, 1) in starts.at, what="the job to start")
+    locker = _lock_tasks(engine)
+    try:
+        began = time.monotonic()
+        worker.stop(grace=1)
+        took = time.monotonic() - began
+    finally:
+        locker.rollback()
+        locker.close()
+    print(f"\nstop(grace=1) behind ACCESS EXCLUSIVE with a job running took {took:.2f}s")
+    assert took < 1 + 4, f"stop(grace=1) took {took:.2f}s behind the lock"
+    assert worker.stopped
+    # The job was not lost: handed back, or its lease expires and a sweeper returns it.
+    rescuer = start_worker(tasks, lease=3, heartbeat_interval=0.3)
+    wait_for(lambda: (job_id, 2) in starts.at, timeout=20, what="the job to run again")
+    assert job(engine, job_id).attempts == 2
+    assert rescuer.stats.claimed >= 1
+
+
+def test_stop_returns_within_the_grace_behind_a_table_lock_when_idle(engine: Engine, server: Server) -> None:
+    """Nothing runs, but the worker's own statements (the sweeper's) wait on the lock."""
+    app = unique_app_name("locked")
+    worker_engine = create_engine(server.url, connect_args={"application_name": app})
+    worker = Worker(worker_engine, Task, app_tasks, lease=3, heartbeat_interval=0.3, poll_interval=0.5,
+                    sweep_interval=0.2)
+    worker.start()
+    locker = None
+    try:
+        wait_for(worker.idle, what="the worker idle")
+        locker = _lock_tasks(engine)
+        wait_for(lambda: _waiting_on_a_lock(engine, app) >= 1, timeout=10, what="a worker statement on the lock")
+        began = time.monotonic()
+        worker.stop(grace=1)
+        took = time.monotonic() - began
+    finally:
+        if locker is not None:
+            locker.rollback()
+            locker.close()
+        worker.stop(grace=0)
+        worker_engine.dispose()
+    print(f"\nstop(grace=1) behind ACCESS EXCLUSIVE, idle, took {took:.2f}s")
+    assert took < 1 + 4, f"stop(grace=1) took {took:.2f}s behind the lock"
+    assert worker.stopped
+
+
+def _waiting_on_a_lock(engine: Engine, app_name: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = :app AND wait_event_type = 'Lock'"
+                ),
+                {"app": app_name},
+            )
+            or 0
+        )
+
+
+def test_claims_blocked_behind_the_lock_leave_nothing_claimed_after_stop(engine: Engine, server: Server) -> None:
+    """Jobs fall due while the table is locked: the idle executors' claims wait on the
+    lock. After stop() returned and the lock is gone, no job may stay claimed by the
+    stopped worker (a late claim must be handed back, or never happen)."""
+    app = unique_app_name("late_claim")
+    worker_engine = create_engine(server.url, connect_args={"application_name": app})
+    worker = Worker(worker_engine, Task, app_tasks, concurrency=2, lease=30, heartbeat_interval=0.3,
+                    poll_interval=0.5, sweep_interval=0.2)
+    worker.start()
+    locker = None
+    try:
+        wait_for(worker.idle, what="the worker idle")
+        ids = [enqueue_timed(engine, "work", delay=0.5)[0] for _ in range(3)]
+        locker = _lock_tasks(engine)
+        wait_for(lambda: _waiting_on_a_lock(engine, app) >= 2, timeout=10, what="claims waiting on the lock")
+        worker.stop(grace=1)
+    finally:
+        if locker is not None:
+            locker.rollback()
+            locker.close()
+    try:
+        def none_claimed() -> bool:
+            return all(r.status == "pending" and r.lease_owner is None for r in rows(engine, ids))
+
+        wait_for(none_claimed, timeout=5, what="no job left claimed by the stopped worker")
+    finally:
+        worker_engine.dispose()
