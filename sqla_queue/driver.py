@@ -29,7 +29,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 from .errors import SqlaQueueError
 
-__all__ = ["DbConnection", "Driver", "RowError", "Statement", "WorkerStartError"]
+__all__ = ["ClaimRequest", "DbConnection", "Driver", "RowError", "Statement", "WorkerStartError"]
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -71,6 +71,15 @@ class Statement:
 
 
 @dataclass(frozen=True)
+class ClaimRequest:
+    """A claim to run: the compiled statement and its values."""
+
+    statement: Statement
+    values: Mapping[str, Any]
+    isolated: bool = False
+
+
+@dataclass(frozen=True)
 class RowError:
     """A claimed row psycopg could not read: its key and attempt, and why."""
 
@@ -92,8 +101,10 @@ class DbConnection:
         # JSON is read as text and parsed per row by the loader, so one value Python
         # cannot parse fails its own job, not the whole claim.
         self._cursor = self.raw.cursor()
-        for name in ("json", "jsonb"):
-            self._cursor.adapters.register_loader(name, TextLoader)
+        self._claim_cursor = self.raw.cursor()
+        for cursor in (self._cursor, self._claim_cursor):
+            for name in ("json", "jsonb"):
+                cursor.adapters.register_loader(name, TextLoader)
         self.closed = False
 
     @property
@@ -112,6 +123,36 @@ class DbConnection:
         """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`."""
         cur = self._cursor
         cur.execute(stmt.sql, stmt.params(values))
+        return self._claimed_rows(cur, pk_index, attempt_index)
+
+    def execute_then_claim(
+        self,
+        stmt: Statement,
+        values: Mapping[str, Any],
+        claim: ClaimRequest,
+        pk_index: int,
+        attempt_index: int,
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
+        """``stmt`` (a completion) and then a claim, in one transaction sent as one
+        pipeline: one round trip and one commit where two statements would take two."""
+        raw = self.raw
+        claim_cursor = self._claim_cursor
+        try:
+            with raw.pipeline():
+                raw.execute("BEGIN")
+                self._cursor.execute(stmt.sql, stmt.params(values))
+                claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
+                raw.execute("COMMIT")
+        except BaseException:
+            if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                with suppress(Exception):
+                    raw.execute("ROLLBACK")
+            raise
+        return self._cursor.fetchall(), self._claimed_rows(claim_cursor, pk_index, attempt_index)
+
+    def _claimed_rows(
+        self, cur: psycopg.Cursor[Any], pk_index: int, attempt_index: int
+    ) -> list[tuple[Any, ...] | RowError]:
         try:
             return list(cur.fetchall())
         except Exception:  # noqa: BLE001 - find the unreadable rows one by one
@@ -151,6 +192,7 @@ class DbConnection:
         self.closed = True
         with suppress(Exception):
             self._cursor.close()
+            self._claim_cursor.close()
         with suppress(Exception):
             self.sa.invalidate()
         with suppress(Exception):
@@ -187,7 +229,9 @@ class Driver:
         compiled = cast(SQLCompiler, stmt.compile(dialect=self.dialect))
         defaults = compiled.construct_params(_check=False) or {}
         processors = {
-            name: proc for name, proc in (compiled._bind_processors or {}).items() if proc
+            name: proc
+            for name, proc in (compiled._bind_processors or {}).items()
+            if proc and not _plain_array(compiled.binds.get(name), self.dialect)
         }
         return Statement(compiled.string, dict(defaults), processors)
 
@@ -347,7 +391,7 @@ def notify_with_commit(conn: Connection, pairs: set[tuple[str, str]]) -> bool:
     while getattr(root, "_parent", None) not in (None, root):  # a savepoint's root
         root = root._parent  # type: ignore[attr-defined]
     info = conn.info
-    waiting = info.get(_ON_COMMIT_KEY)
+    waiting: tuple[Any, set[tuple[str, str]]] | None = info.get(_ON_COMMIT_KEY)
     if waiting is None or waiting[0] is not root:
         waiting = info[_ON_COMMIT_KEY] = (root, set())
     waiting[1].update(pairs)
@@ -390,6 +434,14 @@ def _listen_for_commits(engine: Engine) -> None:
         event.listen(engine, "commit", _on_commit)
         event.listen(engine, "rollback", _on_rollback)
     _listening.add(key)
+
+
+def _plain_array(bind: Any, dialect: Any) -> bool:
+    """An ARRAY parameter whose items need no conversion: psycopg adapts the list itself,
+    and SQLAlchemy's processor would only walk it."""
+    kind = getattr(bind, "type", None)
+    item = getattr(kind, "item_type", None)
+    return item is not None and item.dialect_impl(dialect).bind_processor(dialect) is None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -659,7 +659,10 @@ def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
 
 
 def _token_fence(qt: QueueTable, tokens: Any) -> ColumnElement[bool]:
+    # ``pk = ANY(:ids)`` besides the join: it lets every plan, generic ones included, find
+    # the rows by primary key rather than scan the running jobs (or a bloated index of them).
     return and_(
+        qt.pk == any_(bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))),
         qt.pk == tokens.c.pk,
         qt.c.attempts == tokens.c.attempt,
         _status(qt, RUNNING),

@@ -250,7 +250,7 @@ class Worker:
             self._hand_back(left, refund=False)
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
-        others = [s for s in (self.heartbeat, self.sweeper, self.listener) if s is not None]
+        others: list[Service] = [s for s in (self.heartbeat, self.sweeper, self.listener) if s is not None]
         for service in others:
             service.request_stop()
         deadline = time.monotonic() + _JOIN_SECONDS

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import sql as q
-from ..driver import DbConnection, Driver, tokens_params
+from ..driver import ClaimRequest, DbConnection, Driver, RowError, tokens_params
 from ..model import QueueTable
 from .config import WorkerConfig
 from .ledger import Held, Ledger
@@ -53,8 +53,18 @@ class Completer:
         self._release = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=True))
         self._hand_back = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=False))
 
-    def record(self, connect: Callable[[], DbConnection], outcomes: Sequence[Outcome]) -> None:
-        """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use."""
+    def record(
+        self,
+        connect: Callable[[], DbConnection],
+        outcomes: Sequence[Outcome],
+        *,
+        then: tuple[ClaimRequest, tuple[int, int]] | None = None,
+    ) -> list[tuple[Any, ...] | RowError] | None:
+        """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use.
+
+        ``then``: a claim to run in the same transaction and round trip as the ``done``
+        statement; its rows are returned (None when it was not run: claim yourself).
+        """
         by_kind: dict[Kind, list[Outcome]] = {}
         committed: list[Held] = []
         lost: list[Held] = []
@@ -70,8 +80,45 @@ class Completer:
             self.stats.add("done", len(committed))
         if lost:
             self._lost(lost, "lease lost while running")
+        done = by_kind.pop(Kind.DONE, None)
         for kind, group in by_kind.items():
             self._record_kind(connect, kind, group)
+        if done is None:
+            return None
+        if then is None:
+            self._record_kind(connect, Kind.DONE, done)
+            return None
+        return self._done_then_claim(connect, done, *then)
+
+    def _done_then_claim(
+        self,
+        connect: Callable[[], DbConnection],
+        group: list[Outcome],
+        claim: ClaimRequest,
+        indexes: tuple[int, int],
+    ) -> list[tuple[Any, ...] | RowError] | None:
+        alive = set(self.ledger.finishing([o.held for o in group]))
+        self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
+        outcomes = [o for o in group if o.held in alive]
+        if not outcomes:
+            return None
+        params = tokens_params(self.owner, [o.held.token for o in outcomes])
+
+        def run(conn: DbConnection) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
+            return conn.execute_then_claim(self._done, params, claim, *indexes)
+
+        try:
+            rows, claimed = cast(
+                "tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]", self._with_retries(connect, run)
+            )
+        except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
+            log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
+            for o in outcomes:
+                o.held.finishing = False
+            self._record_kind(connect, Kind.DONE, outcomes)
+            return None
+        self._settle(Kind.DONE, outcomes, rows)
+        return claimed
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
         """Shutdown: jobs back to ``pending`` at once; ``refund`` for those never started."""

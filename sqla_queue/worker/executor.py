@@ -51,10 +51,13 @@ MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 class Lane:
     """An executor thread's connection, reconnected on demand."""
 
-    def __init__(self, driver: Driver, name: str, **timeouts: float) -> None:
+    def __init__(
+        self, driver: Driver, name: str, *, lock_timeout: float | None = None, statement_timeout: float | None = None
+    ) -> None:
         self.driver = driver
         self.name = name
-        self.timeouts = timeouts
+        self.lock_timeout = lock_timeout
+        self.statement_timeout = statement_timeout
         self.conn: DbConnection | None = None
 
     def connect(self) -> DbConnection:
@@ -63,7 +66,9 @@ class Lane:
             if conn is not None:
                 conn.close()
             self.conn = conn = None
-            self.conn = conn = self.driver.connect(self.name, **self.timeouts)
+            self.conn = conn = self.driver.connect(
+                self.name, lock_timeout=self.lock_timeout, statement_timeout=self.statement_timeout
+            )
         return conn
 
     def reset(self) -> None:
@@ -276,36 +281,38 @@ class ExecutorPool(Service):
         limit = min(4, self.config.max_batch)
         per_job: float | None = None
         failures = 0
+        held: list[Held] = []
         try:
             while not self.stopping:
-                try:
-                    conn = lane.connect()
-                    held = self.producer.claim(conn, limit)
-                    if held and self.stopping:  # claimed while stop() ran: give them back
-                        self.completer.hand_back(lane.connect, held, refund=True)
-                        break
-                    if not held:
-                        if not self.stopping:
-                            self.producer.wait_for_work(conn)
-                        failures = 0
+                if not held:
+                    try:
+                        conn = lane.connect()
+                        held = self.producer.claim(conn, limit)
+                        if not held:
+                            if not self.stopping:
+                                self.producer.wait_for_work(conn)
+                            failures = 0
+                            continue
+                    except Exception as exc:  # noqa: BLE001 - the database went away: back off
+                        lane.reset()
+                        failures += 1
+                        delay = self.backoff.delay(failures).total_seconds()
+                        log.warning("executor %d: %s: %s (retrying in %.2fs)", index, type(exc).__name__,
+                                    _first_line(exc), delay)
+                        self.sleep(delay)
                         continue
-                except Exception as exc:  # noqa: BLE001 - the database went away: back off
-                    lane.reset()
-                    failures += 1
-                    delay = self.backoff.delay(failures).total_seconds()
-                    log.warning("executor %d: %s: %s (retrying in %.2fs)", index, type(exc).__name__,
-                                _first_line(exc), delay)
-                    self.sleep(delay)
-                    continue
-                if failures:
-                    log.info("executor %d: recovered after %d error(s)", index, failures)
-                failures = 0
+                    if failures:
+                        log.info("executor %d: recovered after %d error(s)", index, failures)
+                    failures = 0
+                if self.stopping:  # claimed while stop() ran: give them back
+                    self.completer.hand_back(lane.connect, held, refund=True)
+                    break
                 self.stats.add("claimed", len(held))
                 isolated = held[0].isolated
                 if len(held) == limit and not isolated:
                     self.signal.wake()  # there may be more: rouse an idle peer
                 started = time.monotonic()
-                ran = self._run_batch(held, lane)
+                held, ran = self._run_batch(held, lane, limit)
                 if ran:
                     took = (time.monotonic() - started) / ran
                     per_job = took if per_job is None else 0.7 * per_job + 0.3 * took
@@ -313,10 +320,14 @@ class ExecutorPool(Service):
                 if isolated:
                     self.producer.look_for_isolated()
                 self._round_done()
+            if held:
+                self.completer.hand_back(lane.connect, held, refund=True)
         finally:
             lane.reset()
 
-    def _run_batch(self, held: list[Held], lane: Lane) -> int:
+    def _run_batch(self, held: list[Held], lane: Lane, limit: int) -> tuple[list[Held], int]:
+        """Run ``held``; record the outcomes, claiming the next batch in the same round trip
+        when there is one to claim. Returns the next batch (maybe empty) and the jobs run."""
         outcomes: list[Outcome] = []
         ran = 0
         try:
@@ -325,8 +336,22 @@ class ExecutorPool(Service):
                     continue  # lost meanwhile, or handed back by a shutdown
                 outcomes.append(self.executor.run(h, lane))
                 ran += 1
-            self.completer.record(lane.connect, outcomes)
+            request = None if self.stopping else self.producer.request(limit)
+            then = (request, self.producer.indexes) if request is not None else None
+            rows = self.completer.record(lane.connect, outcomes, then=then)
+            if request is None:
+                return [], ran
+            if rows is None:  # the claim did not run with the completion
+                if request.isolated:
+                    self.ledger.give_back_isolated_slot()
+                return [], ran
+            nxt = self.producer.accept(request, rows)
+            if not nxt and request.isolated:
+                return [], ran  # no isolated job waits: claim ordinary ones next round
+            return nxt, ran
         except Exception:
             log.exception("executor: unexpected error; the batch's jobs return after their lease")
             self.ledger.lose(held)
-        return ran
+            return [], ran
+
+

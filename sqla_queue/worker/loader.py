@@ -11,8 +11,8 @@ runs) and reports a row it cannot build as that job's error. The instance is det
 from __future__ import annotations
 
 import json
-from operator import itemgetter
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import JSON, Column, TypeDecorator, inspect
@@ -73,7 +73,7 @@ class RowLoader:
         state = attributes.instance_state(instance)
         values = state.dict
         if self._plain_values is not None:
-            values.update(zip(self._plain_keys, self._plain_values(row)))
+            values.update(zip(self._plain_keys, self._plain_values(row), strict=True))
         elif self._plain_one is not None:
             values[self._plain_one[0]] = row[self._plain_one[1]]
         for key, index, process, is_json in self._processed:

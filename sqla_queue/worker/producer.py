@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from .. import sql as q
-from ..driver import DbConnection, Driver, RowError
+from ..driver import ClaimRequest, DbConnection, Driver, RowError
 from ..model import QueueTable
 from ..sql import ClaimToken
 from .config import WorkerConfig
@@ -125,6 +125,7 @@ class Producer:
         self._pk_index = columns.index(qt.pk)
         self._attempt_index = columns.index(qt.c.attempts)
         self._loader = RowLoader(model, columns, driver.dialect)
+        self._lease = float(config.lease)
         self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
         self._checked_generation = -1
 
@@ -132,28 +133,46 @@ class Producer:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""
         self._isolated_after = 0.0
 
-    def claim(self, conn: DbConnection, limit: int) -> list[Held]:
+    def request(self, limit: int) -> ClaimRequest | None:
+        """The claim to run next: an isolated job when one may be waiting and this worker
+        runs none, else up to ``limit`` ordinary jobs; None while leases are unhealthy."""
         if not self.ledger.healthy:
-            return []
+            return None
         if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
-            got = self._run_claim(conn, self._claim_isolated, 1, isolated=True)
-            if got:
-                log.info("job %s: its last lease expired; running it alone", got[0].token.job_id)
-                return got
-            self.ledger.give_back_isolated_slot()
-            self._isolated_after = time.monotonic() + self.config.poll_interval
-        return self._run_claim(conn, self._claim, limit, isolated=False)
+            return ClaimRequest(self._claim_isolated, self._values(1), isolated=True)
+        return ClaimRequest(self._claim, self._values(limit))
 
-    def _run_claim(self, conn: DbConnection, stmt: Any, limit: int, *, isolated: bool) -> list[Held]:
-        values = {
-            q.OWNER_PARAM: self.owner,
-            q.LIMIT_PARAM: limit,
-            q.LEASE_PARAM: float(self.config.lease),
-        }
-        rows = conn.fetch_claimed(stmt, values, self._pk_index, self._attempt_index)
-        held = [self._held(row, isolated) for row in rows]
+    def accept(self, request: ClaimRequest, rows: list[tuple[Any, ...] | RowError]) -> list[Held]:
+        """The held jobs of a claim's rows, added to the ledger."""
+        if request.isolated:
+            if not rows:
+                self.ledger.give_back_isolated_slot()
+                self._isolated_after = time.monotonic() + self.config.poll_interval
+            else:
+                log.info("job %s: its last lease expired; running it alone", _token_of(rows[0], self))
+        held = [self._held(row, request.isolated) for row in rows]
         self.ledger.add(held)
         return held
+
+    def claim(self, conn: DbConnection, limit: int) -> list[Held]:
+        request = self.request(limit)
+        if request is None:
+            return []
+        held = self.accept(request, self.fetch(conn, request))
+        if not held and request.isolated:
+            return self.claim(conn, limit)  # no isolated job: ordinary ones, now
+        return held
+
+    def fetch(self, conn: DbConnection, request: ClaimRequest) -> list[tuple[Any, ...] | RowError]:
+        return conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
+
+    @property
+    def indexes(self) -> tuple[int, int]:
+        """Where the key and the attempt are in a claimed row."""
+        return self._pk_index, self._attempt_index
+
+    def _values(self, limit: int) -> dict[str, Any]:
+        return {q.OWNER_PARAM: self.owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self._lease}
 
     def _held(self, row: tuple[Any, ...] | RowError, isolated: bool) -> Held:
         limit = self.config.max_error_length
@@ -178,3 +197,7 @@ class Producer:
             if seconds is not None:
                 signal.wake_at(time.monotonic() + max(float(seconds), 0.0))
         signal.wait(self.config.poll_interval)
+
+
+def _token_of(row: tuple[Any, ...] | RowError, producer: Producer) -> Any:
+    return row.pk if isinstance(row, RowError) else row[producer.indexes[0]]
