@@ -335,7 +335,7 @@ def test_every_worker_connection_uses_the_engine_options(
                 rows = conn.execute(
                     text(
                         "SELECT pid, coalesce(query, '') FROM pg_stat_activity "
-                        "WHERE application_name = 'sqla_queue_tagged'"
+                        "WHERE datname = current_database() AND application_name = 'sqla_queue_tagged'"
                     )
                 )
                 return dict(rows.all())
@@ -352,23 +352,33 @@ def test_every_worker_connection_uses_the_engine_options(
         app_engine.dispose()
 
 
-def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, start_worker: Any) -> None:
-    worker = start_worker(poll_interval=120)
-    listener = worker._listener
-    assert listener is not None
-    wait_for(lambda: listener.connected_count == 1)
-    wait_for(worker._claimer.went_idle)
-    with engine.begin() as conn:
-        killed = conn.scalar(
-            text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, server: Any) -> None:
+    from sqlalchemy import create_engine
+
+    # Kill only this worker's listener: our database, our application_name.
+    worker_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_listen_victim"})
+    worker = Worker(worker_engine, Task, app_tasks, poll_interval=120, backoff=FAST, sweep_interval=0.2)
+    worker.start()
+    try:
+        listener = worker._listener
+        assert listener is not None
+        wait_for(lambda: listener.connected_count == 1)
+        wait_for(worker._claimer.went_idle)
+        with engine.begin() as conn:
+            killed = conn.scalar(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = 'sqla_queue_listen_victim' "
+                    "AND query LIKE 'LISTEN %'"
+                )
             )
-        )
-    assert killed == 1
-    (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
-    wait_for(lambda: listener.connected_count == 2, what="the listener to reconnect")
-    wait_for(status_is(engine, job_id, "done"), timeout=10)
+        assert killed == 1
+        (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
+        wait_for(lambda: listener.connected_count == 2, what="the listener to reconnect")
+        wait_for(status_is(engine, job_id, "done"), timeout=10)
+    finally:
+        worker.stop(grace=1)
+        worker_engine.dispose()
 
 
 # -- shutdown ------------------------------------------------------------------------------
@@ -425,7 +435,7 @@ def test_worker_survives_terminated_connections(engine: Engine, Sessions: Any, s
                 conn.execute(
                     text(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE application_name = 'sqla_queue_victim'"
+                        "WHERE datname = current_database() AND application_name = 'sqla_queue_victim'"
                     )
                 )
         wait_for(lambda: all(job(engine, i).status == "done" for i in ids), timeout=60)
