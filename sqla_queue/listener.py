@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Engine
 
 from ._loops import BackgroundLoop
 
-__all__ = ["Listener", "dedicated_connection"]
+__all__ = ["Listener", "close_dedicated", "dedicated_connection"]
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -30,6 +30,23 @@ def dedicated_connection(engine: Engine, *, autocommit: bool = False) -> Connect
         conn.execution_options(isolation_level="AUTOCOMMIT")
     conn.detach()
     return conn
+
+
+def close_dedicated(conn: Connection) -> None:
+    """Close a :func:`dedicated_connection` and its DBAPI connection, now.
+
+    On a detached connection ``invalidate()`` only forgets the DBAPI connection, which
+    would then stay open until the garbage collector finds it; so close that one too.
+    """
+    alive = not (conn.closed or conn.invalidated)
+    dbapi = conn.connection.dbapi_connection if alive else None
+    try:
+        conn.invalidate()
+        conn.close()
+    except Exception:  # noqa: BLE001 - the connection may already be broken
+        pass
+    if dbapi is not None:
+        dbapi.close()
 
 
 class Listener(BackgroundLoop):
@@ -62,8 +79,7 @@ class Listener(BackgroundLoop):
             try:
                 driver.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(self._channel)))
             except BaseException:
-                conn.invalidate()
-                conn.close()
+                close_dedicated(conn)
                 raise
             self._conn = conn
             self.connected_count += 1
@@ -92,8 +108,4 @@ class Listener(BackgroundLoop):
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.invalidate()
-                conn.close()
-            except Exception:  # noqa: BLE001 - the connection is already broken
-                pass
+            close_dedicated(conn)

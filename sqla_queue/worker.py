@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from . import sql as q
 from ._loops import ERROR_BACKOFF, BackgroundLoop
 from .errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
-from .listener import Listener, dedicated_connection
+from .listener import Listener, close_dedicated, dedicated_connection
 from .model import QueueTable, queue_table
 from .session import QueueSession
 from .sql import Backoff, ClaimToken
@@ -807,11 +807,7 @@ class _HeartbeatLoop(BackgroundLoop):
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.invalidate()
-                conn.close()
-            except Exception:  # noqa: BLE001
-                pass
+            close_dedicated(conn)
 
 
 class _CompleterLoop(BackgroundLoop):
