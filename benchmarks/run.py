@@ -464,7 +464,7 @@ def wait_ready(ready: Any, procs: Sequence[Any], timeout: float = 60) -> None:
         except queue_module.Empty:
             dead = [p.exitcode for p in procs if p.exitcode is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"a benchmark process failed to start (exit codes {dead})")
+                raise RuntimeError(f"a benchmark process failed to start (exit codes {dead})") from None
 
 
 def cpu_seconds() -> float:

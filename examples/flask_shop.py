@@ -23,7 +23,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import ForeignKey, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqla_queue import Backoff, JobMixin
+from sqla_queue import Backoff, JobMixin, enqueue
 from sqla_queue.flask import FlaskQueue
 
 
@@ -102,7 +102,9 @@ def create_app(database_url: str | None = None) -> Flask:
         order = ShopOrder(product_id=data["product_id"], quantity=data["quantity"], email=data["email"])
         db.session.add(order)
         db.session.flush()
-        db.session.enqueue(ConfirmationEmail(order_id=order.id, to=order.email), max_attempts=3)
+        # db.session() is the request's own Session (db.session.enqueue works too, but is
+        # patched onto the scoped_session where type checkers cannot see it)
+        enqueue(db.session(), ConfirmationEmail(order_id=order.id, to=order.email), max_attempts=3)
         try:
             take_from_stock(order)
         except OutOfStock as exc:

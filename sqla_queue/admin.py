@@ -65,7 +65,7 @@ def format_stats(engine: Engine, model: Any) -> str:
     header = ("queue", "status", "jobs", "oldest runnable")
     table = [header] + [(r.queue, r.status, str(r.jobs), _age(r.oldest_runnable_age)) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 

@@ -207,10 +207,7 @@ def enqueue_many(
     try:
         rest = _prepend(first_batch, batches)
         del first_batch
-        if use_copy:
-            written = _copy_rows(conn, qt.table, rest)
-        else:
-            written = _insert_rows(conn, qt.table, rest)
+        written = _copy_rows(conn, qt.table, rest) if use_copy else _insert_rows(conn, qt.table, rest)
     except BaseException:
         if savepoint is not None:
             savepoint.rollback()

@@ -269,11 +269,12 @@ class Tour:
             if (at := picked.get(i)) is not None
         )
         self.say("== summary")
+        dead_note = dead_reason.splitlines()[0].removeprefix("builtins.") if dead_reason else ""
         rows = [
             ("jobs", f"{self.total:,}", "orders, COPY-loaded images, webhooks, bad e-mails"),
             ("done", f"{done:,}", ""),
             ("retried, then done", f"{retried:,}", "webhooks that failed once"),
-            ("dead-lettered", f"{failed:,}", dead_reason.splitlines()[0].removeprefix("builtins.") if dead_reason else ""),
+            ("dead-lettered", f"{failed:,}", dead_note),
             ("recovered after the kill", f"{recovered:,}", "their lease expired; re-run alone, elsewhere"),
             ("orders confirmed twice", f"{twice}", f"{unconfirmed} unconfirmed; confirmations are transactional"),
             ("throughput", f"{done / elapsed:,.0f} jobs/s", f"{elapsed:.1f} s, 2 workers, one killed"),
@@ -284,8 +285,10 @@ class Tour:
                 (
                     "pickup latency",
                     f"p50 {q[49]:.1f} ms",
-                    f"p95 {q[94]:.1f} ms, p99 {q[98]:.1f} ms (commit to handler start, "
-                    f"{len(latencies)} orders under load)",
+                    (
+                        f"p95 {q[94]:.1f} ms, p99 {q[98]:.1f} ms (commit to handler start, "
+                        f"{len(latencies)} orders under load)"
+                    ),
                 )
             )
         width = max(len(r[0]) for r in rows)

@@ -22,7 +22,7 @@ that act on the current session, without touching Flask-SQLAlchemy internals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -32,9 +32,9 @@ from flask import Flask, current_app
 from flask.cli import AppGroup
 
 from . import admin
+from .bulk import enqueue_many
 from .cli import parse_duration, worker_overrides
 from .model import queue_table
-from .bulk import enqueue_many
 from .session import enqueue
 from .tasks import Handler, Tasks
 from .worker import Worker
@@ -159,7 +159,9 @@ _name = click.argument("name", required=False)
 @click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
 def _worker_command(name: str | None, until_idle: bool, **options: Any) -> None:
     """Run a registered worker until SIGTERM/SIGINT."""
-    seconds: Callable[[Any], Any] = lambda v: v.total_seconds() if isinstance(v, timedelta) else v
+    def seconds(value: Any) -> Any:
+        return value.total_seconds() if isinstance(value, timedelta) else value
+
     overrides = worker_overrides(**{k: seconds(v) for k, v in options.items()})
     _extension().make_worker(name, **overrides).run(until_idle=until_idle)
 

@@ -285,7 +285,7 @@ _strict_dumps: Final[Callable[[Any], str]] = json.JSONEncoder(allow_nan=False).e
 def _json_serializer(session: Session, mapper: Mapper[Any]) -> Callable[[Any], str]:
     try:
         dialect = session.get_bind(mapper=mapper).dialect
-    except Exception:  # unbound session: validate with the standard serializer
+    except Exception:  # noqa: BLE001 - unbound session: validate with the standard serializer
         dialect = None
     return dialect_json_serializer(dialect)
 

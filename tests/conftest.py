@@ -66,10 +66,10 @@ def _empty_tables(engine: Engine) -> None:
 
 
 @pytest.fixture
-def engine(_schema: Engine) -> Iterator[Engine]:
+def engine(_schema: Engine) -> Engine:
     """The test database's engine, with every shared table emptied before the test."""
     _empty_tables(_schema)
-    yield _schema
+    return _schema
 
 
 @pytest.fixture(scope="session")

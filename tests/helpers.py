@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import URL
+from sqlalchemy import URL, Table
 
 from sqla_queue.embedded import EmbeddedPostgres
 
@@ -35,6 +35,13 @@ class Server:
         if self.embedded is None:
             raise RuntimeError("refusing to restart a server this test run did not start")
         self.embedded.restart()
+
+
+def table_of(model: Any) -> Table:
+    """A model's ``Table``, typed as one (declarative types ``__table__`` as a FromClause)."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
 
 
 def wait_for(

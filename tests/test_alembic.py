@@ -42,7 +42,7 @@ from sqla_queue.alembic import (
     queue_schema_table,
 )
 
-from .helpers import Server
+from .helpers import Server, table_of
 from .models import EmailJob, UuidJob
 
 BIN = Path(sys.executable).parent
@@ -395,7 +395,8 @@ def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: N
         migration = project.autogenerate("notifications become a queue")
         upgrade = project.upgrade_body(migration)
         assert (
-            "op.add_column('notifications', sa.Column('status', sa.String(length=16), server_default='pending', nullable=False))"
+            "op.add_column('notifications', sa.Column('status', sa.String(length=16), "
+            "server_default='pending', nullable=False))"
             in upgrade
         )
         assert upgrade.count("op.create_index_concurrently(") == 4
@@ -475,7 +476,8 @@ def test_queue_index_operations_in_hand_written_migrations(
     write(
         "c000000create",
         "b0000000drop",
-        f'op.create_queue_indexes("email_jobs", concurrently=True, check=True); op.create_queue_indexes({LONG_NAME!r}, concurrently=True)',
+        'op.create_queue_indexes("email_jobs", concurrently=True, check=True); '
+        f"op.create_queue_indexes({LONG_NAME!r}, concurrently=True)",
         f'op.drop_queue_indexes("email_jobs", check=True); op.drop_queue_indexes({LONG_NAME!r})',
     )
     reference = new_database()
@@ -493,7 +495,7 @@ def test_queue_index_operations_in_hand_written_migrations(
 
     offline = project.alembic("upgrade", "--sql", "b0000000drop:c000000create")
     assert sorted(outside_transactions(offline)) == sorted(
-        str(CreateIndex(index).compile(dialect=postgresql.dialect()))
+        str(CreateIndex(index).compile(dialect=postgresql.dialect()))  # type: ignore[no-untyped-call]
         .replace("INDEX", "INDEX CONCURRENTLY", 1)
         .strip()
         for name in ("email_jobs", LONG_NAME)
@@ -509,9 +511,9 @@ def test_queue_index_operations_in_hand_written_migrations(
 
 
 def test_queue_schema_table_is_the_mixins_schema() -> None:
-    dialect = postgresql.dialect()
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
     for model in (EmailJob, UuidJob):
-        table = model.__table__
+        table = table_of(model)
         mixin = {
             str(CreateIndex(i).compile(dialect=dialect))
             for i in table.indexes
@@ -573,6 +575,7 @@ def test_hook_composes_with_user_hooks(new_database: NewDatabase) -> None:
                 script = produce_migrations(context, metadata)
                 hook(context, None, [script])
                 assert seen.pop() == expected
+            assert script.upgrade_ops is not None
             rendered = render_python_code(script.upgrade_ops)
             assert (
                 "op.create_index_concurrently('ix_plain_name', 'plain', ['name'], unique=False)"
@@ -613,7 +616,7 @@ FLASK_APP = """
 
 def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
     url = new_database()
-    env = {"APP_DATABASE_URL": url.render_as_string(hide_password=False)}
+    env: dict[str, Any] = {"APP_DATABASE_URL": url.render_as_string(hide_password=False)}
 
     def flask(*args: str) -> str:
         return run([BIN / "flask", "--app", "app", "db", *args], tmp_path, **env)

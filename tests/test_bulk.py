@@ -46,10 +46,10 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
 
 
 @pytest.fixture
-def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     for channel in (EMAIL_CHANNEL, TASK_CHANNEL, SENTINEL_CHANNEL):
         listener.execute(f'LISTEN "{channel}"')
-    yield listener
+    return listener
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_task_rows_with_jsonb_payloads(
         session.enqueue_many(Task, rows, method=method)
         session.commit()
     with engine.connect() as conn:
-        got = {task: payload for task, payload in conn.execute(select(Task.task, Task.payload))}
+        got: dict[str, Any] = dict(conn.execute(select(Task.task, Task.payload)).tuples().all())
         types = set(conn.scalars(text("SELECT DISTINCT jsonb_typeof(payload) FROM tasks")))
     assert got == {
         **{f"t{n}": p for n, p in enumerate(PAYLOADS)},
@@ -246,7 +246,7 @@ def test_delay_is_measured_by_the_database_clock(
     with Sessions() as session:
         session.execute(text("SELECT pg_sleep(0.01)"))  # now() (transaction start) is in the past
         session.enqueue_many(EmailJob, [{}] * 3, delay=timedelta(minutes=5), method=method)
-        now = session.scalar(select(func.now()))
+        now = session.scalars(select(func.now())).one()
         run_after = set(session.scalars(select(EmailJob.run_after)))
         # exactly the transaction's now() + delay: the Python clock would be later
         assert run_after == {now + timedelta(minutes=5)}
@@ -268,7 +268,7 @@ def test_row_values_win_over_options(Sessions: sessionmaker[QueueSession], metho
         got = session.execute(
             select(EmailJob.queue, EmailJob.priority, EmailJob.run_after).order_by(EmailJob.id)
         ).all()
-        now = session.scalar(select(func.now()))
+        now = session.scalars(select(func.now())).one()
         assert [tuple(r) for r in got] == [("own", 9, at), ("opt", 1, now + timedelta(seconds=60))]
         session.rollback()
 
@@ -367,7 +367,7 @@ def test_bad_row_in_the_first_batch_writes_nothing(
     with Sessions() as session:
         order = Order(customer="pending")
         session.add(order)
-        with pytest.raises(BulkRowError, match="^row 3: "):
+        with pytest.raises(BulkRowError, match=r"^row 3: "):
             session.enqueue_many(EmailJob, [{}, {}, {}, {"status": "done"}, {}])
         assert order in session.new  # not even the autoflush ran
         session.commit()
@@ -427,7 +427,7 @@ def test_payload_must_be_json(
     Sessions: sessionmaker[QueueSession], payload: dict[str, Any], method: Any
 ) -> None:
     with Sessions() as session:
-        with pytest.raises(BulkRowError, match="^row 1: payload is not JSON-serialisable") as info:
+        with pytest.raises(BulkRowError, match=r"^row 1: payload is not JSON-serialisable") as info:
             session.enqueue_many(
                 Task, [{"task": "ok"}, {"task": "t", "payload": payload}], method=method
             )
@@ -457,11 +457,11 @@ def test_persistent_and_pending_instances_are_refused(Sessions: sessionmaker[Que
     with Sessions() as session:
         pending = EmailJob()
         session.add(pending)
-        with pytest.raises(BulkRowError, match="^row 0: EmailJob is already in a session"):
+        with pytest.raises(BulkRowError, match=r"^row 0: EmailJob is already in a session"):
             session.enqueue_many(EmailJob, [pending])
         session.commit()
         with pytest.raises(
-            BulkRowError, match="^row 1: EmailJob is already in a session or persistent"
+            BulkRowError, match=r"^row 1: EmailJob is already in a session or persistent"
         ):
             session.enqueue_many(EmailJob, [{}, pending])
 
@@ -498,7 +498,7 @@ def test_rows_the_database_would_reject_are_refused_first(
     with Session(engine) as session:
         with pytest.raises(BulkRowError, match=f"^row 0: {message}"):
             enqueue_many(session, _ChildJob, [row], method="insert")
-        with pytest.raises(EnqueueError, match="label.*only an INSERT can evaluate"):
+        with pytest.raises(EnqueueError, match=r"label.*only an INSERT can evaluate"):
             enqueue_many(session, _ChildJob, [{"size": 1}], method="copy")
 
 

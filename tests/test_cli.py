@@ -13,10 +13,10 @@ from sqlalchemy import Engine, func, insert, select, update
 
 from sqla_queue.cli import main, parse_duration
 
-from .helpers import Server
+from .helpers import Server, table_of
 from .models import EmailJob
 
-JOBS = EmailJob.__table__
+JOBS = table_of(EmailJob)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -32,7 +32,8 @@ def statuses(engine: Engine) -> dict[str, int]:
 
 def test_stats(engine: Engine, url: str, capsys: Any) -> None:
     with engine.begin() as conn:
-        conn.execute(insert(JOBS), [{"queue": "mail", "status": "pending"}] * 3 + [{"queue": "mail", "status": "failed"}])
+        rows = [{"queue": "mail", "status": "pending"}] * 3 + [{"queue": "mail", "status": "failed"}]
+        conn.execute(insert(JOBS), rows)
     assert main(["stats", "tests.models:EmailJob", "--url", url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["queue", "status", "jobs", "oldest", "runnable"]

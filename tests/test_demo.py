@@ -35,7 +35,9 @@ def test_demo_runs_the_whole_tour(server: Server) -> None:
     out = result.stdout
     assert "400 image jobs bulk-loaded with COPY" in out
     assert "killed the worker process" in out
-    lines = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "  " in line[2:]}
+    lines = {
+        line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "  " in line[2:]
+    }
     assert lines["done"].split()[1] == f"{200 + 400 + 20 + 150:,}"
     assert lines["dead-lettered"].split()[1] == "5"
     assert lines["retried, then done"].split()[3] == "10"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -35,10 +34,10 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
 
 
 @pytest.fixture
-def listening(listener: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     for channel in (EMAIL_CHANNEL, TASK_CHANNEL, queue_table(ReportJob).channel, SENTINEL_CHANNEL):
         listener.execute(f'LISTEN "{channel}"')
-    yield listener
+    return listener
 
 
 def count(engine: Engine, model: Any) -> int:
@@ -141,7 +140,7 @@ def test_options_set_queue_priority_attempts_and_delay(
         at = datetime(2030, 1, 1, tzinfo=timezone.utc)
         scheduled = session.enqueue(EmailJob(), run_at=at)
         session.commit()
-        now = session.scalar(select(func.now()))
+        now = session.scalars(select(func.now())).one()
         assert (delayed.queue, delayed.priority, delayed.max_attempts) == ("later", -3, 2)
         # the delay is measured by the database clock
         assert timedelta(seconds=89) < delayed.run_after - now <= timedelta(seconds=90)

@@ -15,12 +15,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqla_queue import Backoff, LeaseLost, QueueSession, Tasks, Worker
 from sqla_queue import sql as q
 
-from .helpers import wait_for
-from .models import EmailJob, Effect, Task
+from .helpers import table_of, wait_for
+from .models import Effect, EmailJob, Task
 from .worker_app import tasks as app_tasks
 
 FAST = Backoff(base=0.05, factor=2, cap=0.2, jitter=0)
-TASKS = Task.__table__
+TASKS = table_of(Task)
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def status_is(engine: Engine, job_id: int, *statuses: str) -> Callable[[], bool]
 
 def effects(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(select(Effect).order_by(Effect.id)).all()
+        return list(conn.execute(select(Effect).order_by(Effect.id)))
 
 
 # -- outcomes ------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_retry_later_uses_the_requested_delay(engine: Engine, Sessions: Any, sta
     start_worker()
     wait_for(lambda: job(engine, job_id).attempts == 1 and job(engine, job_id).status == "pending")
     with engine.connect() as conn:
-        wait = conn.scalar(select(TASKS.c.run_after - func.now()).where(TASKS.c.id == job_id))
+        wait = conn.scalars(select(TASKS.c.run_after - func.now()).where(TASKS.c.id == job_id)).one()
     assert timedelta(seconds=25) < wait <= timedelta(seconds=30)  # not the 0.05 s backoff
     assert job(engine, job_id).last_error == "RetryLater: not yet"
 
@@ -274,7 +274,7 @@ def test_lease_lost_reaches_a_handler_that_commits_itself(
             caught.append(exc)
             raise
 
-    (job_id,) = add(Sessions, "commits")
+    add(Sessions, "commits")
     start_worker(tasks)
     wait_for(lambda: caught)
     assert "no longer leased" in str(caught[0]) and effects(engine) == []
@@ -340,7 +340,9 @@ def test_every_worker_connection_uses_the_engine_options(
                 )
                 return dict(rows.all())
 
-        listening = lambda: [pid for pid, q in tagged().items() if q.startswith("LISTEN")]  # noqa: E731
+        def listening() -> list[int]:
+            return [pid for pid, query in tagged().items() if query.startswith("LISTEN")]
+
         wait_for(listening, what="the listener's connection, tagged")
         heartbeat_conn = worker._heartbeat._conn
         assert heartbeat_conn is not None
@@ -430,7 +432,11 @@ def test_worker_survives_terminated_connections(engine: Engine, Sessions: Any, s
     worker.start()
     try:
         for goal in (20, 50, 80):
-            wait_for(lambda: len(effects(engine)) >= goal)
+
+            def reached(goal: int = goal) -> bool:
+                return len(effects(engine)) >= goal
+
+            wait_for(reached)
             with engine.begin() as conn:
                 conn.execute(
                     text(
