@@ -32,6 +32,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateIndex
 
 from sqla_queue import sql as q
@@ -301,10 +302,12 @@ def test_new_index_on_existing_queue_table_is_built_concurrently(
     project.models(models())
     project.autogenerate("initial")
     project.alembic("upgrade", "head")
-    with create_engine(project.url).begin() as conn:
+    engine = create_engine(project.url, poolclass=NullPool)
+    with engine.begin() as conn:
         conn.execute(
             text("INSERT INTO email_jobs (recipient) VALUES ('a@example.com'), ('b@example.com')")
         )
+    engine.dispose()
 
     project.models(models(email_index=True, customer_index=True, more=REPORT_JOB))
     assert "New upgrade operations detected" in project.alembic("check", ok=False)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import psutil
@@ -25,13 +26,40 @@ def postmasters() -> set[int]:
     return found
 
 
-def test_demo_runs_the_whole_tour(server: Server) -> None:
-    env = {**os.environ, "DATABASE_URL": server.url.render_as_string(hide_password=False)}
+def marked(marker: str) -> list[str]:
+    """Live processes whose environment carries ``marker``: the demo's and its children's."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if proc.environ().get("SQLA_QUEUE_TEST_MARKER") == marker:
+                found.append(f"{proc.pid} {' '.join(proc.cmdline())}")
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+def demo_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], str, Path]:
+    """The demo's environment: a marker its processes inherit, and a temp dir of its own."""
+    marker = uuid.uuid4().hex
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env.update(SQLA_QUEUE_TEST_MARKER=marker, TMPDIR=str(tmp), **extra)
+    return env, marker, tmp
+
+
+def test_demo_runs_the_whole_tour(server: Server, tmp_path: Path) -> None:
+    env, marker, tmp = demo_env(tmp_path, DATABASE_URL=server.url.render_as_string(hide_password=False))
     result = subprocess.run(
         [sys.executable, "-m", "sqla_queue.demo", "--jobs", "400"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""  # no warnings either
+    assert marked(marker) == []  # its worker process is gone with it
+    assert list(tmp.iterdir()) == []  # and so is the workers' log
     out = result.stdout
     assert "400 image jobs bulk-loaded with COPY" in out
     assert "killed the worker process" in out
@@ -48,7 +76,7 @@ def test_demo_runs_the_whole_tour(server: Server) -> None:
 
 def test_ctrl_c_stops_the_embedded_server(tmp_path: Path) -> None:
     before = postmasters()
-    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env, marker, tmp = demo_env(tmp_path)
     log = tmp_path / "demo.out"
     with open(log, "w") as out:
         demo = subprocess.Popen(
@@ -63,5 +91,9 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path) -> None:
         finally:
             if demo.poll() is None:
                 demo.kill()
-    assert "interrupted; cleaned up" in log.read_text()
+    output = log.read_text()
+    assert "interrupted; cleaned up" in output
+    assert output.startswith("== starting an embedded PostgreSQL"), output  # no warning first
     wait_for(lambda: not (postmasters() - before), timeout=30, what="the embedded server to stop")
+    assert marked(marker) == []  # nothing the demo started is left running
+    assert list(tmp.iterdir()) == []  # the server's data dir and the workers' log are gone
