@@ -52,7 +52,11 @@ class EmbeddedPostgres:
 
     def start(self) -> EmbeddedPostgres:
         if self._server is None:
-            self._server = self._module.get_server(self._root / "pgdata", cleanup_mode="stop")
+            try:
+                self._server = self._module.get_server(self._root / "pgdata", cleanup_mode="stop")
+            except BaseException:
+                self.stop()  # a half-started server, and its directory, must not stay behind
+                raise
             if not self._atexit_registered:
                 atexit.register(self.stop)
                 self._atexit_registered = True

@@ -33,7 +33,7 @@ def _indexes(engine: Engine, table: str) -> dict[str, str]:
         rows = conn.execute(
             text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = :t"), {"t": table}
         )
-        return dict(rows.tuples().all())
+        return dict(rows.all())
 
 
 def test_mixin_schema_survives_user_table_args(engine: Engine) -> None:
