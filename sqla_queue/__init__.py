@@ -10,6 +10,7 @@
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
+from .bulk import enqueue_many
 from .errors import (
     BulkRowError,
     DeadLetter,
@@ -21,7 +22,6 @@ from .errors import (
     SqlaQueueError,
     UnknownTask,
 )
-from .bulk import enqueue_many
 from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
 from .session import QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken

@@ -13,7 +13,8 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -291,27 +292,41 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def _admin_target(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
+    """The command's engine and model; the engine's pooled connections closed afterwards
+    (left open, only the garbage collector would close them)."""
+    engine, model = _engine_and_model(args)
+    try:
+        yield engine, model
+    finally:
+        engine.dispose()
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
-    back, dead = admin.sweep(*_engine_and_model(args), limit=args.limit)
+    with _admin_target(args) as (engine, model):
+        back, dead = admin.sweep(engine, model, limit=args.limit)
     print(f"swept {back + dead} expired lease(s): {back} back to pending, {dead} dead-lettered")
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(admin.format_stats(*_engine_and_model(args)))
+    with _admin_target(args) as (engine, model):
+        print(admin.format_stats(engine, model))
     return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    count = admin.requeue(*_engine_and_model(args), ids=args.id, queues=args.queue)
+    with _admin_target(args) as (engine, model):
+        count = admin.requeue(engine, model, ids=args.id, queues=args.queue)
     print(f"requeued {count} dead-lettered job(s)")
     return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     statuses = args.status or ["done", "cancelled"]
-    engine, model = _engine_and_model(args)
-    count = admin.prune(engine, model, older_than=args.older_than, statuses=statuses, limit=args.limit)
+    with _admin_target(args) as (engine, model):
+        count = admin.prune(engine, model, older_than=args.older_than, statuses=statuses, limit=args.limit)
     print(f"pruned {count} finished job(s) ({', '.join(statuses)}) older than {args.older_than}")
     return 0
 

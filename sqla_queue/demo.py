@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -270,11 +271,12 @@ class Tour:
             if (at := picked.get(i)) is not None
         )
         self.say("== summary")
+        dead_note = dead_reason.splitlines()[0].removeprefix("builtins.") if dead_reason else ""
         rows = [
             ("jobs", f"{self.total:,}", "orders, COPY-loaded images, webhooks, bad e-mails"),
             ("done", f"{done:,}", ""),
             ("retried, then done", f"{retried:,}", "webhooks that failed once"),
-            ("dead-lettered", f"{failed:,}", dead_reason.splitlines()[0].removeprefix("builtins.") if dead_reason else ""),
+            ("dead-lettered", f"{failed:,}", dead_note),
             ("recovered after the kill", f"{recovered:,}", "their lease expired; re-run alone, elsewhere"),
             ("orders confirmed twice", f"{twice}", f"{unconfirmed} unconfirmed; confirmations are transactional"),
             ("throughput", f"{done / elapsed:,.0f} jobs/s", f"{elapsed:.1f} s, 2 workers, one killed"),
@@ -285,8 +287,10 @@ class Tour:
                 (
                     "pickup latency",
                     f"p50 {q[49]:.1f} ms",
-                    f"p95 {q[94]:.1f} ms, p99 {q[98]:.1f} ms (commit to handler start, "
-                    f"{len(latencies)} orders under load)",
+                    (
+                        f"p95 {q[94]:.1f} ms, p99 {q[98]:.1f} ms (commit to handler start, "
+                        f"{len(latencies)} orders under load)"
+                    ),
                 )
             )
         width = max(len(r[0]) for r in rows)
@@ -317,10 +321,15 @@ def main(argv: list[str] | None = None) -> int:
         make_worker(create_engine(os.environ["SQLA_QUEUE_DEMO_URL"])).run()
         return 0
 
+    # The workers' log goes to a file, not over the tour's output; it is removed on exit
+    # unless the tour fails, when it is kept (and named) for the post-mortem.
     log_dir = tempfile.mkdtemp(prefix="sqla_queue_demo_")
-    logging.basicConfig(filename=os.path.join(log_dir, "worker.log"), level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    log_path = os.path.join(log_dir, "worker.log")
+    log_handler = logging.FileHandler(log_path)
+    log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[log_handler])
     tour: Tour | None = None
+    keep_log = False
     try:
         with database(os.environ.get("DATABASE_URL")) as url:
             engine = create_engine(url, pool_size=10)
@@ -329,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 tour = Tour(engine, url, args.jobs, sys.stdout)
                 tour.run()
-                print(f"  worker log: {os.path.join(log_dir, 'worker.log')}")
+            except Exception:
+                keep_log = True
+                print(f"the tour failed; the workers' log is in {log_path}", file=sys.stderr)
+                raise
             finally:
                 if tour is not None and tour.other is not None and tour.other.poll() is None:
                     tour.other.kill()
@@ -339,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; cleaned up", file=sys.stderr)
         return 130
+    finally:
+        logging.getLogger().removeHandler(log_handler)
+        log_handler.close()
+        if not keep_log:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 

@@ -17,7 +17,6 @@ from typing import Any, Final
 
 from sqlalchemy import (
     JSON,
-    MetaData,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -26,6 +25,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    MetaData,
     String,
     Table,
     Text,

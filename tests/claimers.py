@@ -11,7 +11,6 @@ from sqla_queue import sql as q
 
 from .models import EmailJob
 
-
 _start: Any = None
 
 

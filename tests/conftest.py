@@ -38,7 +38,6 @@ def _admin_url() -> tuple[URL, EmbeddedPostgres | None]:
 def server() -> Iterator[Server]:
     admin, embedded = _admin_url()
     name = f"sqla_queue_test_{uuid.uuid4().hex[:10]}"
-    # NullPool: a test may restart the server; a fresh connection each time survives it.
     admin_engine = create_engine(admin, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     with admin_engine.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
@@ -62,13 +61,40 @@ def _schema(server: Server) -> Iterator[Engine]:
     engine.dispose()
 
 
-@pytest.fixture
-def engine(_schema: Engine) -> Iterator[Engine]:
-    """The test database's engine, with every shared table emptied before the test."""
+def _empty_tables(engine: Engine) -> None:
     tables = ", ".join(f'"{t.name}"' for t in models.all_tables())
-    with _schema.begin() as conn:
+    with engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-    yield _schema
+
+
+@pytest.fixture
+def engine(_schema: Engine) -> Engine:
+    """The test database's engine, with every shared table emptied before the test."""
+    _empty_tables(_schema)
+    return _schema
+
+
+@pytest.fixture(scope="session")
+def private_server() -> Iterator[Server]:
+    """An embedded PostgreSQL of the suite's own, for tests that restart the server.
+
+    Started whatever ``DATABASE_URL`` says: the suite never restarts a server it did not
+    start, since that one may serve other people too. Stopped (and removed) at the end.
+    """
+    with EmbeddedPostgres() as pg:
+        setup = create_engine(pg.url, poolclass=NullPool)
+        models.Base.metadata.create_all(setup)
+        setup.dispose()
+        yield Server(url=pg.url, admin_url=pg.url, embedded=pg)
+
+
+@pytest.fixture
+def private_engine(private_server: Server) -> Iterator[Engine]:
+    """An engine on :func:`private_server`, its tables emptied before the test."""
+    engine = create_engine(private_server.url, pool_pre_ping=True)
+    _empty_tables(engine)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture
@@ -88,8 +114,8 @@ def worker_processes(tmp_path: object) -> Iterator[object]:
 
     started: list[WorkerProcess] = []
 
-    def start(*args: str, app_name: str = "sqla_queue_worker") -> WorkerProcess:
-        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path)
+    def start(*args: str, app_name: str = "sqla_queue_worker", url: str | None = None) -> WorkerProcess:
+        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path, url=url)
         started.append(process)
         return process
 

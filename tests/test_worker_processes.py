@@ -12,16 +12,15 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import sessionmaker
 
 from sqla_queue import QueueSession
 
-from .helpers import Server, WorkerProcess, wait_for
+from .helpers import Server, WorkerProcess, table_of, wait_for
 from .models import Effect, Task
 
-TASKS = Task.__table__
+TASKS = table_of(Task)
 Start = Callable[..., WorkerProcess]
 FAST = ("--poll-interval", "0.5s", "--sweep-interval", "0.2s")
 
@@ -38,12 +37,16 @@ def add(engine: Engine, task: str, n: int = 1, max_attempts: int = 20, **payload
 
 def rows(engine: Engine, ids: list[int]) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(select(TASKS).where(TASKS.c.id.in_(ids)).order_by(TASKS.c.id)).all()
+        return list(conn.execute(select(TASKS).where(TASKS.c.id.in_(ids)).order_by(TASKS.c.id)))
 
 
 def effect_counts(engine: Engine) -> Counter[int]:
     with engine.connect() as conn:
         return Counter(conn.scalars(select(Effect.job_id)))
+
+
+def effects_reach(engine: Engine, goal: int) -> Callable[[], bool]:
+    return lambda: sum(effect_counts(engine).values()) >= goal
 
 
 def all_done(engine: Engine, ids: list[int]) -> Callable[[], bool]:
@@ -101,7 +104,11 @@ def test_crash_loop_burns_only_the_poison_jobs_attempts(engine: Engine, worker_p
     crashes = 0
     for _ in range(10):  # a supervisor restarting the worker it keeps losing
         worker = worker_processes(*args)
-        wait_for(lambda: settled() or worker.proc.poll() is not None, timeout=60)
+
+        def settled_or_exited(worker: WorkerProcess = worker) -> bool:
+            return settled() or worker.proc.poll() is not None
+
+        wait_for(settled_or_exited, timeout=60)
         if worker.proc.poll() == -signal.SIGKILL:  # died by its own job's hand
             crashes += 1
         if settled():
@@ -118,12 +125,12 @@ def test_worker_survives_terminated_backends(engine: Engine, worker_processes: S
     ids = add(engine, "record", 200, sleep=0.01)
     worker = worker_processes("--concurrency", "4", "--lease", "5s", *FAST, app_name="sqla_queue_victim")
     for goal in (30, 80, 130):
-        wait_for(lambda: sum(effect_counts(engine).values()) >= goal, timeout=60)
+        wait_for(effects_reach(engine, goal), timeout=60)
         with engine.begin() as conn:
             killed = conn.scalar(
                 text(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'sqla_queue_victim'"
+                    "WHERE datname = current_database() AND application_name = 'sqla_queue_victim'"
                 )
             )
         assert killed >= 1
@@ -133,14 +140,15 @@ def test_worker_survives_terminated_backends(engine: Engine, worker_processes: S
     assert sorted(counts) == ids and set(counts.values()) == {1}
 
 
-def test_worker_survives_a_server_restart(engine: Engine, worker_processes: Start, server: Server) -> None:
-    restart = server.restart_function()
-    if restart is None:
-        pytest.skip(f"cannot restart the server under test: {server.why_not_restartable()}")
+def test_worker_survives_a_server_restart(
+    private_engine: Engine, worker_processes: Start, private_server: Server
+) -> None:
+    engine = private_engine  # a server of the suite's own: it is the one restarted
     ids = add(engine, "record", 150, sleep=0.01)
-    worker = worker_processes("--concurrency", "4", "--lease", "5s", *FAST)
+    url = private_server.url.render_as_string(hide_password=False)
+    worker = worker_processes("--concurrency", "4", "--lease", "5s", *FAST, url=url)
     wait_for(lambda: sum(effect_counts(engine).values()) >= 30, timeout=60)
-    restart()
+    private_server.restart()
     engine.dispose()  # the test's own pooled connections died with the server
     wait_for(all_done(engine, ids), timeout=120)
     assert worker.proc.poll() is None

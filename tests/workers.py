@@ -11,12 +11,13 @@ from sqlalchemy.orm import sessionmaker
 
 from sqla_queue import Backoff, QueueSession, Worker
 
+from .helpers import table_of
 from .models import Effect, Task
 from .worker_app import tasks as app_tasks
 
 #: Retries within a fraction of a second, so tests never wait on a real backoff.
 FAST = Backoff(base=0.05, factor=2, cap=0.2, jitter=0)
-TASKS = Task.__table__
+TASKS = table_of(Task)
 
 
 @pytest.fixture
@@ -74,4 +75,4 @@ def all_status(engine: Engine, ids: list[int], *statuses: str) -> Callable[[], b
 
 def effects(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(select(Effect).order_by(Effect.id)).all()
+        return list(conn.execute(select(Effect).order_by(Effect.id)))

@@ -1,9 +1,7 @@
 from logging.config import fileConfig
 
-from sqlalchemy import engine_from_config
-from sqlalchemy import pool
-
 from alembic import context
+from sqlalchemy import engine_from_config, pool
 
 # registers op.create_index_concurrently & co. (sqla_queue's Alembic operations)
 import sqla_queue.alembic
