@@ -102,6 +102,7 @@ class DbConnection:
         # cannot parse fails its own job, not the whole claim.
         self._cursor = self.raw.cursor()
         self._claim_cursor = self.raw.cursor()
+        self._tx_cursor = self.raw.cursor()
         for cursor in (self._cursor, self._claim_cursor):
             for name in ("json", "jsonb"):
                 cursor.adapters.register_loader(name, TextLoader)
@@ -139,10 +140,10 @@ class DbConnection:
         claim_cursor = self._claim_cursor
         try:
             with raw.pipeline():
-                raw.execute("BEGIN")
+                self._tx_cursor.execute(b"BEGIN")
                 self._cursor.execute(stmt.sql, stmt.params(values))
                 claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
-                raw.execute("COMMIT")
+                self._tx_cursor.execute(b"COMMIT")
         except BaseException:
             if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 with suppress(Exception):
@@ -193,6 +194,7 @@ class DbConnection:
         with suppress(Exception):
             self._cursor.close()
             self._claim_cursor.close()
+            self._tx_cursor.close()
         with suppress(Exception):
             self.sa.invalidate()
         with suppress(Exception):
@@ -316,15 +318,17 @@ class Driver:
             timer.cancel()
 
     @staticmethod
-    def abort(conn: DbConnection) -> None:
-        with suppress(OSError):
+    def abort(conn: DbConnection, *, quiet: bool = False) -> None:
+        """Shut the connection's socket down: a call blocked on it raises at once."""
+        with suppress(OSError, psycopg.Error):
             fd = conn.fileno()
             sock = socket.socket(fileno=os.dup(fd))
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.close()
-        log.warning("%s: a database call overran its deadline; connection dropped", conn.purpose)
+        if not quiet:
+            log.warning("%s: a database call overran its deadline; connection dropped", conn.purpose)
 
     # -- errors ------------------------------------------------------------------------
 
@@ -449,16 +453,25 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _int_array(values: list[Any]) -> Any:
+    """Integers as a PostgreSQL array literal (``'{1,2,3}'``, cast by the statement):
+    psycopg dumps a list element by element in Python, the literal is built in C."""
+    if all(type(v) is int for v in values):
+        return "{" + ",".join(map(str, values)) + "}"
+    return values
+
+
 def tokens_params(
     owner: str, tokens: Sequence[tuple[Any, int]], **arrays: Any
 ) -> dict[str, Any]:
     """Parameters of the token templates of :mod:`sqla_queue.sql`."""
     from . import sql as q
 
+    ids = [t[0] for t in tokens]
     params: dict[str, Any] = {
         q.OWNER_PARAM: owner,
-        q.IDS_PARAM: [t[0] for t in tokens],
-        q.ATTEMPTS_PARAM: [t[1] for t in tokens],
+        q.IDS_PARAM: _int_array(ids),
+        q.ATTEMPTS_PARAM: _int_array([t[1] for t in tokens]),
     }
     params.update(arrays)
     return params

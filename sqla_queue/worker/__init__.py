@@ -102,7 +102,7 @@ class Worker:
         self.owner = f"{name}:{uuid.uuid4().hex[:8]}"
         self.stats = WorkerStats()
         self.ledger = Ledger()
-        self.signal = WorkSignal()
+        self.signal = WorkSignal(self.config.concurrency)
 
         cfg, driver, qt = self.config, self._driver, self._qt
         self._producer = Producer(cfg, self.ledger, driver, qt, self._qt.mapped_class, self.owner, self.signal)

@@ -65,16 +65,23 @@ class Completer:
         ``then``: a claim to run in the same transaction and round trip as the ``done``
         statement; its rows are returned (None when it was not run: claim yourself).
         """
+        done_kind = Kind.DONE
+        done_list: list[Outcome] = []
         by_kind: dict[Kind, list[Outcome]] = {}
         committed: list[Held] = []
         lost: list[Held] = []
         for outcome in outcomes:
-            if outcome.kind is Kind.COMMITTED:
-                committed.append(outcome.held)
-            elif outcome.kind is Kind.LOST or outcome.held.lost:
+            kind = outcome.kind
+            if outcome.held.lost or kind is Kind.LOST:
                 lost.append(outcome.held)
+            elif kind is done_kind:
+                done_list.append(outcome)
+            elif kind is Kind.COMMITTED:
+                committed.append(outcome.held)
             else:
-                by_kind.setdefault(outcome.kind, []).append(outcome)
+                by_kind.setdefault(kind, []).append(outcome)
+        if done_list:
+            by_kind[done_kind] = done_list
         if committed:
             self.ledger.remove(committed)
             self.stats.add("done", len(committed))

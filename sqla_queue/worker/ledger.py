@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..sql import ClaimToken
@@ -28,7 +28,6 @@ class Held:
     #: Why the row could not become the handler's object, if it could not.
     load_error: str | None = None
     isolated: bool = False
-    claimed_at: float = field(default_factory=time.monotonic)
     #: Its handler was started (a job never started gets its attempt back at shutdown).
     started: bool = False
     #: Its outcome is being recorded: only that statement's result says if it was lost.

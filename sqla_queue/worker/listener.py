@@ -53,6 +53,13 @@ class Listener(Service):
             self.signal.wake(len(relevant))
         return 0.0
 
+    def request_stop(self) -> None:
+        """Stop at once: the wait for notifications is cut short, not waited out."""
+        super().request_stop()
+        conn = self._conn
+        if conn is not None:
+            self.driver.abort(conn, quiet=True)
+
     def on_error(self, exc: BaseException) -> None:
         self.close()
 

@@ -35,8 +35,11 @@ log = logging.getLogger("sqla_queue.worker")
 class WorkSignal:
     """Wakes idle executor threads: one per NOTIFY, at due times, or at the poll."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int) -> None:
         self._cond = threading.Condition()
+        #: Pending wake-ups, never more than there are threads to wake: a busy thread
+        #: claims again anyway, and piled-up tokens would cost as many empty claims.
+        self._threads = threads
         self._tokens = 0
         self._due: list[float] = []
         self._stopped = False
@@ -46,7 +49,7 @@ class WorkSignal:
 
     def wake(self, count: int = 1) -> None:
         with self._cond:
-            self._tokens += count
+            self._tokens = min(self._tokens + count, self._threads)
             self.generation += 1
             self._cond.notify(count)
 
