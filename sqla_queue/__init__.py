@@ -5,11 +5,13 @@
 
     session.enqueue(EmailJob(...))           # commits with your business writes
     session.enqueue_many(EmailJob, rows)     # thousands at once, by COPY
+    await enqueue_many(async_session, EmailJob, rows)   # the same from asyncio
     Worker(engine, EmailJob, handler).run()  # leases, retries, dead letter
 
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
+from .bulk import enqueue_many
 from .errors import (
     BulkRowError,
     DeadLetter,
@@ -21,14 +23,14 @@ from .errors import (
     SqlaQueueError,
     UnknownTask,
 )
-from .bulk import enqueue_many
 from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
-from .session import QueueSession, enqueue, notify_on_commit
+from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .worker import Worker, WorkerConfig, WorkerStats
 
 __all__ = [
+    "AsyncQueueSession",
     "FINISHED_STATUSES",
     "Backoff",
     "BulkRowError",
