@@ -17,6 +17,13 @@ call, still usable. Otherwise they would sit in the transaction waiting for a ca
 ``commit()`` of an aborted transaction silently rolls back everything the caller
 wrote). One load behaves like another whatever its number of batches; the savepoint
 costs two short round trips per call.
+
+With an ``AsyncSession`` the same load runs inside ``run_sync``'s greenlet, as
+SQLAlchemy runs the session's own flush there: one implementation of the rules, the
+batches, the SAVEPOINT and the NOTIFY for both. Only the I/O that SQLAlchemy does not
+already bridge is awaited by hand: COPY on the psycopg ``AsyncConnection`` and rows
+from an async iterable, a batch (or a run of same-shaped rows) per switch to the event
+loop, so the bridge costs nothing per row.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ Method = Literal["auto", "copy", "insert"]
 _METHODS: Final = ("auto", "copy", "insert")
 #: Caps the cache of row shapes (which columns a row sets), in case every row differs.
 _MAX_SHAPES: Final = 256
+
 
 @overload
 def enqueue_many(
