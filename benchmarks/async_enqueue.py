@@ -23,28 +23,43 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
 from sqlalchemy import URL, Engine, create_engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import run as bench  # benchmarks/run.py: the shared harness
-
 from sqla_queue import AsyncQueueSession
+
+HERE = Path(__file__).resolve().parent
 
 #: The ratio to the baseline the sync one-job enqueue is held to in run.py.
 TARGET = 0.8
 
 
-def bench_async_enqueue(engine: Engine, url: URL, plan: bench.Plan) -> list[bench.Row]:
-    """Throughput in transactions per second: sqla_queue, baseline and the ORM reference."""
-    return asyncio.run(_bench(engine, url, plan))
+def harness() -> ModuleType:
+    """``benchmarks/run.py``: the running program itself when it imported this module
+    (importing it again would run its imports again, in a loop), else imported."""
+    main = sys.modules.get("__main__")
+    if main is not None and Path(getattr(main, "__file__", "") or ".").resolve() == HERE / "run.py":
+        return main
+    sys.path.insert(0, str(HERE))
+    import run
+
+    return run
 
 
-async def _bench(engine: Engine, url: URL, plan: bench.Plan) -> list[bench.Row]:
+def bench_async_enqueue(engine: Engine, url: URL, plan: Any) -> list[Any]:
+    """Throughput in transactions per second: sqla_queue, baseline and the ORM reference.
+
+    ``plan`` is run.py's ``Plan`` (``enqueue_rounds``, ``enqueue_txns``); the result is
+    a list of run.py's ``Row``.
+    """
+    return asyncio.run(_bench(harness(), engine, url, plan))
+
+
+async def _bench(bench: ModuleType, engine: Engine, url: URL, plan: Any) -> list[Any]:
     async_engine = create_async_engine(url.set(drivername="postgresql+psycopg"))
     factory = async_sessionmaker(async_engine, class_=AsyncQueueSession)
     plain = async_sessionmaker(async_engine, class_=AsyncSession)
@@ -113,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
     parser.add_argument("--url", help="admin URL of the server (default: DATABASE_URL, else embedded)")
     args = parser.parse_args(argv)
+    bench = harness()
     plan = bench.QUICK if args.quick else bench.FULL
     with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
         engine = create_engine(url)
