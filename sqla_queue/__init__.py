@@ -5,6 +5,7 @@
 
     session.enqueue(EmailJob(...))           # commits with your business writes
     session.enqueue_many(EmailJob, rows)     # thousands at once, by COPY
+    await enqueue_many(async_session, EmailJob, rows)   # the same from asyncio
     Worker(engine, EmailJob, handler).run()  # leases, retries, dead letter
 
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
@@ -23,12 +24,13 @@ from .errors import (
     UnknownTask,
 )
 from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
-from .session import QueueSession, enqueue, notify_on_commit
+from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .worker import Worker, WorkerConfig, WorkerStats
 
 __all__ = [
+    "AsyncQueueSession",
     "FINISHED_STATUSES",
     "Backoff",
     "BulkRowError",

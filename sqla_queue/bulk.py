@@ -17,16 +17,24 @@ call, still usable. Otherwise they would sit in the transaction waiting for a ca
 ``commit()`` of an aborted transaction silently rolls back everything the caller
 wrote). One load behaves like another whatever its number of batches; the savepoint
 costs two short round trips per call.
+
+With an ``AsyncSession`` the same load runs inside ``run_sync``'s greenlet, as
+SQLAlchemy runs the session's own flush there: one implementation of the rules, the
+batches, the SAVEPOINT and the NOTIFY for both. Only the I/O that SQLAlchemy does not
+already bridge is awaited by hand: COPY on the psycopg ``AsyncConnection`` and rows
+from an async iterable, a batch (or a run of same-shaped rows) per switch to the event
+loop, so the bridge costs nothing per row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
 from itertools import groupby, islice
 from operator import itemgetter
-from typing import Any, Final, Literal
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
@@ -36,6 +44,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.orm import attributes as orm_attributes
 from sqlalchemy.sql.elements import ClauseElement, Null
+from sqlalchemy.util import await_only
 
 from ._rules import (
     check_json,
@@ -49,6 +58,10 @@ from .errors import BulkRowError, EnqueueError
 from .model import DEFAULT_QUEUE, QueueTable, queue_table
 from .session import _resolve_session, notify_on_commit
 from .sql import delay_from_insert
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
+    from sqlalchemy.orm import scoped_session
 
 __all__ = ["COPY_MIN_ROWS", "DEFAULT_BATCH_SIZE", "enqueue_many"]
 
@@ -88,8 +101,26 @@ _METHODS: Final = ("auto", "copy", "insert")
 #: Caps the cache of row shapes (which columns a row sets), in case every row differs.
 _MAX_SHAPES: Final = 256
 
+
+@overload
 def enqueue_many(
-    session: Session,
+    session: AsyncSession | async_scoped_session[Any],
+    model: Any,
+    rows: Iterable[Any] | AsyncIterable[Any],
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    delay: timedelta | float | None = None,
+    run_at: datetime | None = None,
+    max_attempts: int | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    method: Method = "auto",
+) -> Coroutine[Any, Any, int]: ...
+
+
+@overload
+def enqueue_many(
+    session: Session | scoped_session[Any],
     model: Any,
     rows: Iterable[Any],
     *,
@@ -100,7 +131,22 @@ def enqueue_many(
     max_attempts: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
-) -> int:
+) -> int: ...
+
+
+def enqueue_many(
+    session: Any,
+    model: Any,
+    rows: Iterable[Any] | AsyncIterable[Any],
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    delay: timedelta | float | None = None,
+    run_at: datetime | None = None,
+    max_attempts: int | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    method: Method = "auto",
+) -> int | Coroutine[Any, Any, int]:
     """Insert many jobs into ``model``'s queue table in ``session``'s transaction.
 
     ``rows`` is any iterable (a generator is fine: it is read ``batch_size`` rows at a
@@ -130,7 +176,7 @@ def enqueue_many(
     transaction stays usable: roll it back, or commit its other work. Bad options raise
     :class:`~sqla_queue.EnqueueError` before any row is read.
 
-    ``method``: ``"auto"`` uses COPY on psycopg 3 (synchronous) with PostgreSQL for
+    ``method``: ``"auto"`` uses COPY on psycopg 3 (sync or async) with PostgreSQL for
     loads of at least :data:`COPY_MIN_ROWS` rows (judged from the first batch), and
     batched INSERTs otherwise; ``"copy"`` insists on COPY (``EnqueueError`` where it is
     impossible: other drivers, or a column whose Python default is a SQL expression, a
@@ -141,10 +187,59 @@ def enqueue_many(
     may reference them by foreign key. Workers are woken by one NOTIFY per queue written,
     sent when the transaction commits. Returns the number of rows written.
 
-    With an ``AsyncSession``: ``await session.run_sync(enqueue_many, Model, rows)``
-    (async drivers have no COPY here, so that uses INSERTs).
+    With an ``AsyncSession`` (or an ``async_scoped_session``) this returns a coroutine:
+    ``n = await enqueue_many(async_session, Model, rows)``, where ``rows`` may also be an
+    async iterable (read ``batch_size`` rows at a time too). It is this same load, run
+    the way ``AsyncSession`` runs its own flush (in ``run_sync``'s greenlet), so every
+    rule, batch, SAVEPOINT and NOTIFY above holds as it is; only the COPY data and the
+    async rows are awaited, one batch per switch, on the session's psycopg
+    ``AsyncConnection``. Nothing happens until it is awaited; errors raise from the
+    ``await``. ``await session.run_sync(enqueue_many, Model, rows)`` works as well.
     """
-    sync = _bulk_session(session)
+    session = _resolve_session(session)
+    options: dict[str, Any] = {
+        "queue": queue,
+        "priority": priority,
+        "delay": delay,
+        "run_at": run_at,
+        "max_attempts": max_attempts,
+        "batch_size": batch_size,
+        "method": method,
+    }
+    if hasattr(session, "sync_session"):  # an AsyncSession: I/O only when awaited
+        return _enqueue_many_async(session, model, rows, options)
+    if not isinstance(session, Session):
+        raise TypeError(f"expected a SQLAlchemy Session, got {type(session).__qualname__}")
+    if isinstance(rows, AsyncIterable) and not isinstance(rows, Iterable):
+        raise TypeError(
+            "rows is an async iterable, which only an AsyncSession can read: "
+            "`await enqueue_many(async_session, Model, rows)`"
+        )
+    return _enqueue_many(session, model, rows, **options)
+
+
+async def _enqueue_many_async(
+    session: AsyncSession, model: Any, rows: Iterable[Any] | AsyncIterable[Any], options: dict[str, Any]
+) -> int:
+    if isinstance(rows, AsyncIterable) and not isinstance(rows, Iterable):
+        rows = _awaited_rows(rows, options["batch_size"])
+    return await session.run_sync(_enqueue_many, model, rows, **options)
+
+
+def _enqueue_many(
+    sync: Session,
+    model: Any,
+    rows: Iterable[Any],
+    *,
+    queue: str | None,
+    priority: int | None,
+    delay: timedelta | float | None,
+    run_at: datetime | None,
+    max_attempts: int | None,
+    batch_size: int,
+    method: Method,
+) -> int:
+    """The one load of :func:`enqueue_many`, sync or (inside ``run_sync``) async."""
     qt = queue_table(model)
     options, delay_by = validate_options(
         queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
@@ -155,6 +250,9 @@ def enqueue_many(
         raise EnqueueError(
             f"method must be one of {', '.join(map(repr, _METHODS))}, got {method!r}"
         )
+    rules = table_rules(qt.table)
+    for key, value in options.items():  # the options' values meet the columns' rules too
+        rules.check(key, value)
     if isinstance(rows, (Mapping, str, bytes)) or not isinstance(rows, Iterable):
         raise TypeError(
             f"rows must be an iterable of rows, got {type(rows).__qualname__}"
@@ -215,16 +313,29 @@ def enqueue_many(
 # -- validation ---------------------------------------------------------------------------
 
 
-def _bulk_session(session: Any) -> Session:
-    session = _resolve_session(session)
-    if hasattr(session, "sync_session"):
-        raise TypeError(
-            "enqueue_many() writes to the database, which an AsyncSession only does when "
-            "awaited: use `await session.run_sync(enqueue_many, Model, rows, ...)`"
-        )
-    if not isinstance(session, Session):
-        raise TypeError(f"expected a SQLAlchemy Session, got {type(session).__qualname__}")
-    return session
+def _awaited_rows(rows: AsyncIterable[Any], size: Any) -> Iterator[Any]:
+    """The rows of an async iterable, for the load running in ``run_sync``'s greenlet.
+
+    ``size`` rows are awaited per switch to the event loop (the load reads one batch at
+    a time, so memory stays bounded the same way).
+    """
+    iterator = aiter(rows)
+    step = size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else 1
+    while True:
+        chunk = await_only(_take(iterator, step))
+        if not chunk:
+            return
+        yield from chunk
+        del chunk  # before awaiting the next chunk: one batch of raw rows at a time
+
+
+async def _take(iterator: AsyncIterator[Any], size: int) -> list[Any]:
+    chunk: list[Any] = []
+    async for row in iterator:
+        chunk.append(row)
+        if len(chunk) >= size:
+            break
+    return chunk
 
 
 def _python_default(column: Column[Any]) -> tuple[str, Any]:
@@ -251,9 +362,8 @@ def _copy_impossible(dialect: Dialect, table: Table) -> str | None:
     """Why COPY cannot write to ``table`` through ``dialect``, or None if it can."""
     if dialect.name != "postgresql":
         return f"COPY needs PostgreSQL, the session's database is {dialect.name}"
-    if dialect.driver != "psycopg" or dialect.is_async:
-        kind = f"{dialect.driver} (async)" if dialect.is_async else dialect.driver
-        return f"COPY needs the synchronous psycopg 3 driver, the session uses {kind}"
+    if dialect.driver != "psycopg":
+        return f"COPY needs the psycopg 3 driver, the session uses {dialect.driver}"
     sql_defaults = [c.key for c in table.c if _python_default(c)[0] == "sql"]
     if sql_defaults:
         return (
@@ -304,9 +414,7 @@ class _RowPlan:
             and key not in options
         )
         self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
-        self.rules = table_rules(table)
-        for key, value in self.options:  # the options' values meet the columns' rules too
-            self.rules.check(key, value)
+        self.rules = table_rules(table)  # the options met them already, in enqueue_many
         serializer = dialect_json_serializer(dialect)
         self.json: dict[str, tuple[Callable[[Any], Any], bool]] = {}
         self.processors: dict[str, Callable[[Any], Any]] = {}
@@ -488,8 +596,13 @@ def _copy_rows(
 ) -> int:
     """Stream the rows with COPY, one COPY per run of rows setting the same columns."""
     driver = conn.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection):
-        raise TypeError(f"COPY needs a psycopg.Connection, got {type(driver).__qualname__}")
+    stream: _CopyStream
+    if isinstance(driver, psycopg.Connection):
+        stream = _SyncCopyStream(driver)
+    elif isinstance(driver, psycopg.AsyncConnection):
+        stream = _AwaitedCopyStream(driver)
+    else:
+        raise TypeError(f"COPY needs a psycopg connection, got {type(driver).__qualname__}")
     schema = table.schema
     translate = conn.get_execution_options().get("schema_translate_map")
     if translate and schema in translate:
@@ -499,19 +612,17 @@ def _copy_rows(
     statement: pgsql.Composed | None = None
     written = 0
     try:
-        with driver.cursor() as cursor, ExitStack() as copy_stack:
+        with stream:
             current: tuple[str, ...] | None = None
-            copy: Any = None
             for batch in batches:
-                for shape, values in batch:
+                for shape, run in groupby(batch, key=itemgetter(0)):
                     if shape != current:
-                        copy_stack.close()  # ends the previous COPY; raises its errors
                         statement = pgsql.SQL("COPY {} ({}) FROM STDIN").format(
                             name, pgsql.SQL(", ").join(pgsql.Identifier(columns[k]) for k in shape)
                         )
-                        copy = copy_stack.enter_context(cursor.copy(statement))
+                        stream.start(statement)  # ends the previous COPY; raises its errors
                         current = shape
-                    copy.write_row(values)
+                    stream.write([values for _, values in run])
                 written += len(batch)
     except psycopg.Error as exc:
         text = statement.as_string(driver) if statement is not None else "COPY"
@@ -519,6 +630,107 @@ def _copy_rows(
             text, None, exc, psycopg.Error, dialect=conn.dialect
         ) from exc
     return written
+
+
+class _CopyStream:
+    """``COPY … FROM STDIN`` statements one after another on one psycopg cursor.
+
+    As a context manager: leaving it ends the open COPY, or on an exception aborts it
+    (psycopg sends CopyFail and the server discards that COPY's rows).
+    """
+
+    def start(self, statement: pgsql.Composed) -> None:
+        """End the open COPY (raising its errors) and begin ``statement``."""
+        raise NotImplementedError
+
+    def write(self, rows: list[Any]) -> None:
+        raise NotImplementedError
+
+    def end(self, exc: BaseException | None) -> None:
+        """End the open COPY, if any: aborted when ``exc`` is given."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> _CopyStream:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.end(exc)
+        finally:
+            self.close()
+
+
+def _exc_info(exc: BaseException | None) -> tuple[Any, Any, Any]:
+    return (type(exc), exc, exc.__traceback__) if exc is not None else (None, None, None)
+
+
+class _SyncCopyStream(_CopyStream):
+    def __init__(self, driver: psycopg.Connection[Any]) -> None:
+        self.cursor = driver.cursor()
+        self.context: AbstractContextManager[psycopg.Copy] | None = None
+        self.copy: psycopg.Copy | None = None
+
+    def start(self, statement: pgsql.Composed) -> None:
+        self.end(None)
+        context = self.cursor.copy(statement)
+        self.copy = context.__enter__()
+        self.context = context
+
+    def write(self, rows: list[Any]) -> None:
+        assert self.copy is not None
+        write_row = self.copy.write_row
+        for row in rows:
+            write_row(row)
+
+    def end(self, exc: BaseException | None) -> None:
+        context, self.context, self.copy = self.context, None, None
+        if context is not None:
+            context.__exit__(*_exc_info(exc))
+
+    def close(self) -> None:
+        self.cursor.close()
+
+
+class _AwaitedCopyStream(_CopyStream):
+    """The same on a psycopg ``AsyncConnection``, from the greenlet of ``run_sync``.
+
+    The load runs as sync code there (as ``AsyncSession`` runs its own flush); each step
+    awaits psycopg's async COPY, a whole run of rows per switch to the event loop.
+    """
+
+    def __init__(self, driver: psycopg.AsyncConnection[Any]) -> None:
+        self.cursor = driver.cursor()
+        self.context: AbstractAsyncContextManager[psycopg.AsyncCopy] | None = None
+        self.copy: psycopg.AsyncCopy | None = None
+
+    def start(self, statement: pgsql.Composed) -> None:
+        self.end(None)
+        context = self.cursor.copy(statement)
+        self.copy = await_only(context.__aenter__())
+        self.context = context
+
+    def write(self, rows: list[Any]) -> None:
+        assert self.copy is not None
+        await_only(_write_rows(self.copy, rows))
+
+    def end(self, exc: BaseException | None) -> None:
+        context, self.context, self.copy = self.context, None, None
+        if context is not None:
+            await_only(context.__aexit__(*_exc_info(exc)))
+
+    def close(self) -> None:
+        await_only(self.cursor.close())
+
+
+async def _write_rows(copy: psycopg.AsyncCopy, rows: list[Any]) -> None:
+    write_row = copy.write_row
+    for row in rows:
+        await write_row(row)
 
 
 def _insert_rows(

@@ -33,6 +33,7 @@ import click
 from flask import Flask, current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.orm import Session
 
 from . import admin
 from ._rules import check_queue
@@ -125,10 +126,11 @@ class FlaskQueue:
             method=method,
         )
 
-    def _session(self) -> Any:
+    def _session(self) -> Session:
         if self.db is None:
             raise RuntimeError("FlaskQueue is not initialised: call init_app(app, db) first")
-        return self.db.session()
+        session: Session = self.db.session()
+        return session
 
     @property
     def worker_names(self) -> list[str]:
@@ -174,7 +176,8 @@ def _give_enqueue(scoped: Any) -> None:
         return enqueue(scoped(), job, **options)
 
     def scoped_enqueue_many(model: Any, rows: Iterable[Any], **options: Any) -> int:
-        return enqueue_many(scoped(), model, rows, **options)
+        session: Session = scoped()  # Flask-SQLAlchemy's sessions are synchronous
+        return enqueue_many(session, model, rows, **options)
 
     scoped.enqueue = scoped_enqueue
     scoped.enqueue_many = scoped_enqueue_many

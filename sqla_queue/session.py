@@ -8,13 +8,14 @@ the notification only if, and when, the transaction commits; never on rollback.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, Final, Literal, TypeVar
 
 from sqlalchemy import JSON, Select, String, bindparam, event, func, select
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
 from sqlalchemy.orm import Mapper, Session, object_mapper, scoped_session
 from sqlalchemy.orm import attributes as orm_attributes
 from sqlalchemy.orm.exc import UnmappedInstanceError
@@ -33,7 +34,7 @@ from .errors import EnqueueError, NotAQueueModel
 from .model import QueueTable, queue_table
 from .sql import delay_from_insert
 
-__all__ = ["QueueSession", "enqueue", "notify_on_commit"]
+__all__ = ["AsyncQueueSession", "QueueSession", "enqueue", "notify_on_commit"]
 
 J = TypeVar("J")
 
@@ -154,12 +155,74 @@ class QueueSession(Session):
         )
 
 
+class AsyncQueueSession(AsyncSession):
+    """An ``AsyncSession`` with :meth:`enqueue` and :meth:`enqueue_many`.
+
+    Use with ``async_sessionmaker(engine, class_=AsyncQueueSession)``. Its synchronous
+    session is a :class:`QueueSession`, whose commit hooks send the NOTIFY.
+    """
+
+    sync_session_class = QueueSession
+    sync_session: QueueSession
+
+    def enqueue(
+        self,
+        job: J,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+    ) -> J:
+        """Same as :func:`sqla_queue.enqueue`: only adds the job, so nothing to await."""
+        return enqueue(
+            self,
+            job,
+            queue=queue,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            max_attempts=max_attempts,
+        )
+
+    async def enqueue_many(
+        self,
+        model: Any,
+        rows: Iterable[Any] | AsyncIterable[Any],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: timedelta | float | None = None,
+        run_at: datetime | None = None,
+        max_attempts: int | None = None,
+        batch_size: int | None = None,
+        method: Literal["auto", "copy", "insert"] = "auto",
+    ) -> int:
+        """Same as ``await sqla_queue.enqueue_many(self, …)`` (COPY on psycopg)."""
+        from .bulk import DEFAULT_BATCH_SIZE, enqueue_many  # bulk imports this module
+
+        return await enqueue_many(
+            self,
+            model,
+            rows,
+            queue=queue,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            max_attempts=max_attempts,
+            batch_size=DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+            method=method,
+        )
+
+
 # -- validation ---------------------------------------------------------------------------
 
 
 def _resolve_session(session: Any) -> Any:
-    """A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) stands for its current session."""
-    return session() if isinstance(session, scoped_session) else session
+    """A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or ``async_scoped_session``
+    stands for its current session."""
+    return session() if isinstance(session, (scoped_session, async_scoped_session)) else session
 
 
 def _sync_session(session: Any) -> Session:

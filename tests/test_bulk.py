@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -580,30 +579,6 @@ def test_auto_uses_insert_below_the_crossover_and_copy_above(
         assert len(inserts) == (1 if COPY_MIN_ROWS > 1 else 0)
         session.commit()
     assert count(engine, EmailJob) == 2 * COPY_MIN_ROWS - 1 + 5
-
-
-def test_async_driver_falls_back_to_insert(engine: Engine, server: Server) -> None:
-    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
-
-    async def main() -> int:
-        async_engine = create_async_engine(server.url)
-        Sessions = async_sessionmaker(async_engine, sync_session_class=QueueSession)
-        try:
-            async with Sessions() as session:
-                with pytest.raises(TypeError, match="run_sync"):
-                    enqueue_many(session, EmailJob, [{}])  # type: ignore[arg-type]
-                with pytest.raises(EnqueueError, match="synchronous psycopg 3"):
-                    await session.run_sync(enqueue_many, EmailJob, [{}], method="copy")
-                written = await session.run_sync(
-                    enqueue_many, EmailJob, [{"queue": "async"}] * 20, batch_size=7
-                )
-                await session.commit()
-                return written
-        finally:
-            await async_engine.dispose()
-
-    assert asyncio.run(main()) == 20
-    assert count(engine, EmailJob) == 20
 
 
 def test_copy_honours_schema_translate_map(engine: Engine) -> None:

@@ -1,0 +1,146 @@
+"""Enqueue from asyncio, one job per transaction: ``AsyncQueueSession`` against async psycopg.
+
+    python benchmarks/async_enqueue.py [--quick] [--url URL]
+
+:func:`bench_async_enqueue` has the signature of ``benchmarks/run.py``'s benchmarks (an
+entry for its ``BENCHMARKS``) and uses its table, helpers and ``Row``. Run alone, it
+makes a scratch database the way ``run.py`` does and prints its rows.
+
+sqla_queue: an ``AsyncQueueSession`` per request on an ``AsyncEngine`` (psycopg 3 async),
+``session.enqueue(job)`` and ``await session.commit()``, whose hook sends the NOTIFY.
+Baseline: one open ``psycopg.AsyncConnection``, ``INSERT``, ``SELECT pg_notify`` and
+``commit()``, each awaited. A third side, the same ORM insert and NOTIFY in a plain
+``AsyncSession`` without sqla_queue, shows how much of the gap is SQLAlchemy's async ORM.
+The sides alternate, rotating which goes first, and medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psycopg
+from sqlalchemy import URL, Engine, create_engine, text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+
+from sqla_queue import AsyncQueueSession
+
+HERE = Path(__file__).resolve().parent
+
+#: The ratio to the baseline the sync one-job enqueue is held to in run.py.
+TARGET = 0.8
+
+
+def harness() -> ModuleType:
+    """``benchmarks/run.py``: the running program itself when it imported this module
+    (importing it again would run its imports again, in a loop), else imported."""
+    main = sys.modules.get("__main__")
+    if main is not None and Path(getattr(main, "__file__", "") or ".").resolve() == HERE / "run.py":
+        return main
+    sys.path.insert(0, str(HERE))
+    import run
+
+    return run
+
+
+def bench_async_enqueue(engine: Engine, url: URL, plan: Any) -> list[Any]:
+    """Throughput in transactions per second: sqla_queue, baseline and the ORM reference.
+
+    ``plan`` is run.py's ``Plan`` (``enqueue_rounds``, ``enqueue_txns``); the result is
+    a list of run.py's ``Row``.
+    """
+    return asyncio.run(_bench(harness(), engine, url, plan))
+
+
+async def _bench(bench: ModuleType, engine: Engine, url: URL, plan: Any) -> list[Any]:
+    async_engine = create_async_engine(url.set(drivername="postgresql+psycopg"))
+    factory = async_sessionmaker(async_engine, class_=AsyncQueueSession)
+    plain = async_sessionmaker(async_engine, class_=AsyncSession)
+    raw = await psycopg.AsyncConnection.connect(bench.conninfo(url))
+    notify = text("SELECT pg_notify(:channel, :queue)")
+
+    async def ours(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            async with factory() as session:
+                session.enqueue(bench.BenchJob(recipient=f"u{i}@example.com"))
+                await session.commit()
+        return n / (time.perf_counter() - start)
+
+    async def base(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            await raw.execute(
+                "INSERT INTO bench_jobs (order_id, recipient) VALUES (%s, %s)",
+                (None, f"u{i}@example.com"),
+            )
+            await raw.execute(bench.RAW_NOTIFY, (bench.CHANNEL, "default"))
+            await raw.commit()
+        return n / (time.perf_counter() - start)
+
+    async def plain_orm(n: int) -> float:
+        """The floor: the same ORM insert and NOTIFY without sqla_queue (a reference)."""
+        start = time.perf_counter()
+        for i in range(n):
+            async with plain() as session:
+                session.add(bench.BenchJob(recipient=f"u{i}@example.com"))
+                await session.execute(notify, {"channel": bench.CHANNEL, "queue": "default"})
+                await session.commit()
+        return n / (time.perf_counter() - start)
+
+    sides: list[Callable[[int], Awaitable[float]]] = [ours, base, plain_orm]
+    results: dict[Any, list[float]] = {side: [] for side in sides}
+    try:
+        for side in sides:
+            await side(20)  # warm caches, the pool and prepared statements
+        for r in range(plan.enqueue_rounds):
+            for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+                results[side].append(await side(plan.enqueue_txns))
+    finally:
+        await raw.close()
+        await async_engine.dispose()
+        bench.reset(engine)
+    name = "async enqueue, 1 job per transaction"
+    rows = [
+        bench.throughput_row(name, results[ours], results[base], "txn/s", TARGET),
+        bench.throughput_row(
+            f"{name}: plain SQLAlchemy AsyncSession + pg_notify, no sqla_queue (reference)",
+            results[plain_orm],
+            results[base],
+            "txn/s",
+            None,
+        ),
+    ]
+    for row in rows:
+        bench.say(f"  {row.name}: {row.cells()[1:4]}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
+    parser.add_argument("--url", help="admin URL of the server (default: DATABASE_URL, else embedded)")
+    args = parser.parse_args(argv)
+    bench = harness()
+    plan = bench.QUICK if args.quick else bench.FULL
+    with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
+        engine = create_engine(url)
+        try:
+            bench.Base.metadata.create_all(engine)
+            info = bench.machine_info(engine)
+            rows = bench_async_enqueue(engine, url, plan)
+        finally:
+            engine.dispose()
+    print(f"{info}\n\n{bench.markdown(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
