@@ -27,6 +27,7 @@ from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_ta
 from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
+from .values import enqueue_values
 from .worker import Worker, WorkerConfig, WorkerStats
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "archive_table",
     "enqueue",
     "enqueue_many",
+    "enqueue_values",
     "notify_on_commit",
     "queue_table",
 ]

@@ -228,43 +228,22 @@ class Driver:
     # -- statements --------------------------------------------------------------------
 
     def compile(self, stmt: ClauseElement) -> Statement:
-        compiled = cast(SQLCompiler, stmt.compile(dialect=self.dialect))
-        defaults = compiled.construct_params(_check=False) or {}
-        processors = {
-            name: proc
-            for name, proc in (compiled._bind_processors or {}).items()
-            if proc and not _plain_array(compiled.binds.get(name), self.dialect)
-        }
-        return Statement(compiled.string, dict(defaults), processors)
+        return compile_statement(stmt, self.dialect)
 
     # -- connections -------------------------------------------------------------------
 
-    def connect(
-        self,
-        purpose: str,
-        *,
-        statement_timeout: float | None = None,
-        lock_timeout: float | None = None,
-        listen: str | None = None,
-    ) -> DbConnection:
+    def connect(self, purpose: str, *, listen: str | None = None) -> DbConnection:
         """A connection made by the engine (its URL, ``connect_args`` and events) but kept
-        out of its pool, so a busy pool can never starve the runtime."""
+        out of its pool, so a busy pool can never starve the runtime.
+
+        No session setting is changed (a pooler in transaction mode would leak it to other
+        clients): calls that must not wait for long run under :meth:`deadline` instead.
+        """
         sa = self.engine.connect()
         try:
             sa.detach()
             conn = DbConnection(sa, purpose)
             self._keepalive(conn)
-            settings = []
-            if statement_timeout is not None:
-                settings.append(("statement_timeout", f"{int(statement_timeout * 1000)}ms"))
-            if lock_timeout is not None:
-                settings.append(("lock_timeout", f"{int(lock_timeout * 1000)}ms"))
-            for name, value in settings:
-                conn.raw.execute(
-                    pgsql.SQL("SELECT set_config({}, {}, false)").format(
-                        pgsql.Literal(name), pgsql.Literal(value)
-                    )
-                )
             if listen is not None:
                 conn.raw.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(listen)))
         except BaseException:
@@ -348,7 +327,7 @@ class Driver:
     def check_table(self, schema: str | None, table: str) -> None:
         """Fail fast: the server answers and the table exists with the queue columns."""
         try:
-            conn = self.connect("start-up check", statement_timeout=10)
+            conn = self.connect("start-up check")
         except Exception as exc:
             raise WorkerStartError(
                 f"cannot connect to {self.engine.url.render_as_string(hide_password=True)}: "
@@ -356,11 +335,12 @@ class Driver:
             ) from exc
         try:
             name = f"{schema}.{table}" if schema else table
-            rows = conn.raw.execute(
-                "SELECT a.attname FROM pg_attribute a "
-                "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
-                (pgsql.Identifier(*([schema, table] if schema else [table])).as_string(conn.raw),),
-            ).fetchall()
+            with self.deadline(conn, 30):
+                rows = conn.raw.execute(
+                    "SELECT a.attname FROM pg_attribute a "
+                    "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+                    (pgsql.Identifier(*([schema, table] if schema else [table])).as_string(conn.raw),),
+                ).fetchall()
         finally:
             conn.close()
         if not rows:
@@ -422,7 +402,8 @@ def _on_commit(conn: Connection) -> None:
 
 
 def _on_rollback(conn: Connection) -> None:
-    conn.info.pop(_ON_COMMIT_KEY, None)
+    with suppress(Exception):  # an invalidated connection has no info left to clear
+        conn.info.pop(_ON_COMMIT_KEY, None)
 
 
 _listening: set[int] = set()
@@ -438,6 +419,18 @@ def _listen_for_commits(engine: Engine) -> None:
         event.listen(engine, "commit", _on_commit)
         event.listen(engine, "rollback", _on_rollback)
     _listening.add(key)
+
+
+def compile_statement(stmt: ClauseElement, dialect: Any) -> Statement:
+    """``stmt`` compiled once by SQLAlchemy for ``dialect``, to run on the DBAPI connection."""
+    compiled = cast(SQLCompiler, stmt.compile(dialect=dialect))
+    defaults = compiled.construct_params(_check=False) or {}
+    processors = {
+        name: proc
+        for name, proc in (compiled._bind_processors or {}).items()
+        if proc and not _plain_array(compiled.binds.get(name), dialect)
+    }
+    return Statement(compiled.string, dict(defaults), processors)
 
 
 def _plain_array(bind: Any, dialect: Any) -> bool:

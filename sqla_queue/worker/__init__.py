@@ -55,8 +55,8 @@ __all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
 log = logging.getLogger("sqla_queue.worker")
 
 #: How long stop() gives the hand-back of jobs, and then the services to end.
-_HAND_BACK_SECONDS = 1.5
-_JOIN_SECONDS = 1.5
+_HAND_BACK_SECONDS = 1.0
+_JOIN_SECONDS = 1.0
 
 
 class Worker:
@@ -261,7 +261,7 @@ class Worker:
 
     def _hand_back(self, held: list[Any], *, refund: bool) -> None:
         """Release ``held`` on a connection of its own, within a deadline."""
-        lane = Lane(self._driver, "sqla_queue shutdown", lock_timeout=1.0, statement_timeout=1.0)
+        lane = Lane(self._driver, "sqla_queue shutdown")
         done = threading.Event()
 
         def hand_back() -> None:
@@ -278,7 +278,7 @@ class Worker:
 
         thread = threading.Thread(target=hand_back, name="sqla_queue-hand-back", daemon=True)
         thread.start()
-        done.wait(_HAND_BACK_SECONDS + 1.0)
+        done.wait(_HAND_BACK_SECONDS + 0.5)
         self.ledger.lose(held)  # a handler still running must not complete after hand-back
 
     @property

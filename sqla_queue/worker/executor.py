@@ -51,13 +51,9 @@ MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 class Lane:
     """An executor thread's connection, reconnected on demand."""
 
-    def __init__(
-        self, driver: Driver, name: str, *, lock_timeout: float | None = None, statement_timeout: float | None = None
-    ) -> None:
+    def __init__(self, driver: Driver, name: str) -> None:
         self.driver = driver
         self.name = name
-        self.lock_timeout = lock_timeout
-        self.statement_timeout = statement_timeout
         self.conn: DbConnection | None = None
 
     def connect(self) -> DbConnection:
@@ -66,9 +62,7 @@ class Lane:
             if conn is not None:
                 conn.close()
             self.conn = conn = None
-            self.conn = conn = self.driver.connect(
-                self.name, lock_timeout=self.lock_timeout, statement_timeout=self.statement_timeout
-            )
+            self.conn = conn = self.driver.connect(self.name)
         return conn
 
     def reset(self) -> None:

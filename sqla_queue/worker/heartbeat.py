@@ -63,9 +63,7 @@ class Heartbeat(Service):
         conn = self._conn
         if conn is None or conn.broken:
             self.close()
-            self._conn = conn = self.driver.connect(
-                "sqla_queue heartbeat", statement_timeout=self.interval, lock_timeout=self.interval / 2
-            )
+            self._conn = conn = self.driver.connect("sqla_queue heartbeat")
         values = {**tokens_params(self.owner, tokens), q.LEASE_PARAM: float(self.config.lease)}
         with self.driver.deadline(conn, self.interval):
             extended = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._extend, values)}

@@ -64,6 +64,8 @@ class RowLoader:
         self._plain_one = plain[0] if len(plain) == 1 else None
         self._deserialize = deserialize
         self._identity_key = mapper.identity_key_from_primary_key
+        #: The class part of the identity key (the mapper's base), as the ORM builds it.
+        self._identity_class = mapper.identity_key_from_primary_key([None])[0]
         self._new_instance = self._manager.new_instance
         self._fire_load = bool(self._manager.dispatch.load)
 
@@ -83,8 +85,10 @@ class RowLoader:
             if process is not None:
                 value = process(value)
             values[key] = value
-        pk = [row[self._pk_single]] if self._pk_single is not None else list(self._pk(row)) if self._pk else []
-        state.key = self._identity_key(pk)
+        if self._pk_single is not None:
+            state.key = (self._identity_class, (row[self._pk_single],), None)
+        else:
+            state.key = self._identity_key(list(self._pk(row)) if self._pk else [])
         if self._fire_load:
             self._manager.dispatch.load(state, None)
             state._commit_all(values)  # as the ORM does after the load event

@@ -29,6 +29,9 @@ from .outcome import describe_error, storable
 
 __all__ = ["Producer", "WorkSignal"]
 
+#: ``ClaimToken(pk, attempt)`` without the named tuple's Python-level ``__new__``.
+_new_token = tuple.__new__
+
 log = logging.getLogger("sqla_queue.worker")
 
 
@@ -182,7 +185,7 @@ class Producer:
         if isinstance(row, RowError):
             error = storable(f"cannot read the row: {describe_error(row.error, limit)}", limit)
             return Held(ClaimToken(row.pk, row.attempt), load_error=error, isolated=isolated)
-        token = ClaimToken(row[self._pk_index], row[self._attempt_index])
+        token = _new_token(ClaimToken, (row[self._pk_index], row[self._attempt_index]))
         try:
             job = self._loader.load(row)
         except Exception as exc:  # noqa: BLE001 - this row fails alone

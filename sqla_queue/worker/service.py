@@ -130,6 +130,8 @@ class Service:
                 try:
                     delay = self.tick()
                 except Exception as exc:  # noqa: BLE001 - a service must survive anything
+                    if self._stop.is_set():
+                        break  # stop() cut a call short: not an error worth a log line
                     delay = self.failed(exc)
                     try:
                         self.on_error(exc)

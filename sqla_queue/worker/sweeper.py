@@ -23,6 +23,8 @@ __all__ = ["Sweeper"]
 log = logging.getLogger("sqla_queue.worker")
 
 SWEEP_LIMIT = 1000
+#: A sweep stuck longer than this (behind a table lock, a hung server) is cut short.
+SWEEP_DEADLINE = 10.0
 
 
 class Sweeper(Service):
@@ -52,8 +54,8 @@ class Sweeper(Service):
         conn = self._conn
         if conn is None or conn.broken:
             self.close()
-            self._conn = conn = self.driver.connect("sqla_queue sweeper", statement_timeout=30, lock_timeout=5)
-        with self.driver.deadline(conn, 60):
+            self._conn = conn = self.driver.connect("sqla_queue sweeper")
+        with self.driver.deadline(conn, SWEEP_DEADLINE):
             swept = conn.execute(self._sweep, {})
             if swept:
                 self.driver.notify(conn, self.channel, sorted({row[2] for row in swept}))

@@ -1,0 +1,141 @@
+"""``enqueue_values()``: the fast path writes what ``enqueue()`` writes, in the caller's
+transaction, with the same checks, and one wake-up sent with the COMMIT."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
+
+from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queue_table
+
+from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of
+from .models import EmailJob, Order, Task
+
+EMAIL_CHANNEL = queue_table(EmailJob).channel
+TASK_CHANNEL = queue_table(Task).channel
+EMAILS = table_of(EmailJob)
+TASKS = table_of(Task)
+COMPARED = ("queue", "status", "priority", "attempts", "max_attempts", "isolated", "recipient", "order_id")
+
+
+@pytest.fixture
+def listening(listener: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    for channel in (EMAIL_CHANNEL, TASK_CHANNEL, SENTINEL_CHANNEL):
+        listener.execute(f'LISTEN "{channel}"')
+    return listener
+
+
+def rows(engine: Engine, table: Any) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(table).order_by(table.c.id)))
+
+
+def test_writes_what_enqueue_writes_and_notifies_once_on_commit(
+    engine: Engine, listening: Any, server: Server
+) -> None:
+    with Session(engine) as session:
+        order = Order(customer="ada")
+        session.add(order)
+        session.flush()
+        first = enqueue_values(session, EmailJob, {"order_id": order.id, "recipient": "a@example.com"})
+        enqueue_values(session, EmailJob, {"order_id": order.id, "recipient": "a@example.com"})
+        enqueue(session, EmailJob(order_id=order.id, recipient="a@example.com"))
+        session.commit()
+    fast, again, orm = rows(engine, EMAILS)
+    assert fast.id == first
+    for column in COMPARED:
+        assert getattr(fast, column) == getattr(orm, column) == getattr(again, column), column
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "default")]
+
+
+def test_python_defaults_and_options(engine: Engine, listening: Any, server: Server) -> None:
+    at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    with Session(engine) as session:
+        enqueue_values(session, Task, {"task": "resize"}, queue="images", priority=3, max_attempts=2, run_at=at)
+        enqueue_values(session, EmailJob)  # every column from its default
+        session.commit()
+    (task,) = rows(engine, TASKS)
+    assert (task.task, task.payload, task.queue, task.priority, task.max_attempts) == ("resize", {}, "images", 3, 2)
+    assert task.run_after == at
+    (email,) = rows(engine, EMAILS)
+    assert email.recipient == "someone@example.com"  # the model's Python default
+    got = notifications_until_sentinel(listening, server.conninfo)
+    assert sorted(got) == sorted([(TASK_CHANNEL, "images"), (EMAIL_CHANNEL, "default")])
+
+
+def test_delay_is_measured_from_the_insert(engine: Engine) -> None:
+    with Session(engine) as session:
+        session.execute(text("SELECT pg_sleep(0.3)"))  # the transaction started earlier
+        enqueue_values(session, EmailJob, delay=60)
+        inserted = session.scalar(select(func.clock_timestamp()))
+        session.commit()
+    (job,) = rows(engine, EMAILS)
+    assert inserted is not None
+    # From the start of the transaction (now()) it would be 0.3 s short of a minute.
+    assert timedelta(seconds=59.9) <= job.run_after - inserted <= timedelta(seconds=60)
+
+
+def test_rollback_leaves_no_job_and_no_wake_up(engine: Engine, listening: Any, server: Server) -> None:
+    with Session(engine) as session:
+        session.add(Order(customer="bob"))
+        enqueue_values(session, EmailJob, {"recipient": "bob@example.com"})
+        session.rollback()
+    assert rows(engine, EMAILS) == [] and rows(engine, table_of(Order)) == []
+    assert notifications_until_sentinel(listening, server.conninfo) == []
+
+
+def test_on_a_connection_and_a_scoped_session(engine: Engine, listening: Any, server: Server) -> None:
+    with engine.begin() as conn:
+        enqueue_values(conn, EmailJob, {"recipient": "c@example.com"}, queue="conn")
+    scoped = scoped_session(sessionmaker(engine, class_=QueueSession))
+    try:
+        enqueue_values(scoped, EmailJob, {"recipient": "s@example.com"}, queue="scoped")
+        scoped.commit()
+    finally:
+        scoped.remove()
+    assert [r.queue for r in rows(engine, EMAILS)] == ["conn", "scoped"]
+    got = notifications_until_sentinel(listening, server.conninfo)
+    assert sorted(got) == [(EMAIL_CHANNEL, "conn"), (EMAIL_CHANNEL, "scoped")]
+
+
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+def test_bad_values_raise_before_anything_is_written(
+    engine: Engine, model: Any, column: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with Session(engine) as session:
+        session.add(Order(customer="kept"))
+        session.flush()
+        with pytest.raises(error, match=message):
+            enqueue_values(session, model, row_values(model, column, value))
+        session.commit()  # the caller's transaction is still whole
+    assert [o.customer for o in rows(engine, table_of(Order))] == ["kept"]
+    assert rows(engine, EMAILS) == [] and rows(engine, TASKS) == []
+
+
+@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+def test_bad_options_raise_before_anything_is_written(engine: Engine, options: dict[str, Any], message: str) -> None:
+    with Session(engine) as session:
+        with pytest.raises(EnqueueError, match=message):
+            enqueue_values(session, EmailJob, **options)
+        session.commit()
+    assert rows(engine, EMAILS) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        pytest.param({"recipent": "typo"}, "no column 'recipent'", id="unknown-column"),
+        pytest.param({"status": "done"}, "status is managed by the queue", id="managed-status"),
+        pytest.param({"attempts": 3}, "attempts is managed by the queue", id="managed-attempts"),
+    ],
+)
+def test_unknown_and_managed_columns_are_refused(engine: Engine, values: dict[str, Any], message: str) -> None:
+    with Session(engine) as session, pytest.raises(EnqueueError, match=message):
+        enqueue_values(session, EmailJob, values)
+    assert rows(engine, EMAILS) == []
