@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Final, cast
 
 import psycopg
@@ -388,17 +389,24 @@ def _on_commit(conn: Connection) -> None:
     if waiting is None or waiting[0] is not conn.get_transaction():
         return
     raw: Any = conn.connection.dbapi_connection
-    pairs = sorted(waiting[1])
     try:
-        with raw.pipeline():
-            for channel, payload in pairs:
-                raw.execute("SELECT pg_notify(%s, %s)", (channel, payload))
-            raw.commit()  # queued with the notifications: one round trip
+        # One simple-protocol query: the notifications and the COMMIT in one round trip.
+        raw.execute(_notify_and_commit(tuple(sorted(waiting[1]))))
     except psycopg.Error as exc:
         raise sa_exc.DBAPIError.instance(
             "COMMIT", None, exc, psycopg.Error, dialect=conn.dialect
         ) from exc
     # The connection is committed: SQLAlchemy's own commit() that follows is a no-op.
+
+
+@lru_cache(maxsize=256)
+def _notify_and_commit(pairs: tuple[tuple[str, str], ...]) -> bytes:
+    """``SELECT pg_notify('c', 'q'); …; COMMIT`` with quoted literals, built once per set."""
+    notifies = pgsql.SQL("; ").join(
+        pgsql.SQL("SELECT pg_notify({}, {})").format(pgsql.Literal(channel), pgsql.Literal(payload))
+        for channel, payload in pairs
+    )
+    return pgsql.SQL("{}; COMMIT").format(notifies).as_bytes(None)
 
 
 def _on_rollback(conn: Connection) -> None:

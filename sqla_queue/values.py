@@ -16,10 +16,11 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, insert
+from sqlalchemy import Connection, Table, bindparam, insert, literal_column
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.sql.dml import ReturningInsert
+from sqlalchemy.sql.elements import ColumnElement
 
 from ._rules import (
     check_json,
@@ -37,6 +38,8 @@ from .sql import delay_from_insert
 __all__ = ["enqueue_values"]
 
 _DELAY_PARAM = "sqla_queue_delay_seconds"
+#: ``DEFAULT`` in the VALUES list: the column's server default.
+_DEFAULT: ColumnElement[Any] = literal_column("DEFAULT")
 
 
 def enqueue_values(
@@ -135,6 +138,9 @@ class _Plan:
                 values[column.key] = bindparam(column.key, type_=column.type)
                 self.defaults.append((column.key, None, _no_context(default.arg)))
             elif default.is_scalar:
+                if _server_says_the_same(column):
+                    values[column.key] = _DEFAULT  # the server fills it in alike: one parameter less
+                    continue
                 values[column.key] = bindparam(column.key, type_=column.type)
                 self.defaults.append((column.key, default.arg, None))
         if delayed:
@@ -162,6 +168,17 @@ class _Plan:
         for key, value, make in self.defaults:
             params[key] = make() if make is not None else value
         return params
+
+
+def _server_says_the_same(column: Any) -> bool:
+    """The column's server default is the literal its Python default would send (the
+    mixin's columns: ``default=0, server_default=text("0")``)."""
+    server = column.server_default
+    arg = getattr(server, "arg", None)
+    if arg is None or isinstance(column.default.arg, bool):
+        return False
+    text = arg if isinstance(arg, str) else getattr(arg, "text", None)
+    return text is not None and text.strip("'") == str(column.default.arg)
 
 
 def _no_context(fn: Callable[..., Any]) -> Callable[[], Any]:

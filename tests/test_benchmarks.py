@@ -22,8 +22,15 @@ PEERS = ("pgqueuer", "procrastinate")
 #: The first cell of every row the results table must have.
 EXPECTED_ROWS = (
     "enqueue, 1 job per transaction |",
-    "enqueue, 1 job per transaction + ORM business row |",
+    "enqueue, 1 job per transaction, fast path (enqueue_values) in a Session |",
+    "enqueue, 1 job per transaction, fast path (enqueue_values) on a Connection |",
     "enqueue, 1 job per transaction: plain SQLAlchemy ORM",
+    "enqueue, 1 job per transaction: session.enqueue() vs the plain ORM reference",
+    "enqueue, 1 job per transaction + ORM business row |",
+    "enqueue, 1 job per transaction + ORM business row, fast path (enqueue_values) in a Session |",
+    "enqueue, 1 job per transaction + ORM business row, fast path (enqueue_values) on a Connection |",
+    "async enqueue, 1 job per transaction |",
+    "async enqueue, 1 job per transaction: plain SQLAlchemy AsyncSession",
     "bulk enqueue 2,000 jobs, COPY |",
     "bulk enqueue 2,000 jobs, INSERT executemany |",
     "processing, 1 process x 1 thread, batch default (baseline 32) |",
