@@ -2,9 +2,9 @@
 
 ``enqueue()`` adds an ORM object to the session, and the unit of work inserts it at the
 flush: that costs more Python time than the round trips themselves. ``enqueue_values()``
-skips the ORM: it checks the values with the same rules, runs one ``INSERT … RETURNING``
-(built by SQLAlchemy and compiled once per set of columns) directly on the session's
-psycopg connection, inside its transaction, and sends the wake-up with the COMMIT. The job
+skips the ORM: it checks the values with the same rules and runs one statement, an
+``INSERT … RETURNING`` that also sends the wake-up (built by SQLAlchemy and compiled once
+per set of columns), directly on the session's psycopg connection, inside its transaction. The job
 commits or rolls back with the caller's other writes, as with ``enqueue()``; no object is
 added to the session, so nothing of the job is in its identity map.
 """
@@ -16,10 +16,9 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, insert, literal_column
+from sqlalchemy import Connection, Select, String, Table, bindparam, func, insert, literal, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session, scoped_session
-from sqlalchemy.sql.dml import ReturningInsert
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._rules import (
@@ -29,10 +28,10 @@ from ._rules import (
     table_rules,
     validate_options,
 )
-from .driver import Statement, compile_statement, notify_with_commit
+from .driver import Statement, compile_statement
 from .errors import EnqueueError
-from .model import DEFAULT_QUEUE, QueueTable, queue_table
-from .session import _resolve_session, notify_on_commit
+from .model import QueueTable, queue_table
+from .session import _resolve_session
 from .sql import delay_from_insert
 
 __all__ = ["enqueue_values"]
@@ -62,7 +61,8 @@ def enqueue_values(
     checks are the same too, and happen before anything is sent: a wrong value raises
     :class:`~sqla_queue.EnqueueError` (or :class:`~sqla_queue.InvalidPayload`) and leaves
     the transaction untouched. Columns not given get their Python defaults (scalars and
-    callables) or server defaults. One NOTIFY per table and queue goes out with the COMMIT.
+    callables) or server defaults. The NOTIFY is sent by the INSERT itself: PostgreSQL
+    delivers it on commit, once per table and queue per transaction.
     """
     qt = queue_table(model)
     table = qt.table
@@ -72,20 +72,17 @@ def enqueue_values(
     row = dict(values) if values else {}
     row.update(options)
     conn = _connection(session, qt)
-    plan = _plan(table, frozenset(row), delay_by is not None, conn.dialect)
+    plan = _plan(table, qt.channel, frozenset(row), delay_by is not None, conn.dialect)
     plan.check(row, conn.dialect)
     params = plan.params(row)
     if delay_by is not None:
         params[_DELAY_PARAM] = delay_by
-    queue_name = row.get("queue") or plan.default_queue
     raw: Any = conn.connection.dbapi_connection
     if raw is not None and conn.dialect.driver == "psycopg" and not conn.dialect.is_async:
-        cur = raw.execute(plan.compiled.sql, plan.compiled.params(params))
-        pk = cur.fetchone()[0]
+        row_out = raw.execute(plan.compiled.sql, plan.compiled.params(params)).fetchone()
+        pk = row_out[0]
     else:
-        pk = conn.execute(plan.statement, params).scalar_one()
-    if not notify_with_commit(conn, {(qt.channel, queue_name)}):
-        notify_on_commit(_owner(session), model, queue_name)
+        pk = conn.execute(plan.statement, params).scalars().one()
     return pk
 
 
@@ -104,19 +101,10 @@ def _connection(session: Session | scoped_session[Any] | Connection, qt: QueueTa
     return resolved.connection(bind_arguments=bind_arguments)
 
 
-def _owner(session: Session | scoped_session[Any] | Connection) -> Any:
-    if isinstance(session, Connection):
-        raise EnqueueError(
-            "enqueue_values on a Connection of this driver cannot send its wake-up with the "
-            "COMMIT: pass the Session, or send pg_notify yourself"
-        )
-    return _resolve_session(session)
-
-
 class _Plan:
     """The INSERT for one set of given columns, and how to fill the others."""
 
-    def __init__(self, table: Table, keys: frozenset[str], delayed: bool, dialect: Dialect) -> None:
+    def __init__(self, table: Table, channel: str, keys: frozenset[str], delayed: bool, dialect: Dialect) -> None:
         unknown = sorted(keys - set(table.c.keys()))
         if unknown:
             raise EnqueueError(f"{table.name} has no column {', '.join(map(repr, unknown))}")
@@ -145,11 +133,15 @@ class _Plan:
                 self.defaults.append((column.key, default.arg, None))
         if delayed:
             values["run_after"] = delay_from_insert(bindparam(_DELAY_PARAM))  # type: ignore[arg-type]
-        pk = list(table.primary_key.columns)
-        self.statement: ReturningInsert[Any] = insert(table).values(values).returning(*pk)
+        (pk,) = table.primary_key.columns
+        # The wake-up rides in the INSERT itself: WITH job AS (INSERT … RETURNING) SELECT
+        # pk, pg_notify(channel, job.queue). PostgreSQL delivers it only on commit, once per
+        # queue per transaction, and an autocommit insert takes a single round trip.
+        job = insert(table).values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
+        self.statement: Select[Any] = select(
+            job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
+        )
         self.compiled: Statement = compile_statement(self.statement, dialect)
-        queue_default: Any = table.c.queue.default
-        self.default_queue = getattr(queue_default, "arg", None) or DEFAULT_QUEUE
 
     def check(self, row: Mapping[str, Any], dialect: Dialect) -> None:
         violation = managed_violation(row)
@@ -187,5 +179,5 @@ def _no_context(fn: Callable[..., Any]) -> Callable[[], Any]:
 
 
 @lru_cache(maxsize=256)
-def _plan(table: Table, keys: frozenset[str], delayed: bool, dialect: Dialect) -> _Plan:
-    return _Plan(table, keys, delayed, dialect)
+def _plan(table: Table, channel: str, keys: frozenset[str], delayed: bool, dialect: Dialect) -> _Plan:
+    return _Plan(table, channel, keys, delayed, dialect)

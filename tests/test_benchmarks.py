@@ -72,7 +72,8 @@ def test_quick_run_prints_every_benchmark(server: Server) -> None:
 PEER_ROWS = (
     "processing, 1 process, best setting |",
     "processing, 2 processes, best setting |",
-    "enqueue, 1 job per transaction |",
+    "enqueue, 1 job per transaction (sqla_queue: session.enqueue) |",
+    "enqueue, 1 job per transaction (sqla_queue: enqueue_values, autocommit) |",
     "pickup latency p50",
     "pickup latency p99",
 )
