@@ -330,16 +330,21 @@ class ExecutorPool(Service):
                     continue  # lost meanwhile, or handed back by a shutdown
                 outcomes.append(self.executor.run(h, lane))
                 ran += 1
-            request = None if self.stopping else self.producer.request(limit)
-            then = (request, self.producer.indexes) if request is not None else None
-            rows = self.completer.record(lane.connect, outcomes, then=then)
-            if request is None:
-                return [], ran
-            if rows is None:  # the claim did not run with the completion
-                if request.isolated:
-                    self.ledger.give_back_isolated_slot()
-                return [], ran
-            nxt = self.producer.accept(request, rows)
+            entered = not self.stopping and self.producer.try_enter()
+            try:
+                request = self.producer.request(limit) if entered else None
+                then = (request, self.producer.indexes) if request is not None else None
+                rows = self.completer.record(lane.connect, outcomes, then=then)
+                if request is None:
+                    return [], ran
+                if rows is None:  # the claim did not run with the completion
+                    if request.isolated:
+                        self.ledger.give_back_isolated_slot()
+                    return [], ran
+                nxt = self.producer.accept(request, rows)
+            finally:
+                if entered:
+                    self.producer.leave()
             if not nxt and request.isolated:
                 return [], ran  # no isolated job waits: claim ordinary ones next round
             return nxt, ran

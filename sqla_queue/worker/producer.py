@@ -29,6 +29,11 @@ from .outcome import describe_error, storable
 
 __all__ = ["Producer", "WorkSignal"]
 
+#: Most threads of one worker claiming at the same moment. Concurrent SKIP LOCKED claims
+#: step over each other's freshly locked rows, so past a few they cost more than they get:
+#: the other threads run their jobs meanwhile, and record them without claiming.
+CONCURRENT_CLAIMS = 4
+
 #: ``ClaimToken(pk, attempt)`` without the named tuple's Python-level ``__new__``.
 _new_token = tuple.__new__
 
@@ -132,6 +137,7 @@ class Producer:
         self._attempt_index = columns.index(qt.c.attempts)
         self._loader = RowLoader(model, columns, driver.dialect)
         self._lease = float(config.lease)
+        self._gate = threading.BoundedSemaphore(CONCURRENT_CLAIMS)
         self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
         self._checked_generation = -1
 
@@ -161,13 +167,21 @@ class Producer:
         return held
 
     def claim(self, conn: DbConnection, limit: int) -> list[Held]:
-        request = self.request(limit)
-        if request is None:
-            return []
-        held = self.accept(request, self.fetch(conn, request))
+        with self._gate:
+            request = self.request(limit)
+            if request is None:
+                return []
+            held = self.accept(request, self.fetch(conn, request))
         if not held and request.isolated:
             return self.claim(conn, limit)  # no isolated job: ordinary ones, now
         return held
+
+    def try_enter(self) -> bool:
+        """A place among the threads claiming now, if one is free (see CONCURRENT_CLAIMS)."""
+        return self._gate.acquire(blocking=False)
+
+    def leave(self) -> None:
+        self._gate.release()
 
     def fetch(self, conn: DbConnection, request: ClaimRequest) -> list[tuple[Any, ...] | RowError]:
         return conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
