@@ -29,25 +29,12 @@ from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from .errors import SqlaQueueError
+from .model import REQUIRED_COLUMNS
 
 __all__ = ["ClaimRequest", "DbConnection", "Driver", "RowError", "Statement", "WorkerStartError"]
 
 log = logging.getLogger("sqla_queue.worker")
 
-#: Queue columns a table must have for the worker to run it.
-REQUIRED_COLUMNS: Final = (
-    "queue",
-    "status",
-    "priority",
-    "run_after",
-    "attempts",
-    "max_attempts",
-    "lease_owner",
-    "lease_expires_at",
-    "last_error",
-    "isolated",
-    "finished_at",
-)
 
 
 class WorkerStartError(SqlaQueueError, RuntimeError):

@@ -201,6 +201,26 @@ def claim(
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     qt = queue_table(model)
+    return _claim(
+        qt,
+        queues,
+        isolated,
+        limit=1 if isolated else limit,
+        owner=owner,
+        lease_expires_at=_clock() + _interval(lease, "lease"),
+    )
+
+
+def _claim(
+    qt: QueueTable,
+    queues: Sequence[str] | None,
+    isolated: bool,
+    *,
+    limit: int | ColumnElement[int],
+    owner: str | ColumnElement[str],
+    lease_expires_at: ColumnElement[datetime],
+) -> ReturningUpdate[Any]:
+    """The claim of :func:`claim` and :func:`claim_template`: values or bound parameters."""
     c = qt.c
     conditions = [
         _status(qt, PENDING),
@@ -212,7 +232,7 @@ def claim(
         select(qt.pk)
         .where(*conditions)
         .order_by(c.priority.desc(), c.run_after, qt.pk)
-        .limit(1 if isolated else limit)
+        .limit(limit)
         .with_for_update(skip_locked=True)
         .subquery("claimable")
     )
@@ -222,7 +242,7 @@ def claim(
         .values(
             status=status_literal(RUNNING),
             lease_owner=owner,
-            lease_expires_at=_clock() + _interval(lease, "lease"),
+            lease_expires_at=lease_expires_at,
             attempts=c.attempts + 1,
         )
         .returning(*qt.table.c)
@@ -676,32 +696,13 @@ def claim_template(
     """:func:`claim` with the owner, the limit and the lease (seconds) bound at execution:
     ``{OWNER_PARAM: owner, LIMIT_PARAM: n, LEASE_PARAM: 60.0}``."""
     qt = queue_table(model)
-    c = qt.c
-    conditions = [
-        _status(qt, PENDING),
-        c.run_after <= func.now(),
-        c.isolated if isolated else not_(c.isolated),
-        *_queue_filter(qt, queues),
-    ]
-    claimable = (
-        select(qt.pk)
-        .where(*conditions)
-        .order_by(c.priority.desc(), c.run_after, qt.pk)
-        .limit(bindparam(LIMIT_PARAM, type_=c.attempts.type))
-        .with_for_update(skip_locked=True)
-        .subquery("claimable")
-    )
-    lease = bindparam(LEASE_PARAM, type_=Float())
-    return (
-        qt.table.update()
-        .where(qt.pk == claimable.c[qt.pk.name])
-        .values(
-            status=status_literal(RUNNING),
-            lease_owner=bindparam(OWNER_PARAM, type_=c.lease_owner.type),
-            lease_expires_at=_clock() + seconds_interval(lease),
-            attempts=c.attempts + 1,
-        )
-        .returning(*qt.table.c)
+    return _claim(
+        qt,
+        queues,
+        isolated,
+        limit=bindparam(LIMIT_PARAM, type_=qt.c.attempts.type),
+        owner=bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
+        lease_expires_at=_clock() + seconds_interval(bindparam(LEASE_PARAM, type_=Float())),
     )
 
 
