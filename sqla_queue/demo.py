@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, String, create_engine, func, select
+from sqlalchemy import Engine, String, create_engine, func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .bulk import enqueue_many
@@ -311,6 +311,20 @@ def database(url: str | None) -> Iterator[str]:
         yield pg.url.render_as_string(hide_password=False)
 
 
+def _drop_tables(engine: Engine) -> None:
+    """Drop the tour's tables, without waiting behind a transaction Ctrl-C cut short (its
+    connection may still hold locks until the server notices it is gone)."""
+    engine.dispose()
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("SET LOCAL lock_timeout = '5s'"))
+            Base.metadata.drop_all(conn)
+    except Exception as exc:  # noqa: BLE001 - the embedded server is removed anyway
+        print(f"could not drop the demo's tables ({type(exc).__name__}); drop them by hand", file=sys.stderr)
+    finally:
+        engine.dispose()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sqla_queue.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -346,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tour is not None and tour.other is not None and tour.other.poll() is None:
                     tour.other.kill()
                     tour.other.wait()
-                Base.metadata.drop_all(engine)
-                engine.dispose()
+                _drop_tables(engine)
     except KeyboardInterrupt:
         print("\ninterrupted; cleaned up", file=sys.stderr)
         return 130

@@ -113,6 +113,7 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path) -> Non
         finally:
             if demo.poll() is None:
                 demo.kill()
+                demo.wait(30)
     output = log.read_text()
     assert "interrupted; cleaned up" in output
     assert output.startswith("== starting an embedded PostgreSQL"), output  # no warning first
