@@ -296,5 +296,5 @@ def _refuse_async(handler: ResolvedHandler) -> None:
     if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__):
         raise TypeError(
             f"handler {handler.name!r} is a coroutine function: the thread Worker cannot await it; "
-            f"make it a plain function, or run it on an asyncio worker"
+            f"make it a plain function (sqla_queue has no asyncio worker yet)"
         )

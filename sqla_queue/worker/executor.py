@@ -128,7 +128,7 @@ class Executor:
             held,
             Kind.FAIL,
             f"handler {handler.name!r} returned an awaitable ({type(result).__name__}); the thread "
-            f"Worker runs plain functions: make it a def, or run it on an asyncio worker",
+            f"Worker runs plain functions and cannot await it (sqla_queue has no asyncio worker yet)",
         )
 
     def failure(self, held: Held, exc: BaseException) -> Outcome:
