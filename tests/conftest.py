@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -108,14 +109,15 @@ def listener(server: Server) -> Iterator[psycopg.Connection[tuple[object, ...]]]
 
 
 @pytest.fixture
-def worker_processes(tmp_path: object) -> Iterator[object]:
-    """Start worker processes with ``start(*cli_args)``; all are killed after the test."""
+def worker_processes(tmp_path: object, runtime: Any) -> Iterator[object]:
+    """Start worker processes of the test's runtime with ``start(*cli_args)``; all are
+    killed after the test."""
     from .helpers import WorkerProcess
 
     started: list[WorkerProcess] = []
 
     def start(*args: str, app_name: str = "sqla_queue_worker", url: str | None = None) -> WorkerProcess:
-        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path, url=url)
+        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path, url=url, runtime=runtime.name)
         started.append(process)
         return process
 

@@ -92,7 +92,8 @@ class WorkerProcess:
     """``sqla-queue worker tests.worker_app:make_worker`` in a process of its own."""
 
     def __init__(
-        self, *args: str, app_name: str = "sqla_queue_worker", log_dir: Any, url: str | None = None
+        self, *args: str, app_name: str = "sqla_queue_worker", log_dir: Any, url: str | None = None,
+        runtime: str = "thread",
     ) -> None:
         import os
         import subprocess
@@ -101,7 +102,8 @@ class WorkerProcess:
 
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1",
+               "SQLA_QUEUE_TEST_RUNTIME": runtime}
         if url is not None:  # another database than the run's own (a private server)
             env["SQLA_QUEUE_TEST_URL"] = url
         repo = Path(__file__).resolve().parent.parent

@@ -8,14 +8,16 @@ the same jobs must then run quickly for the rescuers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
 
 from sqlalchemy import create_engine
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from sqla_queue import Tasks, Worker
+from sqla_queue import AsyncWorker, Tasks, Worker
 
 from .models import Effect, Task
 
@@ -37,9 +39,26 @@ def quick(job: Any) -> None:
     time.sleep(float(job.payload.get("sleep", 0)))
 
 
-def make_worker() -> Worker:
-    engine = create_engine(
-        os.environ["SQLA_QUEUE_TEST_URL"],
-        connect_args={"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")},
-    )
-    return Worker(engine, Task, tasks)
+async_tasks = Tasks()
+
+
+@async_tasks.task(name="slow_first")
+async def slow_first_async(job: Any, session: AsyncSession) -> None:
+    """``slow_first`` as ``async def``, for the asyncio worker."""
+    key = "first" if job.attempts == 1 else "sleep"
+    await asyncio.sleep(float(job.payload.get(key, 0)))
+    session.add(Effect(job_id=job.id, worker=str(os.getpid()), note=f"attempt {job.attempts}"))
+
+
+@async_tasks.task(name="quick")
+async def quick_async(job: Any) -> None:
+    await asyncio.sleep(float(job.payload.get("sleep", 0)))
+
+
+def make_worker() -> Worker | AsyncWorker:
+    """A thread ``Worker``, or an ``AsyncWorker`` when ``SQLA_QUEUE_TEST_RUNTIME=asyncio``."""
+    url = os.environ["SQLA_QUEUE_TEST_URL"]
+    connect_args = {"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")}
+    if os.environ.get("SQLA_QUEUE_TEST_RUNTIME") == "asyncio":
+        return AsyncWorker(create_async_engine(url, connect_args=connect_args), Task, async_tasks)
+    return Worker(create_engine(url, connect_args=connect_args), Task, tasks)

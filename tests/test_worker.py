@@ -11,13 +11,14 @@ import pytest
 from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.orm import Session
 
-from sqla_queue import Tasks, Worker
+from sqla_queue import Tasks
 from sqla_queue import sql as q
+from sqla_queue.runtime import Event
 
 from .helpers import wait_for
 from .models import Effect, EmailJob, Task
 from .worker_app import tasks as app_tasks
-from .workers import FAST, TASKS, add, effects, job, status_is
+from .workers import FAST, TASKS, add, effects, engine_with, job, status_is
 
 # -- outcomes ------------------------------------------------------------------------------
 
@@ -145,11 +146,11 @@ def test_handler_signature_is_checked_at_registration() -> None:
         tasks.register("ok", lambda job: None)
 
 
-def test_worker_refuses_a_registry_for_a_typed_table(engine: Engine) -> None:
+def test_worker_refuses_a_registry_for_a_typed_table(engine: Engine, make_worker: Any) -> None:
     with pytest.raises(TypeError, match="TaskMixin"):
-        Worker(engine, EmailJob, Tasks())
+        make_worker(engine, EmailJob, Tasks())
     with pytest.raises(ValueError, match="heartbeat_interval"):
-        Worker(engine, Task, Tasks(), lease=1, heartbeat_interval=2)
+        make_worker(engine, Task, Tasks(), lease=1, heartbeat_interval=2)
 
 
 # -- leases --------------------------------------------------------------------------------
@@ -171,8 +172,8 @@ def test_stale_completion_is_refused_and_its_writes_rolled_back(
 ) -> None:
     """A handler holds its job past the lease; meanwhile another worker re-claims and
     finishes it. The first handler's completion, and its writes, must not land."""
-    release = threading.Event()
-    entered = threading.Event()
+    release = Event()
+    entered = Event()
     outcome: list[BaseException] = []
     tasks = Tasks()
 
@@ -212,7 +213,7 @@ def test_a_handler_that_commits_after_losing_its_lease_commits_nothing(
 ) -> None:
     """The handler's own commit() only releases a savepoint: the worker commits, and
     finding the job taken, rolls everything back."""
-    committed = threading.Event()
+    committed = Event()
     tasks = Tasks()
 
     @tasks.task
@@ -252,9 +253,9 @@ def test_poll_only_mode_still_finds_jobs(engine: Engine, Sessions: Any, start_wo
 
 
 def test_polling_still_finds_jobs_when_listen_is_broken(
-    engine: Engine, Sessions: Any, start_worker: Any
+    engine: Engine, Sessions: Any, start_worker: Any, make_worker: Any
 ) -> None:
-    worker = Worker(engine, Task, app_tasks, poll_interval=0.4, backoff=FAST)
+    worker = make_worker(engine, Task, app_tasks, poll_interval=0.4, backoff=FAST)
     assert worker.listener is not None
     worker.listener.channel = "a_channel_nobody_notifies"  # LISTEN works, hears nothing
     worker.start()
@@ -267,14 +268,13 @@ def test_polling_still_finds_jobs_when_listen_is_broken(
 
 
 def test_every_worker_connection_uses_the_engine_options(
-    engine: Engine, Sessions: Any, server: Any, tmp_path: Any
+    engine: Engine, Sessions: Any, server: Any, tmp_path: Any, make_worker: Any
 ) -> None:
-    from sqlalchemy import create_engine
 
-    app_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_tagged"})
+    app_engine = engine_with(server.url, application_name="sqla_queue_tagged")
     started = tmp_path / "started"
     add(Sessions, "record", sleep=30, started=str(started))
-    worker = Worker(app_engine, Task, app_tasks, lease=3, heartbeat_interval=0.2, poll_interval=0.5)
+    worker = make_worker(app_engine, Task, app_tasks, lease=3, heartbeat_interval=0.2, poll_interval=0.5)
     worker.start()
     try:
         wait_for(started.exists)
@@ -302,12 +302,11 @@ def test_every_worker_connection_uses_the_engine_options(
         app_engine.dispose()
 
 
-def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, server: Any) -> None:
-    from sqlalchemy import create_engine
+def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, server: Any, make_worker: Any) -> None:
 
     # Kill only this worker's listener: our database, our application_name.
-    worker_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_listen_victim"})
-    worker = Worker(worker_engine, Task, app_tasks, poll_interval=120, backoff=FAST, sweep_interval=0.2)
+    worker_engine = engine_with(server.url, application_name="sqla_queue_listen_victim")
+    worker = make_worker(worker_engine, Task, app_tasks, poll_interval=120, backoff=FAST, sweep_interval=0.2)
     worker.start()
     try:
         listener = worker.listener
@@ -360,9 +359,9 @@ def test_stop_lets_running_jobs_finish_within_the_grace(
     assert worker.stats.released == 0
 
 
-def test_run_until_idle_processes_everything_runnable(engine: Engine, Sessions: Any) -> None:
+def test_run_until_idle_processes_everything_runnable(engine: Engine, Sessions: Any, make_worker: Any) -> None:
     ids = add(Sessions, "record", 25)
-    worker = Worker(engine, Task, app_tasks, concurrency=3, poll_interval=0.2)
+    worker = make_worker(engine, Task, app_tasks, concurrency=3, poll_interval=0.2)
     worker.run(install_signal_handlers=False, until_idle=True)
     assert worker.stopped
     assert all(job(engine, i).status == "done" for i in ids)
@@ -371,12 +370,11 @@ def test_run_until_idle_processes_everything_runnable(engine: Engine, Sessions: 
 # -- database trouble ----------------------------------------------------------------------
 
 
-def test_worker_survives_terminated_connections(engine: Engine, Sessions: Any, server: Any) -> None:
-    from sqlalchemy import create_engine
+def test_worker_survives_terminated_connections(engine: Engine, Sessions: Any, server: Any, make_worker: Any) -> None:
 
-    worker_engine = create_engine(server.url, connect_args={"application_name": "sqla_queue_victim"})
+    worker_engine = engine_with(server.url, application_name="sqla_queue_victim")
     ids = add(Sessions, "record", 120, sleep=0.01)
-    worker = Worker(worker_engine, Task, app_tasks, concurrency=4, backoff=FAST, lease=5, poll_interval=0.2)
+    worker = make_worker(worker_engine, Task, app_tasks, concurrency=4, backoff=FAST, lease=5, poll_interval=0.2)
     worker.start()
     try:
         for goal in (20, 50, 80):

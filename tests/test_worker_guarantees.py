@@ -25,16 +25,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, create_engine, select, text, update
+from sqlalchemy import Connection, Engine, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from sqla_queue import Backoff, ClaimToken, DeadLetter, RetryLater, Tasks, Worker
+from sqla_queue.runtime import Event, sleep
 from sqla_queue.worker.ledger import Held
 
 from .helpers import Server, wait_for
 from .models import Effect, FragileJob, Task, UniqueKey
-from .workers import FAST, TASKS, add, effects, job, status_is
+from .workers import FAST, TASKS, add, effects, engine_with, job, status_is
 
 #: The application_name of the connections this file's own engines make.
 APP_NAME = "sqla_queue_guarantees"
@@ -101,7 +102,7 @@ def held_lock(engine: Engine, mode: str) -> Iterator[Connection]:
 @pytest.fixture
 def tagged_engine(server: Server) -> Iterator[Engine]:
     """An engine whose connections carry :data:`APP_NAME`, to find them in pg_stat_activity."""
-    tagged = create_engine(server.url, connect_args={"application_name": APP_NAME})
+    tagged = engine_with(server.url, application_name=APP_NAME)
     yield tagged
     tagged.dispose()
 
@@ -504,6 +505,7 @@ def test_a_coroutine_function_handler_is_refused_when_the_worker_is_built(engine
     assert "coroutine" in message and "AsyncWorker" in message
 
 
+@pytest.mark.parametrize("runtime", ["thread"], indirect=True)  # the asyncio worker awaits it
 @pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])
 def test_a_handler_returning_an_awaitable_fails_its_job_clearly(
     engine: Engine, Sessions: Any, start_worker: Any, transactional: bool
@@ -638,8 +640,8 @@ def test_a_handler_locking_its_own_job_row_does_not_cost_other_jobs_their_lease(
     """The handler updates its job row and holds the transaction for ~8 beats (longer than
     the lease) while the same worker holds three other jobs."""
     box: list[Worker] = []
-    ready = threading.Event()
-    released = threading.Event()
+    ready = Event()
+    released = Event()
     waited: list[bool] = []
     tasks = Tasks()
 
@@ -697,7 +699,7 @@ def _inject_held(engine: Engine, worker: Worker, count: int, lease: float) -> tu
     return [row[0] for row in rows], max(row[1] for row in rows)
 
 
-def _blocking_tasks(gate: threading.Event, started: list[int]) -> Tasks:
+def _blocking_tasks(gate: Event, started: list[int]) -> Tasks:
     tasks = Tasks()
 
     @tasks.task
@@ -710,7 +712,7 @@ def _blocking_tasks(gate: threading.Event, started: list[int]) -> Tasks:
 
 
 def test_heartbeats_keep_more_than_ten_thousand_held_jobs(engine: Engine, Sessions: Any, start_worker: Any) -> None:
-    gate = threading.Event()
+    gate = Event()
     started: list[int] = []
     blocking = add(Sessions, "blocks", 40, queue="work")
     worker = start_worker(
@@ -749,7 +751,7 @@ def test_heartbeats_keep_more_than_ten_thousand_held_jobs(engine: Engine, Sessio
 
 
 def test_stop_hands_back_more_than_ten_thousand_held_jobs(engine: Engine, Sessions: Any, start_worker: Any) -> None:
-    gate = threading.Event()
+    gate = Event()
     started: list[int] = []
     add(Sessions, "blocks", 40, queue="work")
     worker = start_worker(
@@ -809,7 +811,7 @@ def _heartbeat_backends(engine: Engine) -> list[tuple[int, str]]:
 
 
 def test_a_hung_heartbeat_connection_is_noticed_and_replaced(
-    engine: Engine, Sessions: Any, tagged_engine: Engine
+    engine: Engine, Sessions: Any, tagged_engine: Engine, make_worker: Any
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("stopping a PostgreSQL backend with SIGSTOP needs root")
@@ -817,7 +819,7 @@ def test_a_hung_heartbeat_connection_is_noticed_and_replaced(
     if scalar(engine, local) is not True:
         pytest.skip("the server is not on this machine: its backends cannot be signalled")
     (job_id,) = add(Sessions, "record", sleep=3)
-    worker = Worker(
+    worker = make_worker(
         tagged_engine,
         Task,
         _app_tasks(),
@@ -864,8 +866,8 @@ def test_no_beat_for_a_whole_lease_stops_claiming_and_loses_what_is_held(
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
     box: list[Worker] = []
-    running = threading.Event()
-    returned = threading.Event()
+    running = Event()
+    returned = Event()
     tasks = Tasks()
 
     @tasks.task
@@ -876,7 +878,7 @@ def test_no_beat_for_a_whole_lease_stops_claiming_and_loses_what_is_held(
             running.set()
             deadline = time.monotonic() + 10
             while box[0].stats.lost == 0 and time.monotonic() < deadline:
-                time.sleep(0.02)  # the handler takes its time: until its lease is given up
+                sleep(0.02)  # the handler takes its time: until its lease is given up
             returned.set()
 
     (job_id,) = add(Sessions, "stalls")
@@ -892,7 +894,7 @@ def test_no_beat_for_a_whole_lease_stops_claiming_and_loses_what_is_held(
         watch_until = time.monotonic() + 3 * worker.config.effective_heartbeat
         while time.monotonic() < watch_until:
             assert not worker.ledger.healthy, "claiming resumed although no heartbeat succeeded"
-            time.sleep(0.01)
+            sleep(0.01)
     wait_for(status_is(engine, job_id, "done", "failed"), timeout=15, what="the job to run again")
     wait_for(worker.idle, what="the worker to go idle")
     row = job(engine, job_id)
@@ -911,12 +913,12 @@ def test_held_jobs_stay_bounded_while_completions_stall_and_all_drain_after(engi
     worker = start_worker(concurrency=16, lease=10, heartbeat_interval=1)
     bound = worker.config.concurrency * worker.config.max_batch
     samples: list[int] = []
-    sampling = threading.Event()
+    sampling = Event()
 
     def sample() -> None:
         while not sampling.is_set():
             samples.append(len(worker.held()))
-            time.sleep(0.002)
+            sleep(0.002)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -924,7 +926,7 @@ def test_held_jobs_stay_bounded_while_completions_stall_and_all_drain_after(engi
         wait_for(lambda: worker.stats.done >= 1000, timeout=30, what="the worker to be draining")
         with held_lock(engine, "EXCLUSIVE") as conn:  # UPDATEs wait; reads go on
             done_at_start = conn.execute(text("SELECT count(*) FROM tasks WHERE status = 'done'")).scalar()
-            time.sleep(1.0)  # the stall itself
+            sleep(1.0)  # the stall itself
             done_at_end = conn.execute(text("SELECT count(*) FROM tasks WHERE status = 'done'")).scalar()
             stalled_held = len(worker.held())
         assert done_at_end == done_at_start, "the stall did not stall completions"

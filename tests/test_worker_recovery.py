@@ -30,12 +30,13 @@ from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqla_queue import Backoff, JobMixin, QueueSession, RetryLater, Tasks, Worker
 from sqla_queue.driver import WorkerStartError
 from sqla_queue.errors import SqlaQueueError
+from sqla_queue.runtime import Event, sleep
 from sqla_queue.worker import WorkerConfig
 
 from .helpers import Server, WorkerProcess, wait_for
 from .models import Effect, Task
 from .worker_app import tasks as app_tasks
-from .workers import TASKS, job
+from .workers import TASKS, Runtimes, engine_with, job
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,10 +120,14 @@ class AppProcess(WorkerProcess):
     """``sqla-queue worker tests.recovery_app:make_worker`` in a process of its own (the
     same handle as :class:`tests.helpers.WorkerProcess`, another application)."""
 
-    def __init__(self, *args: str, app_name: str, log_dir: Any, target: str = "tests.recovery_app:make_worker") -> None:
+    def __init__(
+        self, *args: str, app_name: str, log_dir: Any, target: str = "tests.recovery_app:make_worker",
+        runtime: str = "thread",
+    ) -> None:
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1",
+               "SQLA_QUEUE_TEST_RUNTIME": runtime}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args],
             cwd=REPO,
@@ -134,13 +139,13 @@ class AppProcess(WorkerProcess):
 
 
 @pytest.fixture
-def app_processes(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
+def app_processes(tmp_path: Path, runtime: Runtimes) -> Iterator[Callable[..., AppProcess]]:
     """``start(*cli_args, app_name=...)``: recovery-app worker processes, all killed after
     the test (a frozen one too: SIGKILL ends a stopped process)."""
     started: list[AppProcess] = []
 
     def start(*args: str, app_name: str) -> AppProcess:
-        process = AppProcess(*args, app_name=app_name, log_dir=tmp_path)
+        process = AppProcess(*args, app_name=app_name, log_dir=tmp_path, runtime=runtime.name)
         started.append(process)
         return process
 
@@ -160,7 +165,7 @@ TIMING = ("--lease", "1s", "--heartbeat", "0.3s", "--poll-interval", "0.5s", "--
 RESCUERS = 3
 
 
-def _feed(engine: Engine, stop: threading.Event, made: list[int]) -> None:
+def _feed(engine: Engine, stop: Event, made: list[int]) -> None:
     """A stream of ordinary jobs: two every 0.1 s until told to stop."""
     while not stop.is_set():
         made.extend(enqueue(engine, "quick", 2, sleep=0.05))
@@ -193,7 +198,7 @@ def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
     in_flight = held_by_victim()
     assert len(in_flight) >= 8, in_flight
 
-    stop_feeding = threading.Event()
+    stop_feeding = Event()
     ordinary: list[int] = []
     feeder = threading.Thread(target=_feed, args=(engine, stop_feeding, ordinary), daemon=True)
     fault_at = time.time()
@@ -312,7 +317,7 @@ class Starts:
         self.at[(job.id, job.attempts)] = time.time()
 
 
-def _timer_tasks(starts: Starts, release: threading.Event) -> Tasks:
+def _timer_tasks(starts: Starts, release: Event) -> Tasks:
     tasks = Tasks()
 
     @tasks.task
@@ -322,7 +327,7 @@ def _timer_tasks(starts: Starts, release: threading.Event) -> Tasks:
     @tasks.task
     def busy(job: Any) -> None:
         starts(job)
-        time.sleep(float(job.payload["sleep"]))
+        sleep(float(job.payload["sleep"]))
 
     @tasks.task
     def hold(job: Any) -> None:
@@ -347,8 +352,8 @@ def _timer_tasks(starts: Starts, release: threading.Event) -> Tasks:
 
 
 @pytest.fixture
-def timers() -> Iterator[tuple[Starts, Tasks, threading.Event]]:
-    starts, release = Starts(), threading.Event()
+def timers() -> Iterator[tuple[Starts, Tasks, Event]]:
+    starts, release = Starts(), Event()
     yield starts, _timer_tasks(starts, release), release
     release.set()
 
@@ -362,7 +367,7 @@ def _assert_on_time(starts: Starts, job_id: int, before: float, committed: float
 
 @pytest.mark.parametrize("delay", [1.0, 0.5])
 def test_delayed_job_starts_at_its_time_not_at_the_poll(
-    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event], delay: float
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event], delay: float
 ) -> None:
     starts, tasks, _ = timers
     worker = start_worker(tasks, poll_interval=30)
@@ -372,7 +377,7 @@ def test_delayed_job_starts_at_its_time_not_at_the_poll(
 
 
 def test_delayed_job_enqueued_before_the_worker_started_starts_at_its_time(
-    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event]
 ) -> None:
     """No NOTIFY reaches a worker that was not listening yet: it must learn the due time
     from the table."""
@@ -383,7 +388,7 @@ def test_delayed_job_enqueued_before_the_worker_started_starts_at_its_time(
 
 
 def test_delayed_job_enqueued_while_the_worker_is_busy_starts_at_its_time(
-    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event]
 ) -> None:
     """The only executor thread is running a job when the delayed one is enqueued (its
     NOTIFY arrives while nobody is idle); it finishes before the delay is up."""
@@ -397,7 +402,7 @@ def test_delayed_job_enqueued_while_the_worker_is_busy_starts_at_its_time(
 
 
 def test_delayed_job_starts_at_its_time_beside_a_long_running_job(
-    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event]
 ) -> None:
     starts, tasks, release = timers
     worker = start_worker(tasks, poll_interval=30, concurrency=2)
@@ -412,7 +417,7 @@ def test_delayed_job_starts_at_its_time_beside_a_long_running_job(
 
 @pytest.mark.parametrize("how", ["retry_later", "backoff"])
 def test_retry_starts_at_its_time_not_at_the_poll(
-    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event], how: str
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event], how: str
 ) -> None:
     starts, tasks, _ = timers
     retry_in = 0.5
@@ -457,18 +462,18 @@ def test_connection_lost_inside_the_handler_transaction_hands_the_job_back_at_on
 
 @pytest.mark.parametrize("cap", [None, 0.5], ids=["default_cap", "cap_0.5s"])
 def test_every_loop_resumes_within_the_reconnect_cap_after_an_outage(
-    engine: Engine, server: Server, cap: float | None
+    engine: Engine, server: Server, cap: float | None, make_worker: Any
 ) -> None:
     """Every connection of the worker is terminated again and again for four seconds (long
     enough for the back-off to reach its cap); once that stops, a new job is picked up
     (through the reconnected listener: the poll is 30 s), the listener has reconnected and
     heartbeats resume, each within the cap plus a margin."""
     app = unique_app_name("outage")
-    worker_engine = create_engine(server.url, connect_args={"application_name": app})
-    starts, release = Starts(), threading.Event()
+    worker_engine = engine_with(server.url, application_name=app)
+    starts, release = Starts(), Event()
     tasks = _timer_tasks(starts, release)
     options: dict[str, Any] = {} if cap is None else {"reconnect_backoff": cap}
-    worker = Worker(worker_engine, Task, tasks, concurrency=2, lease=10, heartbeat_interval=0.3,
+    worker = make_worker(worker_engine, Task, tasks, concurrency=2, lease=10, heartbeat_interval=0.3,
                     poll_interval=30, sweep_interval=0.2, **options)
     limit = worker.config.reconnect_backoff
     assert limit == (2.0 if cap is None else cap)
@@ -503,16 +508,16 @@ def test_every_loop_resumes_within_the_reconnect_cap_after_an_outage(
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -1, float("nan"), float("inf")])
-def test_reconnect_backoff_must_be_a_positive_finite_duration(engine: Engine, bad: float) -> None:
+def test_reconnect_backoff_must_be_a_positive_finite_duration(engine: Engine, bad: float, make_worker: Any) -> None:
     with pytest.raises(ValueError, match="reconnect_backoff"):
         WorkerConfig(reconnect_backoff=bad)
     with pytest.raises(ValueError, match="reconnect_backoff"):
-        Worker(engine, Task, app_tasks, reconnect_backoff=bad)
+        make_worker(engine, Task, app_tasks, reconnect_backoff=bad)
 
 
-def test_reconnect_backoff_is_configurable(engine: Engine) -> None:
+def test_reconnect_backoff_is_configurable(engine: Engine, make_worker: Any) -> None:
     assert WorkerConfig().reconnect_backoff == 2.0
-    worker = Worker(engine, Task, app_tasks, reconnect_backoff=0.5)
+    worker = make_worker(engine, Task, app_tasks, reconnect_backoff=0.5)
     assert worker.config.reconnect_backoff == 0.5
 
 
@@ -547,11 +552,11 @@ def _missing_database(server: Server) -> URL:
     return server.url.set(database=f"sqla_queue_missing_{uuid.uuid4().hex[:8]}")
 
 
-def test_start_fails_fast_when_the_database_does_not_exist(server: Server) -> None:
+def test_start_fails_fast_when_the_database_does_not_exist(server: Server, make_worker: Any) -> None:
     url = _missing_database(server)
     missing = create_engine(url)
     try:
-        worker = Worker(missing, Task, app_tasks)
+        worker = make_worker(missing, Task, app_tasks)
         started = time.monotonic()
         with pytest.raises(WorkerStartError) as caught:
             worker.start()
@@ -563,19 +568,19 @@ def test_start_fails_fast_when_the_database_does_not_exist(server: Server) -> No
         missing.dispose()
 
 
-def test_start_fails_fast_when_the_table_does_not_exist(engine: Engine) -> None:
+def test_start_fails_fast_when_the_table_does_not_exist(engine: Engine, make_worker: Any) -> None:
     with pytest.raises(WorkerStartError) as caught:
-        Worker(engine, NeverCreatedJob, lambda job: None).start()
+        make_worker(engine, NeverCreatedJob, lambda job: None).start()
     _one_clear_line(caught.value, NeverCreatedJob.__tablename__, "does not exist")
 
 
-def test_start_fails_fast_when_the_table_lacks_the_queue_columns(engine: Engine) -> None:
+def test_start_fails_fast_when_the_table_lacks_the_queue_columns(engine: Engine, make_worker: Any) -> None:
     name = PlainTableJob.__tablename__
     with engine.begin() as conn:
         conn.execute(text(f'CREATE TABLE "{name}" (id bigint PRIMARY KEY)'))
     try:
         with pytest.raises(WorkerStartError) as caught:
-            Worker(engine, PlainTableJob, lambda job: None).start()
+            make_worker(engine, PlainTableJob, lambda job: None).start()
         _one_clear_line(caught.value, name, "status", "lease_expires_at")
     finally:
         with engine.begin() as conn:
@@ -636,7 +641,7 @@ def _lock_tasks(engine: Engine) -> Any:
 
 
 def test_stop_returns_within_the_grace_behind_a_table_lock_while_a_job_runs(
-    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, threading.Event]
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event]
 ) -> None:
     starts, tasks, _ = timers
     worker = start_worker(tasks, lease=3, heartbeat_interval=0.3)
@@ -660,11 +665,13 @@ def test_stop_returns_within_the_grace_behind_a_table_lock_while_a_job_runs(
     assert rescuer.stats.claimed >= 1
 
 
-def test_stop_returns_within_the_grace_behind_a_table_lock_when_idle(engine: Engine, server: Server) -> None:
+def test_stop_returns_within_the_grace_behind_a_table_lock_when_idle(
+    engine: Engine, server: Server, make_worker: Any
+) -> None:
     """Nothing runs, but the worker's own statements (the sweeper's) wait on the lock."""
     app = unique_app_name("locked")
-    worker_engine = create_engine(server.url, connect_args={"application_name": app})
-    worker = Worker(worker_engine, Task, app_tasks, lease=3, heartbeat_interval=0.3, poll_interval=0.5,
+    worker_engine = engine_with(server.url, application_name=app)
+    worker = make_worker(worker_engine, Task, app_tasks, lease=3, heartbeat_interval=0.3, poll_interval=0.5,
                     sweep_interval=0.2)
     worker.start()
     locker = None
@@ -700,13 +707,15 @@ def _waiting_on_a_lock(engine: Engine, app_name: str) -> int:
         )
 
 
-def test_claims_blocked_behind_the_lock_leave_nothing_claimed_after_stop(engine: Engine, server: Server) -> None:
+def test_claims_blocked_behind_the_lock_leave_nothing_claimed_after_stop(
+    engine: Engine, server: Server, make_worker: Any
+) -> None:
     """Jobs fall due while the table is locked: the idle executors' claims wait on the
     lock. After stop() returned and the lock is gone, no job may stay claimed by the
     stopped worker (a late claim must be handed back, or never happen)."""
     app = unique_app_name("late_claim")
-    worker_engine = create_engine(server.url, connect_args={"application_name": app})
-    worker = Worker(worker_engine, Task, app_tasks, concurrency=2, lease=30, heartbeat_interval=0.3,
+    worker_engine = engine_with(server.url, application_name=app)
+    worker = make_worker(worker_engine, Task, app_tasks, concurrency=2, lease=30, heartbeat_interval=0.3,
                     poll_interval=0.5, sweep_interval=0.2)
     worker.start()
     locker = None

@@ -1,22 +1,26 @@
 """The application that worker processes started by the tests run.
 
 ``sqla-queue worker tests.worker_app:make_worker`` builds a worker on the test database
-(``SQLA_QUEUE_TEST_URL``) for the ``tasks`` table. What a task does is driven by its
-payload, so one registry serves every scenario.
+(``SQLA_QUEUE_TEST_URL``) for the ``tasks`` table: a thread ``Worker``, or an
+``AsyncWorker`` running the ``async def`` twins of the tasks when
+``SQLA_QUEUE_TEST_RUNTIME=asyncio``. What a task does is driven by its payload, so one
+registry serves every scenario.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from sqla_queue import DeadLetter, RetryLater, Tasks, Worker
+from sqla_queue import AsyncWorker, DeadLetter, RetryLater, Tasks, Worker
+from sqla_queue.runtime import sleep
 
 from .models import Effect, Task
 
@@ -28,7 +32,7 @@ def _pause(job: Any) -> None:
     started = job.payload.get("started")
     if started:
         Path(started).write_text(str(os.getpid()))
-    time.sleep(float(job.payload.get("sleep", 0)))
+    sleep(float(job.payload.get("sleep", 0)))
 
 
 @tasks.task
@@ -47,7 +51,7 @@ def work(job: Any) -> None:
 @tasks.task
 def crash(job: Any) -> None:
     """Kills its own worker process, every attempt."""
-    time.sleep(float(job.payload.get("sleep", 0)))
+    sleep(float(job.payload.get("sleep", 0)))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -68,9 +72,51 @@ def later(job: Any) -> None:
         raise RetryLater(float(job.payload["delay"]), "not yet")
 
 
-def make_worker() -> Worker:
-    engine = create_engine(
-        os.environ["SQLA_QUEUE_TEST_URL"],
-        connect_args={"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")},
-    )
-    return Worker(engine, Task, tasks)
+async_tasks = Tasks()
+
+
+async def _pause_async(job: Any) -> None:
+    started = job.payload.get("started")
+    if started:
+        Path(started).write_text(str(os.getpid()))
+    await asyncio.sleep(float(job.payload.get("sleep", 0)))
+
+
+@async_tasks.task(name="record")
+async def record_async(job: Any, session: AsyncSession) -> None:
+    await _pause_async(job)
+    session.add(Effect(job_id=job.id, worker=str(os.getpid()), note=f"attempt {job.attempts}"))
+
+
+@async_tasks.task(name="work")
+async def work_async(job: Any) -> None:
+    await _pause_async(job)
+
+
+@async_tasks.task(name="crash")
+async def crash_async(job: Any) -> None:
+    await asyncio.sleep(float(job.payload.get("sleep", 0)))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@async_tasks.task(name="flaky")
+async def flaky_async(job: Any) -> None:
+    flaky(job)
+
+
+@async_tasks.task(name="poison")
+async def poison_async(job: Any) -> None:
+    poison(job)
+
+
+@async_tasks.task(name="later")
+async def later_async(job: Any) -> None:
+    later(job)
+
+
+def make_worker() -> Worker | AsyncWorker:
+    url = os.environ["SQLA_QUEUE_TEST_URL"]
+    connect_args = {"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")}
+    if os.environ.get("SQLA_QUEUE_TEST_RUNTIME") == "asyncio":
+        return AsyncWorker(create_async_engine(url, connect_args=connect_args), Task, async_tasks)
+    return Worker(create_engine(url, connect_args=connect_args), Task, tasks)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, create_engine, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
@@ -107,9 +108,20 @@ def asyncified(handler: Any) -> Any:
     return plain
 
 
+_CONNECT_ARGS: weakref.WeakKeyDictionary[Engine, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def engine_with(url: Any, **connect_args: Any) -> Engine:
+    """``create_engine(url, connect_args=...)``, remembered for :func:`async_engine_like`."""
+    engine = create_engine(url, connect_args=connect_args)
+    _CONNECT_ARGS[engine] = connect_args
+    return engine
+
+
 def async_engine_like(engine: Engine) -> AsyncEngine:
-    """An asyncio engine on the same URL (tests put ``application_name`` in the URL)."""
-    return create_async_engine(engine.url)
+    """An asyncio engine on the same URL, with the same ``connect_args`` when the engine
+    came from :func:`engine_with`."""
+    return create_async_engine(engine.url, connect_args=_CONNECT_ARGS.get(engine, {}))
 
 
 class Runtimes:
