@@ -86,15 +86,21 @@ def load_target(spec: str) -> Any:
 
 def _worker_from(target: Any) -> Any:
     from .worker import Worker
+    from .worker.aio import AsyncWorker
 
-    if isinstance(target, Worker):
+    kinds = (Worker, AsyncWorker)
+    if isinstance(target, kinds):
         return target
     if callable(target) and not isinstance(target, type):
         made = target()
-        if isinstance(made, Worker):
+        if isinstance(made, kinds):
             return made
-        raise CommandError(f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker")
-    raise CommandError(f"{target!r} is not a sqla_queue.Worker nor a function returning one")
+        raise CommandError(
+            f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker or AsyncWorker"
+        )
+    raise CommandError(
+        f"{target!r} is not a sqla_queue.Worker or AsyncWorker, nor a function returning one"
+    )
 
 
 def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -287,6 +293,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker = worker.with_options(**overrides)
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None
+    from .worker.aio import AsyncWorker
+
+    if isinstance(worker, AsyncWorker):
+        import asyncio
+
+        asyncio.run(worker.run(until_idle=args.until_idle))  # start() checks the table
+        return 0
     check_database(worker.engine, worker.model)
     worker.run(until_idle=args.until_idle)
     return 0
