@@ -11,6 +11,11 @@ sqla_queue: an ``AsyncQueueSession`` per request on an ``AsyncEngine`` (psycopg 
 Baseline: one open ``psycopg.AsyncConnection``, ``INSERT``, ``SELECT pg_notify`` and
 ``commit()``, each awaited. A third side, the same ORM insert and NOTIFY in a plain
 ``AsyncSession`` without sqla_queue, shows how much of the gap is SQLAlchemy's async ORM.
+The fast path from asyncio, ``await conn.run_sync(enqueue_values, Model, values)`` on an
+autocommit ``AsyncConnection`` (one statement, as pgqueuer's), runs too.
+When pgqueuer is installed, its ``Queries.enqueue`` on an autocommit asyncpg connection
+(one statement, one transaction, its trigger sends the NOTIFY; as ``benchmarks/peers.py``
+measures it) runs beside them, its schema installed by its own installer for the run.
 The sides alternate, rotating which goes first, and medians are reported.
 """
 
@@ -30,12 +35,14 @@ import psycopg
 from sqlalchemy import URL, Engine, create_engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
-from sqla_queue import AsyncQueueSession
+from sqla_queue import AsyncQueueSession, enqueue_values
 
 HERE = Path(__file__).resolve().parent
 
 #: The ratio to the baseline the sync one-job enqueue is held to in run.py.
 TARGET = 0.8
+#: sqla_queue's async one-job enqueue against pgqueuer's.
+PGQUEUER_TARGET = 1.0
 
 
 def harness() -> ModuleType:
@@ -56,10 +63,18 @@ def bench_async_enqueue(engine: Engine, url: URL, plan: Any) -> list[Any]:
     ``plan`` is run.py's ``Plan`` (``enqueue_rounds``, ``enqueue_txns``); the result is
     a list of run.py's ``Row``.
     """
-    return asyncio.run(_bench(harness(), engine, url, plan))
+    bench = harness()
+    peers = bench.peers_module()
+    if peers is None:
+        return asyncio.run(_bench(bench, None, engine, url, plan))
+    asyncio.run(peers.install(peers.PGQUEUER, url))
+    try:
+        return asyncio.run(_bench(bench, peers, engine, url, plan))
+    finally:
+        asyncio.run(peers.uninstall(peers.PGQUEUER, url))
 
 
-async def _bench(bench: ModuleType, engine: Engine, url: URL, plan: Any) -> list[Any]:
+async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, url: URL, plan: Any) -> list[Any]:
     async_engine = create_async_engine(url.set(drivername="postgresql+psycopg"))
     factory = async_sessionmaker(async_engine, class_=AsyncQueueSession)
     plain = async_sessionmaker(async_engine, class_=AsyncSession)
@@ -95,7 +110,26 @@ async def _bench(bench: ModuleType, engine: Engine, url: URL, plan: Any) -> list
                 await session.commit()
         return n / (time.perf_counter() - start)
 
-    sides: list[Callable[[int], Awaitable[float]]] = [ours, base, plain_orm]
+    autocommit = await (await async_engine.connect()).execution_options(isolation_level="AUTOCOMMIT")
+
+    async def fast_autocommit(n: int) -> float:
+        """The fast path, through run_sync(), on an autocommit connection: one statement."""
+        start = time.perf_counter()
+        for i in range(n):
+            await autocommit.run_sync(enqueue_values, bench.BenchJob, {"recipient": f"u{i}@example.com"})
+        return n / (time.perf_counter() - start)
+
+    sides: list[Callable[[int], Awaitable[float]]] = [ours, base, plain_orm, fast_autocommit]
+    if peers is not None:
+        pgq_conn, queries = await peers.pgqueuer_queries(url)
+
+        async def pgqueuer(n: int) -> float:
+            start = time.perf_counter()
+            for _ in range(n):
+                await queries.enqueue(peers.NOOP, None)
+            return n / (time.perf_counter() - start)
+
+        sides.append(pgqueuer)
     results: dict[Any, list[float]] = {side: [] for side in sides}
     try:
         for side in sides:
@@ -105,7 +139,11 @@ async def _bench(bench: ModuleType, engine: Engine, url: URL, plan: Any) -> list
                 results[side].append(await side(plan.enqueue_txns))
     finally:
         await raw.close()
+        await autocommit.close()
         await async_engine.dispose()
+        if peers is not None:
+            await pgq_conn.close()
+            peers.reset_peer(peers.PGQUEUER, url)
         bench.reset(engine)
     name = "async enqueue, 1 job per transaction"
     rows = [
@@ -118,6 +156,15 @@ async def _bench(bench: ModuleType, engine: Engine, url: URL, plan: Any) -> list
             None,
         ),
     ]
+    fast = f"{name}, fast path (enqueue_values via run_sync) on an autocommit AsyncConnection"
+    for side, label in ((ours, name), (fast_autocommit, fast)):
+        vs = f"{label} vs pgqueuer's Queries.enqueue (autocommit)"
+        if peers is None:
+            rows.append(bench.Row(vs, "—", f"pgqueuer not installed ({bench.PEERS_HINT})"))
+        else:
+            row = bench.throughput_row(vs, results[side], results[pgqueuer], "txn/s", PGQUEUER_TARGET)
+            row.base += f" (pgqueuer {peers.version('pgqueuer')})"
+            rows.append(row)
     for row in rows:
         bench.say(f"  {row.name}: {row.cells()[1:4]}")
     return rows

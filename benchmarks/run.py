@@ -122,6 +122,11 @@ class Plan:
     claim_sizes: tuple[int, ...]
     claim_pending: int
     claims: int
+    #: The AsyncWorker's configurations (``concurrency`` is its number of asyncio tasks),
+    #: run ``processing_rounds`` times; pgqueuer's ``batch_size`` swept beside them.
+    async_processing: tuple[Processing, ...]
+    pgqueuer_batch_sizes: tuple[int, ...]
+    pgqueuer_jobs: int
 
 
 FULL = Plan(
@@ -142,6 +147,13 @@ FULL = Plan(
     claim_sizes=(10_000, 100_000, 1_000_000),
     claim_pending=1_000,
     claims=500,
+    async_processing=(
+        Processing(1, 1, 0, 10_000),
+        Processing(1, 4, 0, 20_000),
+        Processing(1, 16, 0, 30_000),
+    ),
+    pgqueuer_batch_sizes=(100, 1000),
+    pgqueuer_jobs=20_000,
 )
 
 QUICK = Plan(
@@ -156,6 +168,10 @@ QUICK = Plan(
     claim_sizes=(1_000, 3_000, 10_000),
     claim_pending=50,
     claims=20,
+    # One configuration: every spawned process costs half a second of imports.
+    async_processing=(Processing(1, 4, 0, 200),),
+    pgqueuer_batch_sizes=(100,),
+    pgqueuer_jobs=200,
 )
 
 
@@ -543,16 +559,21 @@ def _raw_processing_loop(
 
 
 
-def run_processing(url: URL, engine: Engine, kind: str, cfg: Processing) -> tuple[float, float]:
+def run_processing(
+    url: URL, engine: Engine, kind: str, cfg: Processing, child: Callable[..., None] | None = None
+) -> tuple[float, float]:
     """Jobs per second from the start signal until no job is pending or running, and
-    the worker processes' CPU time per job (microseconds)."""
+    the worker processes' CPU time per job (microseconds).
+
+    ``child`` is the process's function (default :func:`_processing_child`), called with
+    ``(kind, url_text, concurrency, batch, ready, go, stop)``."""
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     go, stop = ctx.Event(), ctx.Event()
     url_text = url.render_as_string(hide_password=False)
     procs = [
         ctx.Process(
-            target=_processing_child,
+            target=child or _processing_child,
             args=(kind, url_text, cfg.concurrency, cfg.batch, ready, go, stop),
             daemon=True,
         )
@@ -889,6 +910,7 @@ BENCHMARKS: dict[str, Callable[[Engine, URL, Plan], list[Row]]] = {
     "async-enqueue": lambda engine, url, plan: _async_enqueue().bench_async_enqueue(engine, url, plan),
     "bulk": bench_bulk,
     "processing": bench_processing,
+    "async-processing": lambda engine, url, plan: _async_processing().bench_async_processing(engine, url, plan),
     "pickup": bench_pickup,
     "claim": bench_claim,
 }
@@ -900,6 +922,31 @@ def _async_enqueue() -> Any:
     import async_enqueue
 
     return async_enqueue
+
+
+def _async_processing() -> Any:
+    """``benchmarks/async_processing.py`` (a module of its own, as ``async_enqueue.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import async_processing
+
+    return async_processing
+
+
+PEERS_HINT = "pip install -e '.[bench]'"
+
+
+def peers_module() -> Any:
+    """``benchmarks/peers.py`` when pgqueuer is installed, else None. It imports ``run``:
+    this very module, not a second copy of it, when run.py is the running program."""
+    try:
+        import pgqueuer  # noqa: F401
+    except ImportError:
+        return None
+    sys.modules.setdefault("run", sys.modules[__name__])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import peers
+
+    return peers
 
 
 QUICK_NOTE = " (QUICK: sizes too small to mean anything)"

@@ -575,10 +575,11 @@ _ON_COMMIT_KEY: Final = "sqla_queue.notify_with_commit"
 
 def notify_with_commit(conn: Connection, pairs: set[tuple[str, str]]) -> bool:
     """Send ``pg_notify(channel, payload)`` for ``pairs`` together with the COMMIT of the
-    transaction ``conn`` is in, in one round trip (a psycopg pipeline); False when the
-    driver cannot (then send them yourself). PostgreSQL delivers them only if it commits.
+    transaction ``conn`` is in, in one round trip (one simple-protocol query, on psycopg
+    and its asyncio flavour alike); False when the driver cannot (then send them
+    yourself). PostgreSQL delivers them only if it commits.
     """
-    if conn.dialect.driver != "psycopg" or conn.dialect.is_async:
+    if conn.dialect.driver != "psycopg":
         return False
     transaction = conn.get_transaction()
     if transaction is None:
@@ -600,9 +601,13 @@ def _on_commit(conn: Connection) -> None:
     if waiting is None or waiting[0] is not conn.get_transaction():
         return
     raw: Any = conn.connection.dbapi_connection
+    query = _notify_and_commit(tuple(sorted(waiting[1])))
     try:
         # One simple-protocol query: the notifications and the COMMIT in one round trip.
-        raw.execute(_notify_and_commit(tuple(sorted(waiting[1]))))
+        if conn.dialect.is_async:  # SQLAlchemy's adapter: run it on the asyncio connection
+            raw.run_async(lambda driver_conn: driver_conn.execute(query))
+        else:
+            raw.execute(query)
     except psycopg.Error as exc:
         raise sa_exc.DBAPIError.instance(
             "COMMIT", None, exc, psycopg.Error, dialect=conn.dialect

@@ -425,6 +425,35 @@ def test_enqueue_on_async_sessions_notifies_once_on_commit_only(
         assert count(engine, EmailJob) == 0 and count(engine, Order) == 0
 
 
+@pytest.mark.parametrize("savepoint", [False, True])
+def test_the_wake_up_rides_in_the_commit_query(
+    run: Run, engine: Engine, listening: Any, server: Server, savepoint: bool
+) -> None:
+    """On async psycopg the NOTIFY is sent in the COMMIT's own query, not as a statement
+    (and a round trip) of its own: no ``pg_notify`` goes through a cursor, yet the
+    workers are woken once per queue, and only after the commit."""
+    sent: list[str] = []
+
+    async def body(db: Db) -> None:
+        event.listen(
+            db.engine.sync_engine, "before_cursor_execute", lambda conn, cur, stmt, *a: sent.append(stmt)
+        )
+        async with db.Session() as session:
+            session.enqueue(EmailJob(), queue="outer")
+            if savepoint:
+                async with session.begin_nested():
+                    session.enqueue(EmailJob(), queue="inner")
+            await session.flush()
+            assert notifications_until_sentinel(listening, server.conninfo) == []
+            await session.commit()
+
+    run(body)
+    assert [stmt for stmt in sent if "pg_notify" in stmt.lower()] == []
+    got = notifications_until_sentinel(listening, server.conninfo)
+    assert sorted(got) == [(EMAIL_CHANNEL, "inner"), (EMAIL_CHANNEL, "outer")][0 if savepoint else 1 :]
+    assert count(engine, EmailJob) == (2 if savepoint else 1)
+
+
 @pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
 def test_async_enqueue_validates_as_enqueue(
     run: Run, engine: Engine, model: Any, column: str, value: Any, error: type[Exception], message: str
