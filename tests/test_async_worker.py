@@ -1,0 +1,289 @@
+"""What only the asyncio worker has: native async handlers and sessions, sync handlers in
+its thread pool, cancellation at shutdown, and a heartbeat a blocked loop cannot stop.
+
+Everything the two runtimes share (fencing, exactly-once effects, poison rows, recovery,
+timers, fail-fast start, graceful stop) is tested once for both, in the worker suites.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from sqla_queue import AsyncWorker, Tasks, Worker, WorkerStartError
+
+from .models import Effect, Task
+from .workers import FAST, TASKS, add, effects, job
+
+T = TypeVar("T")
+
+
+def run(main: Callable[[AsyncEngine], Awaitable[T]], engine: Engine) -> T:
+    async def wrapper() -> T:
+        async_engine = create_async_engine(engine.url)
+        try:
+            return await main(async_engine)
+        finally:
+            await async_engine.dispose()
+
+    return asyncio.run(wrapper())
+
+
+async def until(predicate: Callable[[], bool], *, timeout: float = 20.0, what: str = "") -> None:
+    """Poll ``predicate`` (a cheap check, or a query in a thread) until true, or fail."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(0.02)
+
+
+def statuses(engine: Engine, ids: list[int]) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(TASKS.c.id, TASKS.c.status).where(TASKS.c.id.in_(ids))).all()
+    return [status for _, status in sorted(rows)]
+
+
+def all_done(engine: Engine, ids: list[int]) -> Callable[[], bool]:
+    return lambda: statuses(engine, ids) == ["done"] * len(ids)
+
+
+@asynccontextmanager
+async def started(worker: AsyncWorker, grace: float = 1) -> AsyncIterator[AsyncWorker]:
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop(grace)
+
+
+OPTIONS: dict[str, Any] = {"backoff": FAST, "poll_interval": 0.5, "sweep_interval": 0.2}
+
+
+def test_an_async_transactional_handler_commits_its_savepoints_once_with_the_job(
+    engine: Engine, Sessions: Any
+) -> None:
+    tasks = Tasks()
+
+    @tasks.task
+    async def shapes(job: Any, session: AsyncSession) -> None:
+        session.add(Effect(job_id=job.id, worker="async", note="first"))
+        await session.commit()  # a savepoint of the worker's transaction
+        try:
+            async with session.begin_nested():
+                session.add(Effect(job_id=job.id, worker="async", note="rolled back"))
+                raise LookupError("undo this part")
+        except LookupError:
+            pass
+        async with session.begin_nested():
+            session.add(Effect(job_id=job.id, worker="async", note="nested"))
+        await asyncio.sleep(0)
+
+    ids = add(Sessions, "shapes", 5)
+
+    async def main(async_engine: AsyncEngine) -> None:
+        async with started(AsyncWorker(async_engine, Task, tasks, concurrency=3, **OPTIONS)) as worker:
+            await until(all_done(engine, ids), what="the jobs")
+            assert worker.stats.done == 5
+
+    run(main, engine)
+    notes = sorted((e.job_id, e.note) for e in effects(engine))
+    assert notes == sorted([(i, "first") for i in ids] + [(i, "nested") for i in ids])
+
+
+def test_plain_handlers_run_at_once_in_the_thread_pool(engine: Engine, Sessions: Any) -> None:
+    """Two blocking plain handlers meet at a barrier: they run at the same time, on the
+    pool's threads, while the loop stays free."""
+    barrier = threading.Barrier(2, timeout=10)
+    threads: list[str] = []
+    tasks = Tasks()
+
+    @tasks.task
+    def blocking(job: Any) -> None:
+        threads.append(threading.current_thread().name)
+        barrier.wait()
+
+    ids = add(Sessions, "blocking", 2)
+
+    async def main(async_engine: AsyncEngine) -> None:
+        worker = AsyncWorker(async_engine, Task, tasks, concurrency=2, batch_size=1, **OPTIONS)
+        async with started(worker):
+            await until(all_done(engine, ids), what="both jobs")
+
+    run(main, engine)
+    assert len(threads) == 2 and all(name.startswith("sqla_queue-sync") for name in threads)
+
+
+def test_a_plain_transactional_handler_gets_a_sync_session_on_the_loop(engine: Engine, Sessions: Any) -> None:
+    seen: list[type[Any]] = []
+    tasks = Tasks()
+
+    @tasks.task
+    def writes(job: Any, session: Session) -> None:
+        seen.append(type(session))
+        session.add(Effect(job_id=job.id, worker="sync", note="written"))
+        session.commit()
+
+    ids = add(Sessions, "writes", 3)
+
+    async def main(async_engine: AsyncEngine) -> None:
+        async with started(AsyncWorker(async_engine, Task, tasks, **OPTIONS)):
+            await until(all_done(engine, ids), what="the jobs")
+
+    run(main, engine)
+    assert all(issubclass(kind, Session) for kind in seen) and len(seen) == 3
+    assert sorted(e.job_id for e in effects(engine)) == ids
+
+
+def _forever(cancelled: list[int], entered: asyncio.Event | None = None) -> Tasks:
+    tasks = Tasks()
+
+    @tasks.task
+    async def forever(job: Any, session: AsyncSession) -> None:
+        session.add(Effect(job_id=job.id, worker="async", note="must not commit"))
+        await session.flush()
+        if entered is not None:
+            entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(job.id)
+            raise
+
+    return tasks
+
+
+def test_stop_cancels_the_handlers_still_running_after_the_grace(engine: Engine, Sessions: Any) -> None:
+    cancelled: list[int] = []
+    (job_id,) = add(Sessions, "forever")
+
+    async def main(async_engine: AsyncEngine) -> None:
+        worker = AsyncWorker(async_engine, Task, _forever(cancelled), **OPTIONS)
+        await worker.start()
+        await until(lambda: job(engine, job_id).status == "running", what="the job to start")
+        began = time.monotonic()
+        await worker.stop(grace=0.3)
+        assert time.monotonic() - began < 3
+        assert worker.stopped
+
+    run(main, engine)
+    assert cancelled == [job_id]
+    row = job(engine, job_id)
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
+    assert effects(engine) == []
+
+
+def test_cancelling_run_hands_back_and_cancels_at_once(engine: Engine, Sessions: Any) -> None:
+    cancelled: list[int] = []
+    ids = add(Sessions, "forever", 3)
+
+    async def main(async_engine: AsyncEngine) -> None:
+        entered = asyncio.Event()
+        worker = AsyncWorker(async_engine, Task, _forever(cancelled, entered), concurrency=1, batch_size=3,
+                             shutdown_grace=30, **OPTIONS)
+        running = asyncio.create_task(worker.run(install_signal_handlers=False))
+        await asyncio.wait_for(entered.wait(), 20)
+        began = time.monotonic()
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert time.monotonic() - began < 3, "cancelling run() waited for the grace"
+        assert worker.stopped
+
+    run(main, engine)
+    assert len(cancelled) == 1
+    rows = sorted((job(engine, i) for i in ids), key=lambda r: r.attempts)
+    assert all(r.status == "pending" and r.lease_owner is None for r in rows)
+    assert [r.attempts for r in rows] == [0, 0, 1]  # the two never started get theirs back
+    assert effects(engine) == []
+
+
+def test_a_handler_blocking_the_loop_does_not_cost_its_lease(engine: Engine, Sessions: Any) -> None:
+    """An ``async def`` handler that blocks the event loop for three leases: the heartbeat,
+    on its own thread and loop, keeps extending the lease meanwhile."""
+    tasks = Tasks()
+    leases: list[Any] = []
+
+    @tasks.task
+    async def blocks(job: Any) -> None:
+        first = _lease(engine, job.id)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # no await: the loop is stuck here
+            leases.append(_lease(engine, job.id))
+            time.sleep(0.1)
+        leases.insert(0, first)
+
+    (job_id,) = add(Sessions, "blocks")
+
+    async def main(async_engine: AsyncEngine) -> None:
+        worker = AsyncWorker(async_engine, Task, tasks, lease=1, heartbeat_interval=0.2, **OPTIONS)
+        async with started(worker):
+            await until(all_done(engine, [job_id]), what="the job")
+            assert (worker.stats.lost, worker.stats.done) == (0, 1)
+
+    # A second worker's sweeper would take the job if its lease ran out.
+    sweeper = Worker(engine, Task, tasks_noop(), sweep_interval=0.1, poll_interval=60, queues=["nothing"])
+    sweeper.start()
+    try:
+        run(main, engine)
+    finally:
+        sweeper.stop(grace=0)
+    assert sweeper.stats.swept == 0
+    assert max(leases) - leases[0] > 2, "the lease was not extended while the loop was blocked"
+    assert job(engine, job_id).attempts == 1
+
+
+def tasks_noop() -> Tasks:
+    tasks = Tasks()
+    tasks.register("noop", lambda job: None)
+    return tasks
+
+
+def _lease(engine: Engine, job_id: int) -> Any:
+    with engine.connect() as conn:
+        return conn.scalar(select(TASKS.c.lease_expires_at).where(TASKS.c.id == job_id)).timestamp()
+
+
+def test_async_with_starts_and_stops_it(engine: Engine, Sessions: Any) -> None:
+    done: list[int] = []
+    tasks = Tasks()
+
+    @tasks.task
+    async def note(job: Any) -> None:
+        done.append(job.id)
+
+    ids = add(Sessions, "note", 4)
+
+    async def main(async_engine: AsyncEngine) -> AsyncWorker:
+        async with AsyncWorker(async_engine, Task, tasks, **OPTIONS) as worker:
+            await until(all_done(engine, ids), what="the jobs")
+        return worker
+
+    worker = run(main, engine)
+    assert worker.stopped and sorted(done) == ids
+
+
+def test_the_async_worker_needs_an_async_psycopg_engine(engine: Engine) -> None:
+    with pytest.raises(WorkerStartError, match="create_async_engine"):
+        AsyncWorker(engine, Task, tasks_noop())  # type: ignore[arg-type]
+    asyncpg = create_async_engine(engine.url.set(drivername="postgresql+asyncpg"))
+    with pytest.raises(WorkerStartError, match="psycopg"):
+        AsyncWorker(asyncpg, Task, tasks_noop())
+
+
+def test_the_thread_worker_names_the_async_one_for_async_handlers(engine: Engine) -> None:
+    async def handler(job: Any) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="AsyncWorker"):
+        Worker(engine, Task, handler)
+    assert AsyncWorker(create_async_engine(engine.url), Task, handler).handler is handler
