@@ -114,8 +114,13 @@ def worker_processes(tmp_path: object) -> Iterator[object]:
 
     started: list[WorkerProcess] = []
 
-    def start(*args: str, app_name: str = "sqla_queue_worker", url: str | None = None) -> WorkerProcess:
-        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path, url=url)
+    def start(
+        *args: str,
+        app_name: str = "sqla_queue_worker",
+        url: str | None = None,
+        target: str = "tests.worker_app:make_worker",
+    ) -> WorkerProcess:
+        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path, url=url, target=target)
         started.append(process)
         return process
 
