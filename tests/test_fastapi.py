@@ -80,13 +80,8 @@ def test_every_order_is_confirmed_once_by_the_worker_in_the_lifespan(server: Ser
 
             await wait_until(all_done, what="every confirmation job done")
             async with engine.connect() as conn:
-                per_order = dict(
-                    (
-                        await conn.execute(
-                            select(shop.Confirmation.order_id, func.count()).group_by(shop.Confirmation.order_id)
-                        )
-                    ).tuples()
-                )
+                counted = select(shop.Confirmation.order_id, func.count()).group_by(shop.Confirmation.order_id)
+                per_order: dict[int, int] = dict((await conn.execute(counted)).tuples())
                 jobs = (await conn.execute(select(shop.ConfirmOrder.order_id, shop.ConfirmOrder.attempts))).all()
             assert per_order == dict.fromkeys(placed, 1)
             assert sorted(jobs) == [(order_id, 1) for order_id in placed]
