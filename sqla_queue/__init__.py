@@ -7,6 +7,7 @@
     session.enqueue_many(EmailJob, rows)     # thousands at once, by COPY
     await enqueue_many(async_session, EmailJob, rows)   # the same from asyncio
     Worker(engine, EmailJob, handler).run()  # leases, retries, dead letter
+    await AsyncWorker(async_engine, EmailJob, async_handler).run()  # the same on asyncio
 
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
@@ -28,10 +29,12 @@ from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .values import enqueue_values
-from .worker import Worker, WorkerConfig, WorkerStats
+from .worker import Worker, WorkerConfig, WorkerStartError, WorkerStats
+from .worker.aio import AsyncWorker
 
 __all__ = [
     "AsyncQueueSession",
+    "AsyncWorker",
     "FINISHED_STATUSES",
     "Backoff",
     "BulkRowError",
@@ -51,6 +54,7 @@ __all__ = [
     "UnknownTask",
     "Worker",
     "WorkerConfig",
+    "WorkerStartError",
     "WorkerStats",
     "archive_table",
     "enqueue",

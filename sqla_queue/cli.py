@@ -102,10 +102,10 @@ def _worker_from(target: Any) -> Any:
             made.close()  # never awaited: closed, so no "never awaited" warning follows the error
             raise CommandError(f"{target!r} is a coroutine function: make it a plain one returning the worker")
         raise CommandError(
-            f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker or sqla_queue.AsyncWorker"
+            f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker or AsyncWorker"
         )
     raise CommandError(
-        f"{target!r} is not a sqla_queue.Worker or sqla_queue.AsyncWorker, nor a function returning one"
+        f"{target!r} is not a sqla_queue.Worker or AsyncWorker, nor a function returning one"
     )
 
 

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,13 +25,20 @@ from psycopg import sql as pgsql
 from psycopg.types.string import TextLoader
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util.concurrency import await_only
 
 from .errors import SqlaQueueError
 from .model import REQUIRED_COLUMNS
+from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 
-__all__ = ["ClaimRequest", "DbConnection", "Driver", "RowError", "Statement", "WorkerStartError"]
+__all__ = [
+    "AsyncDbConnection", "AsyncDriver", "ClaimRequest", "DbConnection", "Driver", "RowError", "Statement",
+    "WorkerStartError",
+]
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -100,6 +107,18 @@ class DbConnection:
     def broken(self) -> bool:
         return self.closed or self.raw.closed or self.raw.broken
 
+    def set_autocommit(self, on: bool) -> None:
+        self.raw.autocommit = on
+
+    def query(self, sql: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run SQL text of the driver's own (LISTEN, catalog lookups) and return its rows."""
+        cur = self.raw.execute(sql, params)
+        return cur.fetchall() if cur.description else []
+
+    def notifies(self, timeout: float) -> list[str]:
+        """Payloads of the notifications that arrive within ``timeout`` seconds."""
+        return [n.payload for n in self.raw.notifies(timeout=timeout, stop_after=1)]
+
     def execute(self, stmt: Statement, values: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run ``stmt`` (autocommit: one round trip) and return its rows."""
         cur = self._cursor
@@ -156,24 +175,11 @@ class DbConnection:
                 assert row is not None
                 rows.append(row)
             except Exception as error:  # noqa: BLE001 - this row fails alone
-                pk = self._load_one(cur, n, pk_index)
-                attempt = self._load_one(cur, n, attempt_index)
-                rows.append(RowError(pk, int(attempt), error))
+                rows.append(_row_error(cur, n, pk_index, attempt_index, error))
         return rows
 
-    @staticmethod
-    def _load_one(cur: psycopg.Cursor[Any], row: int, col: int) -> Any:
-        result = cur.pgresult
-        assert result is not None
-        data = result.get_value(row, col)
-        oid, fmt = result.ftype(col), result.fformat(col)
-        loader_class = cur.adapters.get_loader(oid, psycopg.pq.Format(fmt))
-        if data is None or loader_class is None:
-            return data
-        return loader_class(oid, cur).load(data)
-
     def fileno(self) -> int:
-        return self.raw.pgconn.socket
+        return int(self.raw.pgconn.socket)
 
     def close(self) -> None:
         if self.closed:
@@ -191,10 +197,166 @@ class DbConnection:
             self.raw.close()
 
 
+def _load_one(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], row: int, col: int) -> Any:
+    result = cur.pgresult
+    assert result is not None
+    data = result.get_value(row, col)
+    oid, fmt = result.ftype(col), result.fformat(col)
+    loader_class = cur.adapters.get_loader(oid, psycopg.pq.Format(fmt))
+    if data is None or loader_class is None:
+        return data
+    return loader_class(oid, cur).load(data)
+
+
+def _row_error(
+    cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], n: int, pk_index: int, attempt_index: int,
+    error: BaseException,
+) -> RowError:
+    return RowError(_load_one(cur, n, pk_index), int(_load_one(cur, n, attempt_index)), error)
+
+
+class AsyncDbConnection(DbConnection):
+    """A dedicated connection of an asyncio engine, used from the runtime's greenlets.
+
+    The same operations as :class:`DbConnection`; each is one coroutine on the psycopg
+    ``AsyncConnection``, awaited on the event loop (``await_only``), so a service written
+    as blocking code never blocks the loop.
+    """
+
+    def __init__(self, sa: Connection, purpose: str) -> None:
+        self.sa = sa
+        self.purpose = purpose
+        adapted: Any = sa.connection.dbapi_connection  # SQLAlchemy's adapter: awaits for us
+        self._adapted = adapted
+        self.raw: psycopg.AsyncConnection[Any] = adapted.driver_connection  # type: ignore[assignment]
+        adapted.autocommit = True
+        self._cursor = self.raw.cursor()
+        self._claim_cursor = self.raw.cursor()
+        self._tx_cursor = self.raw.cursor()
+        for cursor in (self._cursor, self._claim_cursor):
+            for name in ("json", "jsonb"):
+                cursor.adapters.register_loader(name, TextLoader)
+        self.closed = False
+
+    def set_autocommit(self, on: bool) -> None:
+        self._adapted.autocommit = on  # awaited by the adapter
+
+    def execute(self, stmt: Statement, values: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        return await_only(self._execute(stmt.sql, stmt.params(values)))
+
+    async def _execute(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        cur = self._cursor
+        await cur.execute(sql, params)
+        return await cur.fetchall() if cur.pgresult is not None and cur.description else []
+
+    def fetch_claimed(
+        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int
+    ) -> list[tuple[Any, ...] | RowError]:
+        return await_only(self._fetch_claimed(stmt.sql, stmt.params(values), pk_index, attempt_index))
+
+    async def _fetch_claimed(
+        self, sql: str, params: Mapping[str, Any], pk_index: int, attempt_index: int
+    ) -> list[tuple[Any, ...] | RowError]:
+        await self._cursor.execute(sql, params)
+        return await self._aclaimed_rows(self._cursor, pk_index, attempt_index)
+
+    def execute_then_claim(
+        self,
+        stmt: Statement,
+        values: Mapping[str, Any],
+        claim: ClaimRequest,
+        pk_index: int,
+        attempt_index: int,
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
+        return await_only(self._execute_then_claim(stmt, values, claim, pk_index, attempt_index))
+
+    async def _execute_then_claim(
+        self,
+        stmt: Statement,
+        values: Mapping[str, Any],
+        claim: ClaimRequest,
+        pk_index: int,
+        attempt_index: int,
+    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
+        raw = self.raw
+        try:
+            async with raw.pipeline():
+                await self._tx_cursor.execute(b"BEGIN")
+                await self._cursor.execute(stmt.sql, stmt.params(values))
+                await self._claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
+                await self._tx_cursor.execute(b"COMMIT")
+        except BaseException:
+            if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                with suppress(Exception):
+                    await raw.execute("ROLLBACK")
+            raise
+        done = await self._cursor.fetchall()
+        return done, await self._aclaimed_rows(self._claim_cursor, pk_index, attempt_index)
+
+    @staticmethod
+    async def _aclaimed_rows(
+        cur: psycopg.AsyncCursor[Any], pk_index: int, attempt_index: int
+    ) -> list[tuple[Any, ...] | RowError]:
+        try:
+            return list(await cur.fetchall())
+        except Exception:  # noqa: BLE001 - find the unreadable rows one by one
+            pass
+        rows: list[tuple[Any, ...] | RowError] = []
+        result = cur.pgresult
+        assert result is not None
+        for n in range(result.ntuples):
+            await cur.scroll(n, mode="absolute")
+            try:
+                row = await cur.fetchone()
+                assert row is not None
+                rows.append(row)
+            except Exception as error:  # noqa: BLE001 - this row fails alone
+                rows.append(_row_error(cur, n, pk_index, attempt_index, error))
+        return rows
+
+    def query(self, sql: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        return await_only(self._query(sql, params))
+
+    async def _query(self, sql: Any, params: Any) -> list[tuple[Any, ...]]:
+        cur = await self.raw.execute(sql, params)
+        return await cur.fetchall() if cur.description else []
+
+    def notifies(self, timeout: float) -> list[str]:
+        return await_only(self._notifies(timeout))
+
+    async def _notifies(self, timeout: float) -> list[str]:
+        return [n.payload async for n in self.raw.notifies(timeout=timeout, stop_after=1)]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with suppress(Exception):
+            self.sa.invalidate()
+        with suppress(Exception):
+            self.sa.close()
+        with suppress(Exception):
+            await_only(self.raw.close())
+
+
+
+
 class Driver:
-    """psycopg 3 on PostgreSQL, for one engine."""
+    """psycopg 3 on PostgreSQL, for one engine, on threads."""
+
+    #: How its services run: threads here, greenlets on an event loop for :class:`AsyncDriver`.
+    runtime: Runtime
+    _connection_class: type[DbConnection] = DbConnection
 
     def __init__(self, engine: Engine, *, keepalive: float = 5.0) -> None:
+        self._check(engine)
+        self.engine = engine
+        self.dialect = engine.dialect
+        self.keepalive = keepalive
+        self.runtime = ThreadRuntime()
+
+    @staticmethod
+    def _check(engine: Engine) -> None:
         if engine.dialect.name != "postgresql":
             raise WorkerStartError(
                 f"the worker needs PostgreSQL, got the {engine.dialect.name!r} dialect"
@@ -209,9 +371,6 @@ class Driver:
                 f"the worker needs the psycopg 3 driver (postgresql+psycopg://), got "
                 f"{engine.dialect.driver!r}"
             )
-        self.engine = engine
-        self.dialect = engine.dialect
-        self.keepalive = keepalive
 
     # -- statements --------------------------------------------------------------------
 
@@ -230,10 +389,10 @@ class Driver:
         sa = self.engine.connect()
         try:
             sa.detach()
-            conn = DbConnection(sa, purpose)
+            conn = self._connection_class(sa, purpose)
             self._keepalive(conn)
             if listen is not None:
-                conn.raw.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(listen)))
+                conn.query(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(listen)))
         except BaseException:
             with suppress(Exception):
                 sa.invalidate()
@@ -264,13 +423,13 @@ class Driver:
     @staticmethod
     def notify(conn: DbConnection, channel: str, payloads: Sequence[str]) -> None:
         """Wake the listeners of ``channel``, one notification per payload."""
-        conn.raw.execute(
+        conn.query(
             "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload", (channel, list(payloads))
         )
 
     def notifies(self, conn: DbConnection, timeout: float) -> list[str]:
         """Payloads of the notifications that arrive within ``timeout`` seconds."""
-        return [n.payload for n in conn.raw.notifies(timeout=timeout, stop_after=1)]
+        return conn.notifies(timeout)
 
     @contextmanager
     def deadline(self, conn: DbConnection, seconds: float) -> Iterator[None]:
@@ -296,6 +455,17 @@ class Driver:
                 sock.close()
         if not quiet:
             log.warning("%s: a database call overran its deadline; connection dropped", conn.purpose)
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def session_on(self, factory: Callable[[], Any], sa: Connection) -> tuple[Session, Any]:
+        """A session from ``factory`` joined to the transaction ``sa`` is in, in
+        ``create_savepoint`` mode: its commits and rollbacks act on savepoints, and only
+        the caller commits. Returns the synchronous session and the one to hand over."""
+        session = factory()
+        if not isinstance(session, Session):
+            raise TypeError(f"session_factory must make a sqlalchemy Session, got {session!r}")
+        return _joined(session, sa, self.engine), session
 
     # -- errors ------------------------------------------------------------------------
 
@@ -324,11 +494,11 @@ class Driver:
         try:
             name = f"{schema}.{table}" if schema else table
             with self.deadline(conn, 30):
-                rows = conn.raw.execute(
+                rows = conn.query(
                     "SELECT a.attname FROM pg_attribute a "
                     "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
-                    (pgsql.Identifier(*([schema, table] if schema else [table])).as_string(conn.raw),),
-                ).fetchall()
+                    (pgsql.Identifier(*([schema, table] if schema else [table])).as_string(None),),
+                )
         finally:
             conn.close()
         if not rows:
@@ -342,6 +512,60 @@ class Driver:
                 f"table {name!r} lacks the queue columns {', '.join(missing)}: migrate it "
                 f"(the model uses JobMixin, the table does not yet)"
             )
+
+
+class AsyncDriver(Driver):
+    """psycopg 3's asyncio connections of an ``AsyncEngine``, for the runtime's greenlets.
+
+    The services call the same methods as on :class:`Driver`; underneath, each database
+    call is awaited on the loop the service runs on.
+    """
+
+    _connection_class = AsyncDbConnection
+
+    def __init__(self, engine: AsyncEngine, *, keepalive: float = 5.0, threads: int = 4) -> None:
+        if not isinstance(engine, AsyncEngine):
+            raise WorkerStartError(
+                "the AsyncWorker needs an asyncio engine (create_async_engine("
+                "'postgresql+psycopg://...')), got " + type(engine).__name__
+            )
+        sync_engine = engine.sync_engine
+        if sync_engine.dialect.name != "postgresql":
+            raise WorkerStartError(
+                f"the worker needs PostgreSQL, got the {sync_engine.dialect.name!r} dialect"
+            )
+        if sync_engine.dialect.driver != "psycopg":
+            raise WorkerStartError(
+                f"the AsyncWorker needs the psycopg 3 driver (postgresql+psycopg://), got "
+                f"{sync_engine.dialect.driver!r}"
+            )
+        self.async_engine = engine
+        self.engine = sync_engine
+        self.dialect = sync_engine.dialect
+        self.keepalive = keepalive
+        self.runtime = AsyncRuntime(threads)
+
+    def session_on(self, factory: Callable[[], Any], sa: Connection) -> tuple[Session, Any]:
+        """As :meth:`Driver.session_on`, for an ``AsyncSession`` factory (a ``Session``
+        one works too): the async session is handed over, its sync session joined."""
+        session = factory()
+        if isinstance(session, AsyncSession):
+            return _joined(session.sync_session, sa, self.engine), session
+        if isinstance(session, Session):
+            return _joined(session, sa, self.engine), session
+        raise TypeError(f"session_factory must make an AsyncSession, got {session!r}")
+
+
+def _joined(session: Session, sa: Connection, engine: Engine) -> Session:
+    session.join_transaction_mode = "create_savepoint"
+    resolve = session.get_bind
+
+    def get_bind(*args: Any, **kwargs: Any) -> Any:
+        found = resolve(*args, **kwargs)
+        return sa if found is engine else found
+
+    session.get_bind = get_bind  # type: ignore[method-assign]
+    return session
 
 
 # -- NOTIFY in the COMMIT's round trip -------------------------------------------------------

@@ -501,7 +501,7 @@ def test_a_coroutine_function_handler_is_refused_when_the_worker_is_built(engine
         # A registry may refuse it at registration already: that is as good.
         Worker(engine, Task, COROUTINE_HANDLERS[name]())
     message = str(refused.value)
-    assert "coroutine" in message and "asyncio" in message
+    assert "coroutine" in message and "AsyncWorker" in message
 
 
 @pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])

@@ -1,15 +1,27 @@
-"""Fixtures and helpers for tests that run workers in this process (a pytest plugin)."""
+"""Fixtures and helpers for tests that run workers in this process (a pytest plugin).
+
+Worker tests run against both runtimes, as one suite: the ``runtime`` fixture is
+``thread`` (:class:`~sqla_queue.Worker`) or ``asyncio`` (:class:`~sqla_queue.AsyncWorker`,
+on an event loop in a thread of its own, driven from the test through
+:class:`LoopWorker`, with the registry's handlers turned into ``async def`` ones). A test
+for one runtime only says so with ``@pytest.mark.parametrize("runtime", [...],
+indirect=True)``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import Engine, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
-from sqla_queue import Backoff, QueueSession, Worker
+from sqla_queue import AsyncWorker, Backoff, QueueSession, Tasks, Worker
+from sqla_queue.tasks import resolve_handler
 
 from .helpers import table_of
 from .models import Effect, Task
@@ -25,18 +37,130 @@ def Sessions(engine: Engine) -> sessionmaker[QueueSession]:
     return sessionmaker(engine, class_=QueueSession)
 
 
+T = TypeVar("T")
+
+RUNTIMES = ["thread", "asyncio"]
+
+
+class EventLoopThread:
+    """An event loop running in a daemon thread, for sync tests of async code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class LoopWorker:
+    """An :class:`AsyncWorker` on an :class:`EventLoopThread`, with the thread Worker's
+    blocking ``start``/``stop``/``run``; everything else is the async worker's own."""
+
+    def __init__(self, worker: AsyncWorker, loop: EventLoopThread) -> None:
+        self.worker = worker
+        self._loop = loop
+
+    def start(self) -> None:
+        self._loop.run(self.worker.start())
+
+    def stop(self, grace: float | None = None) -> None:
+        self._loop.run(self.worker.stop(grace))
+
+    def run(self, *, install_signal_handlers: bool = False, until_idle: bool = False) -> None:
+        self._loop.run(self.worker.run(install_signal_handlers=False, until_idle=until_idle), timeout=None)
+
+    def with_options(self, **options: Any) -> LoopWorker:
+        return LoopWorker(self.worker.with_options(**options), self._loop)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def asyncified(handler: Any) -> Any:
+    """The same handler as ``async def``: a plain one awaits a thread running it; a
+    transactional one gets an ``AsyncSession`` and runs through ``run_sync``."""
+    if isinstance(handler, Tasks):
+        tasks = Tasks()
+        for name in handler:
+            tasks.register(name, asyncified(handler.lookup(name).fn))
+        return tasks
+    if asyncio.iscoroutinefunction(handler):
+        return handler
+    fn = handler
+    if resolve_handler(fn).transactional:
+
+        async def transactional(job: Any, session: AsyncSession) -> Any:
+            return await session.run_sync(lambda sync: fn(job, sync))
+
+        return transactional
+
+    async def plain(job: Any) -> Any:
+        return await asyncio.to_thread(fn, job)
+
+    return plain
+
+
+def async_engine_like(engine: Engine) -> AsyncEngine:
+    """An asyncio engine on the same URL (tests put ``application_name`` in the URL)."""
+    return create_async_engine(engine.url)
+
+
+class Runtimes:
+    """Builds workers of one runtime; disposes of what it made. Each asyncio worker gets
+    an event loop (and an engine) of its own, as if it ran in a process of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._made: list[tuple[EventLoopThread, AsyncEngine]] = []
+
+    def worker(self, engine: Engine, model: Any, handler: Any, **options: Any) -> Any:
+        """A ``Worker``, or a :class:`LoopWorker`, not started."""
+        if self.name == "thread":
+            return Worker(engine, model, handler, **options)
+        loop, async_engine = EventLoopThread(), async_engine_like(engine)
+        self._made.append((loop, async_engine))
+        return LoopWorker(AsyncWorker(async_engine, model, asyncified(handler), **options), loop)
+
+    def close(self) -> None:
+        for loop, async_engine in self._made:
+            loop.run(async_engine.dispose())
+            loop.close()
+
+
+@pytest.fixture(params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest) -> Iterator[Runtimes]:
+    """The runtime a worker test runs on: ``thread`` or ``asyncio``."""
+    runtimes = Runtimes(request.param)
+    yield runtimes
+    runtimes.close()
+
+
 @pytest.fixture
-def start_worker(engine: Engine) -> Iterator[Callable[..., Worker]]:
+def make_worker(runtime: Runtimes) -> Callable[..., Any]:
+    """``make_worker(engine, model, handler, **options)``: an unstarted worker of the
+    test's runtime (stopping it is the test's business)."""
+    return runtime.worker
+
+
+@pytest.fixture
+def start_worker(engine: Engine, runtime: Runtimes) -> Iterator[Callable[..., Any]]:
     """``start_worker(handler=app_tasks, model=Task, **options)``: a started worker with
     test-friendly timings; every worker started is stopped after the test."""
-    started: list[Worker] = []
+    started: list[Any] = []
 
-    def start(handler: Any = app_tasks, model: Any = Task, **options: Any) -> Worker:
+    def start(handler: Any = app_tasks, model: Any = Task, **options: Any) -> Any:
         options.setdefault("backoff", FAST)
         options.setdefault("poll_interval", 0.5)
         options.setdefault("sweep_interval", 0.2)
         options.setdefault("shutdown_grace", 5)
-        worker = Worker(engine, model, handler, **options)
+        worker = runtime.worker(engine, model, handler, **options)
         worker.start()
         started.append(worker)
         return worker

@@ -17,7 +17,6 @@ written here: statements come from :mod:`sqla_queue.sql`.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..driver import Driver, WorkerStartError
 from ..model import QueueTable, queue_table
+from ..runtime import Event, is_async_callable
 from ..session import QueueSession
 from ..sql import ClaimToken
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
@@ -92,12 +92,12 @@ class Worker:
         self.handler = handler
         self.job_context = job_context
         self.config = replace(config, **options) if config is not None else check_options(**options)
-        self.session_factory = session_factory or sessionmaker(engine, class_=QueueSession)
         self._qt: QueueTable = queue_table(model)
         if self._qt.mapped_class is None:
-            raise TypeError("Worker needs a mapped model class, not a Table")
+            raise TypeError(f"{type(self).__name__} needs a mapped model class, not a Table")
         resolved = self._resolve_handlers(handler)
-        self._driver = Driver(engine)
+        self._driver = self._make_driver(engine)
+        self.session_factory = session_factory or self._default_sessions(engine)
         name = self.config.name or f"{socket.gethostname()}:{os.getpid()}"
         self.owner = f"{name}:{uuid.uuid4().hex[:8]}"
         self.stats = WorkerStats()
@@ -119,20 +119,35 @@ class Worker:
         self.listener = (
             Listener(cfg, driver, qt.channel, self.signal, queues=cfg.queues) if cfg.listen else None
         )
-        self._stopping = threading.Event()
-        self._hard_stop = threading.Event()
-        self._stopped = threading.Event()
+        self._stopping = Event()
+        self._hard_stop = Event()
+        self._stopped = Event()
         self._started = False
+
+    # -- what the asyncio worker changes -----------------------------------------------
+
+    def _make_driver(self, engine: Any) -> Driver:
+        return Driver(engine)
+
+    def _default_sessions(self, engine: Any) -> Callable[[], Any]:
+        return sessionmaker(engine, class_=QueueSession)
+
+    def _check_handler(self, handler: ResolvedHandler) -> None:
+        if is_async_callable(handler.fn):
+            raise TypeError(
+                f"handler {handler.name!r} is a coroutine function: the thread Worker cannot await "
+                f"it; run it on sqla_queue.AsyncWorker, or make it a plain function"
+            )
 
     def _resolve_handlers(self, handler: Handler | Tasks) -> ResolvedHandler | Tasks:
         if isinstance(handler, Tasks):
             if not self._qt.is_task_table:
                 raise TypeError(f"a Tasks registry needs a TaskMixin model, {self.model!r} is not one")
             for name in handler:
-                _refuse_async(handler.lookup(name))
+                self._check_handler(handler.lookup(name))
             return handler
         resolved = resolve_handler(handler)
-        _refuse_async(resolved)
+        self._check_handler(resolved)
         return resolved
 
     @staticmethod
@@ -144,7 +159,7 @@ class Worker:
         """A new, unstarted worker like this one with some options changed."""
         if not options:
             return self
-        return Worker(
+        return type(self)(
             self.engine,
             self.model,
             self.handler,
@@ -193,20 +208,23 @@ class Worker:
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
             self.start()
-            quiet_since: float | None = None
-            while not self._stopping.is_set():
-                if until_idle:
-                    if self.idle():
-                        quiet_since = quiet_since or time.monotonic()
-                        if time.monotonic() - quiet_since >= 0.05:
-                            break
-                    else:
-                        quiet_since = None
-                self._stopping.wait(0.02 if until_idle else 1.0)
+            self._wait_for_stop(until_idle)
             self.stop()
         finally:
             for sig, old_handler in previous.items():
                 signal.signal(sig, old_handler)
+
+    def _wait_for_stop(self, until_idle: bool) -> None:
+        quiet_since: float | None = None
+        while not self._stopping.is_set():
+            if until_idle:
+                if self.idle():
+                    quiet_since = quiet_since or time.monotonic()
+                    if time.monotonic() - quiet_since >= 0.05:
+                        return
+                else:
+                    quiet_since = None
+            self._stopping.wait(0.02 if until_idle else 1.0)
 
     def idle(self) -> bool:
         """No job held, every executor waiting for work, none due within the poll."""
@@ -248,6 +266,7 @@ class Worker:
             log.warning("worker %s: %d job(s) still running after the grace period; handing them back",
                         self.owner, len(left))
             self._hand_back(left, refund=False)
+            self._driver.runtime.interrupt()
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
         others: list[Service] = [s for s in (self.heartbeat, self.sweeper, self.listener) if s is not None]
@@ -256,13 +275,14 @@ class Worker:
         deadline = time.monotonic() + _JOIN_SECONDS
         for service in [*others, self.executors]:
             service.join(max(deadline - time.monotonic(), 0.0))
+        self._driver.runtime.close()
         self._stopped.set()
         log.info("worker %s stopped: %s", self.owner, self.stats)
 
     def _hand_back(self, held: list[Any], *, refund: bool) -> None:
         """Release ``held`` on a connection of its own, within a deadline."""
         lane = Lane(self._driver, "sqla_queue shutdown")
-        done = threading.Event()
+        done = Event()
 
         def hand_back() -> None:
             try:
@@ -276,8 +296,7 @@ class Worker:
                 lane.reset()
                 done.set()
 
-        thread = threading.Thread(target=hand_back, name="sqla_queue-hand-back", daemon=True)
-        thread.start()
+        self._driver.runtime.spawn(hand_back, "sqla_queue-hand-back")
         done.wait(_HAND_BACK_SECONDS + 0.5)
         self.ledger.lose(held)  # a handler still running must not complete after hand-back
 
@@ -289,12 +308,3 @@ class Worker:
         """Tokens of the jobs this worker holds right now (for tests and introspection)."""
         return [h.token for h in self.ledger.held()]
 
-
-def _refuse_async(handler: ResolvedHandler) -> None:
-    fn = handler.fn
-    target = getattr(fn, "func", fn)  # functools.partial
-    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__):
-        raise TypeError(
-            f"handler {handler.name!r} is a coroutine function: the thread Worker cannot await it; "
-            f"make it a plain function (sqla_queue has no asyncio worker yet)"
-        )

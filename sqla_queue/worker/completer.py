@@ -19,6 +19,7 @@ from typing import Any, cast
 from .. import sql as q
 from ..driver import ClaimRequest, DbConnection, Driver, RowError, tokens_params
 from ..model import QueueTable
+from ..runtime import sleep
 from .config import WorkerConfig
 from .ledger import Held, Ledger
 from .outcome import Kind, Outcome
@@ -211,7 +212,7 @@ class Completer:
                 failures += 1
                 delay = min(0.05 * 2**failures, self.config.reconnect_backoff)
                 log.warning("recording outcomes: %s; retrying in %.2fs", type(exc).__name__, delay)
-                time.sleep(delay)
+                sleep(delay)
 
     # -- bookkeeping -------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
 from ..model import QueueTable
+from ..runtime import is_async_callable
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
 from .config import WorkerConfig
@@ -82,7 +83,7 @@ class Executor:
         qt: QueueTable,
         owner: str,
         handler: ResolvedHandler | Tasks,
-        session_factory: Callable[[], Session],
+        session_factory: Callable[[], Any],
         job_context: Callable[[], AbstractContextManager[Any]] | None,
     ) -> None:
         self.config = config
@@ -92,6 +93,7 @@ class Executor:
         self.handler = handler
         self.session_factory = session_factory
         self.job_context = job_context
+        self.runtime = driver.runtime
         self._complete_one = q.complete_template(qt.table, single=True)
 
     def run(self, held: Held, lane: Lane) -> Outcome:
@@ -104,12 +106,14 @@ class Executor:
                     return self._call(held, handler, lane)
             return self._call(held, handler, lane)
         except BaseException as exc:  # noqa: BLE001 - whatever a handler raises is its job's
+            if self.runtime.cancelled():
+                raise  # the executor's own task is cancelled (its loop is closing): stop here
             return self.failure(held, exc)
 
     def _call(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
         if handler.transactional:
             return self._transactional(held, handler, lane)
-        result = handler.fn(held.job)
+        result = self.runtime.call(handler.fn, held.job)
         if result is not None and inspect.isawaitable(result):
             return self._awaitable(held, handler, result)
         return Outcome(held, Kind.DONE)
@@ -128,7 +132,7 @@ class Executor:
             held,
             Kind.FAIL,
             f"handler {handler.name!r} returned an awaitable ({type(result).__name__}); the thread "
-            f"Worker runs plain functions and cannot await it (sqla_queue has no asyncio worker yet)",
+            f"Worker runs plain functions and cannot await it (sqla_queue.AsyncWorker can)",
         )
 
     def failure(self, held: Held, exc: BaseException) -> Outcome:
@@ -166,18 +170,23 @@ class Executor:
         together, or neither does.
         """
         conn = lane.connect()
-        conn.raw.autocommit = False
+        conn.set_autocommit(False)
         sa: Connection = conn.sa
         trans = sa.begin()
         session: Session | None = None
         try:
             try:
-                session = self._session_on(sa)
-                result = handler.fn(held.job, session)
+                session, given = self.driver.session_on(self.session_factory, sa)
+                fn = handler.fn
+                if not is_async_callable(fn):
+                    given = session  # a plain function gets the synchronous session
+                result = self.runtime.call(fn, held.job, given, on_loop=True)
                 if inspect.isawaitable(result):
                     return self._awaitable(held, handler, result)
                 session.commit()
             except BaseException as exc:  # noqa: BLE001
+                if self.runtime.cancelled():
+                    raise
                 return self.failure(held, exc)
             if not self.ledger.finishing([held]):
                 return Outcome(held, Kind.LOST)
@@ -204,22 +213,9 @@ class Executor:
                 if trans.is_active:
                     trans.rollback()
             try:
-                conn.raw.autocommit = True
+                conn.set_autocommit(True)
             except Exception:  # noqa: BLE001 - a broken connection: make a new one
                 lane.reset()
-
-    def _session_on(self, sa: Connection) -> Session:
-        session = self.session_factory()
-        session.join_transaction_mode = "create_savepoint"
-        engine = self.driver.engine
-        resolve = session.get_bind
-
-        def get_bind(*args: Any, **kwargs: Any) -> Any:
-            found = resolve(*args, **kwargs)
-            return sa if found is engine else found
-
-        session.get_bind = get_bind  # type: ignore[method-assign]
-        return session
 
 
 def _first_line(exc: BaseException) -> str:
@@ -250,7 +246,7 @@ class ExecutorPool(Service):
         signal: WorkSignal,
         stats: WorkerStats,
     ) -> None:
-        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff)
+        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.config = config
         self.ledger = ledger
         self.driver = driver

@@ -28,11 +28,12 @@ log = logging.getLogger("sqla_queue.worker")
 
 class Heartbeat(Service):
     name = "heartbeat"
+    own_thread = True
 
     def __init__(
         self, config: WorkerConfig, ledger: Ledger, driver: Driver, qt: QueueTable, owner: str, stats: WorkerStats
     ) -> None:
-        super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff)
+        super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.config = config
         self.ledger = ledger
         self.driver = driver

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime import Condition, Event
 from ..sql import ClaimToken
 
 __all__ = ["Held", "Ledger"]
@@ -41,7 +42,7 @@ class Ledger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._changed = Condition(self._lock)
         self._held: dict[ClaimToken, Held] = {}
         self._isolated_taken = False
         #: False after no heartbeat succeeded for a whole lease: claim nothing until one does.
@@ -158,7 +159,7 @@ class Ledger:
 
     # -- shutdown ----------------------------------------------------------------------
 
-    def wait_empty(self, timeout: float, give_up: threading.Event | None = None) -> bool:
+    def wait_empty(self, timeout: float, give_up: Event | None = None) -> bool:
         deadline = time.monotonic() + timeout
         with self._changed:
             while self._held:

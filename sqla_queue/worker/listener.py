@@ -28,7 +28,7 @@ class Listener(Service):
         self, config: WorkerConfig, driver: Driver, channel: str, signal: WorkSignal,
         *, queues: Collection[str] | None = None, timeout: float = 0.25,
     ) -> None:
-        super().__init__(0.0, reconnect_backoff=config.reconnect_backoff)
+        super().__init__(0.0, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
         self.channel = channel
         self.signal = signal

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-import threading
 import time
 from typing import Any
 
 from .. import sql as q
 from ..driver import ClaimRequest, DbConnection, Driver, RowError
 from ..model import QueueTable
+from ..runtime import Condition, Semaphore
 from ..sql import ClaimToken
 from .config import WorkerConfig
 from .ledger import Held, Ledger
@@ -44,7 +44,7 @@ class WorkSignal:
     """Wakes idle executor threads: one per NOTIFY, at due times, or at the poll."""
 
     def __init__(self, threads: int) -> None:
-        self._cond = threading.Condition()
+        self._cond = Condition()
         #: Pending wake-ups, never more than there are threads to wake: a busy thread
         #: claims again anyway, and piled-up tokens would cost as many empty claims.
         self._threads = threads
@@ -137,7 +137,7 @@ class Producer:
         self._attempt_index = columns.index(qt.c.attempts)
         self._loader = RowLoader(model, columns, driver.dialect)
         self._lease = float(config.lease)
-        self._gate = threading.BoundedSemaphore(CONCURRENT_CLAIMS)
+        self._gate = Semaphore(CONCURRENT_CLAIMS)
         self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
         self._checked_generation = -1
 

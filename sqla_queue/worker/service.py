@@ -1,6 +1,7 @@
 """The start/stop shape every background service of a worker shares.
 
-A service is one or more daemon threads. The periodic ones run ``tick()``, wait
+A service is one or more loops, each on a thread or an asyncio task (the driver's
+:mod:`~sqla_queue.runtime` decides), written once as blocking code. The periodic ones run ``tick()``, wait
 ``interval`` seconds (or until woken), and on an error log it and back off, up to the
 configured reconnect cap, instead of dying: a lost database must never take a worker down.
 """
@@ -8,10 +9,10 @@ configured reconnect cap, instead of dying: a lost database must never take a wo
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from ..runtime import Condition, Event, Runtime, Strand, ThreadRuntime
 from ..sql import Backoff
 
 log = logging.getLogger("sqla_queue.worker")
@@ -28,16 +29,21 @@ class Service:
 
     name: ClassVar[str] = "service"
 
-    def __init__(self, interval: float, *, reconnect_backoff: float = 2.0) -> None:
+    #: Runs on a thread of its own even in an asyncio worker, out of reach of handlers
+    #: that block the event loop.
+    own_thread: ClassVar[bool] = False
+
+    def __init__(self, interval: float, *, reconnect_backoff: float = 2.0, runtime: Runtime | None = None) -> None:
         self.interval = interval
         self.backoff = error_backoff(reconnect_backoff)
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self.runtime: Runtime = runtime if runtime is not None else ThreadRuntime()
+        self._stop = Event()
+        self._wake = Event()
+        self._threads: list[Strand] = []
         self.failures = 0
         #: Rounds completed without error; tests wait on it instead of sleeping.
         self.rounds = 0
-        self._rounds_changed = threading.Condition()
+        self._rounds_changed = Condition()
 
     # -- the part each service defines -------------------------------------------------
 
@@ -62,10 +68,8 @@ class Service:
             raise RuntimeError(f"{self.name} already started")
         self._spawn(self._run, f"sqla_queue-{self.name}")
 
-    def _spawn(self, target: object, name: str, *args: object) -> None:
-        thread = threading.Thread(target=target, name=name, args=args, daemon=True)  # type: ignore[arg-type]
-        self._threads.append(thread)
-        thread.start()
+    def _spawn(self, target: Any, name: str, *args: object) -> None:
+        self._threads.append(self.runtime.spawn(target, name, *args, own_thread=self.own_thread))
 
     def wake(self) -> None:
         self._wake.set()
@@ -81,11 +85,10 @@ class Service:
 
     def join(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in self._threads:
-            if thread is threading.current_thread():
-                continue
-            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
-        return not any(t.is_alive() for t in self._threads if t is not threading.current_thread())
+        others = [t for t in self._threads if not t.is_current()]  # never wait for ourselves
+        for strand in others:
+            strand.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in others)
 
     def sleep(self, seconds: float) -> bool:
         """Wait ``seconds`` unless woken or stopped; True if the service should go on."""

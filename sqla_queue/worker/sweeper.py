@@ -39,7 +39,7 @@ class Sweeper(Service):
         producer: Producer,
         signal: WorkSignal,
     ) -> None:
-        super().__init__(config.sweep_interval, reconnect_backoff=config.reconnect_backoff)
+        super().__init__(config.sweep_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
         self.stats = stats
         self.producer = producer

@@ -1,0 +1,393 @@
+"""Threads or asyncio tasks: what a worker's services run on.
+
+The services are written once, as plain blocking code. :class:`ThreadRuntime` runs each
+on a thread of its own. :class:`AsyncRuntime` runs each in a greenlet on the event loop,
+as SQLAlchemy's asyncio extension runs its synchronous core: every wait underneath (a
+database call, an event, a sleep) is awaited, so the loop stays free. The primitives here
+work from threads and from such greenlets alike: a test thread can wait on a service of
+an asyncio worker, and a greenlet can wake a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from sqlalchemy.util.concurrency import await_only, greenlet_spawn, in_greenlet
+
+__all__ = [
+    "AsyncRuntime",
+    "Condition",
+    "Event",
+    "Runtime",
+    "Semaphore",
+    "Strand",
+    "ThreadRuntime",
+    "is_async_callable",
+    "sleep",
+]
+
+
+# -- primitives for threads and greenlets --------------------------------------------------
+
+
+class _Waiter(Protocol):
+    def wait(self, timeout: float | None) -> bool: ...
+
+    def wake(self) -> None: ...
+
+
+class _ThreadWaiter:
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+
+    def wake(self) -> None:
+        self._lock.release()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _GreenletWaiter:
+    __slots__ = ("_future", "_loop", "_thread")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._future: asyncio.Future[None] = self._loop.create_future()
+
+    def wait(self, timeout: float | None) -> bool:
+        await_only(asyncio.wait({self._future}, timeout=timeout))
+        return self._future.done()
+
+    def wake(self) -> None:
+        if threading.get_ident() == self._thread:
+            _resolve(self._future)
+        else:
+            self._loop.call_soon_threadsafe(_resolve, self._future)
+
+
+class Condition:
+    """``threading.Condition``, except that ``wait()`` awaits when called in a greenlet
+    on an event loop instead of blocking the loop's thread.
+
+    The lock is only ever held for a few plain statements, never across a wait, so a
+    greenlet never blocks another greenlet of its loop on it.
+    """
+
+    def __init__(self, lock: threading.Lock | None = None) -> None:
+        self._lock = lock if lock is not None else threading.Lock()
+        self._waiters: deque[_Waiter] = deque()
+
+    def __enter__(self) -> Condition:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """With the lock held: release it, wait for a notify (or ``timeout``), retake it."""
+        waiter: _Waiter = _GreenletWaiter() if in_greenlet() else _ThreadWaiter()
+        self._waiters.append(waiter)
+        self._lock.release()
+        notified = False
+        try:
+            notified = waiter.wait(timeout)
+        finally:
+            self._lock.acquire()
+            if not notified:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    notified = True  # woken just as the wait ended
+        return notified
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result = predicate()
+        while not result:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self.wait(left)
+            result = predicate()
+        return result
+
+    def notify(self, n: int = 1) -> None:
+        """With the lock held: wake up to ``n`` waiters."""
+        while n > 0 and self._waiters:
+            self._waiters.popleft().wake()
+            n -= 1
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class Event:
+    """``threading.Event`` on :class:`Condition`."""
+
+    def __init__(self) -> None:
+        self._cond = Condition()
+        self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        with self._cond:
+            self._flag = True
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            if not self._flag:
+                self._cond.wait_for(lambda: self._flag, timeout)
+            return self._flag
+
+
+class Semaphore:
+    """``threading.BoundedSemaphore`` on :class:`Condition`."""
+
+    def __init__(self, value: int) -> None:
+        self._cond = Condition()
+        self._value = self._limit = value
+
+    def acquire(self, blocking: bool = True) -> bool:
+        with self._cond:
+            if not blocking and not self._value:
+                return False
+            self._cond.wait_for(lambda: self._value > 0)
+            self._value -= 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._value >= self._limit:
+                raise ValueError("semaphore released too many times")
+            self._value += 1
+            self._cond.notify()
+
+    def __enter__(self) -> Semaphore:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def sleep(seconds: float) -> None:
+    """``time.sleep``, awaited in a greenlet on an event loop."""
+    if in_greenlet():
+        await_only(asyncio.sleep(seconds))
+    else:
+        time.sleep(seconds)
+
+
+def is_async_callable(fn: Any) -> bool:
+    """``async def`` functions, callables with an ``async def __call__``, and partials of them."""
+    target = getattr(fn, "func", fn)  # functools.partial
+    call = type(target).__dict__.get("__call__") if not inspect.isroutine(target) else None
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(call)
+
+
+# -- runtimes --------------------------------------------------------------------------
+
+
+class Strand:
+    """A running service loop (a thread or a task): ``join(timeout)``, ``is_alive()``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done = Event()
+        #: Tells whether the caller runs in this strand (a service never joins itself).
+        self.is_current: Callable[[], bool] = lambda: False
+
+    def finished(self) -> None:
+        self._done.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+
+class Runtime(Protocol):
+    """How services run and how handlers are called."""
+
+    name: str
+
+    def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
+        """Run ``target(*args)``; ``own_thread``: out of reach of a blocked event loop."""
+        ...
+
+    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+        """Call a handler; ``on_loop``: a synchronous handler that must run here."""
+        ...
+
+    def interrupt(self) -> None:
+        """Shutdown gave up waiting: cut short the handlers that can be."""
+        ...
+
+    def cancelled(self) -> bool:
+        """The service calling this is itself being cancelled (not its handler)."""
+        ...
+
+    def close(self) -> None:
+        """The worker stopped: release what the runtime holds."""
+        ...
+
+
+class ThreadRuntime:
+    """Every service and every executor on a daemon thread; handlers called directly."""
+
+    name = "thread"
+
+    def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
+        strand = Strand(name)
+
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                strand.finished()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        strand.is_current = lambda: threading.current_thread() is thread
+        thread.start()
+        return strand
+
+    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+        return fn(*args)
+
+    def interrupt(self) -> None:
+        """A thread cannot be interrupted: a handler past the grace finishes alone."""
+
+    def cancelled(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRuntime:
+    """Every service and executor a task on the running loop, its code in a greenlet.
+
+    ``async def`` handlers run as tasks of their own (so that shutdown can cancel
+    them); plain handlers run in a thread pool of ``threads`` threads, except those that
+    must stay on the loop (``on_loop``: a synchronous transactional handler, whose session
+    awaits on this loop underneath, as with ``AsyncSession.run_sync``).
+    """
+
+    name = "asyncio"
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: set[asyncio.AbstractEventLoop] = set()
+
+    def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
+        strand = Strand(name)
+        if own_thread:
+
+            def run_loop() -> None:
+                try:
+                    asyncio.run(greenlet_spawn(target, *args))
+                finally:
+                    strand.finished()
+
+            thread = threading.Thread(target=run_loop, name=name, daemon=True)
+            strand.is_current = lambda: threading.current_thread() is thread
+            thread.start()
+            return strand
+        task = asyncio.get_running_loop().create_task(greenlet_spawn(target, *args), name=name)
+        task.add_done_callback(lambda _: strand.finished())
+        strand.is_current = lambda: _current_task() is task
+        return strand
+
+    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+        if is_async_callable(fn):
+            return self._await(fn(*args))
+        if on_loop:
+            result = fn(*args)
+        else:
+            loop = asyncio.get_running_loop()
+            context = contextvars.copy_context()
+            result = await_only(loop.run_in_executor(self._executor(), context.run, fn, *args))
+        if inspect.isawaitable(result):
+            return self._await(result)
+        return result
+
+    def _await(self, awaitable: Any) -> Any:
+        task = asyncio.ensure_future(_guarded(awaitable))
+        self._tasks.add(task)
+        try:
+            returned, value = await_only(task)
+        finally:
+            self._tasks.discard(task)
+        if returned:
+            return value
+        raise value
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="sqla_queue-sync")
+        return self._pool
+
+    def interrupt(self) -> None:
+        """Cancel the ``async def`` handlers still running (CancelledError at their await)."""
+        for task in list(self._tasks):
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def cancelled(self) -> bool:
+        task = _current_task()
+        return task is not None and task.cancelling() > 0
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop in this thread
+        return None
+
+
+async def _guarded(awaitable: Any) -> tuple[bool, Any]:
+    """A handler's coroutine, its exception returned rather than raised: asyncio lets a
+    ``KeyboardInterrupt`` or ``SystemExit`` out of a task stop the whole event loop."""
+    try:
+        return True, await awaitable
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the executor, which records it
+        return False, exc
+
+
+def run_in_greenlet(fn: Callable[..., Any], *args: Any) -> Coroutine[Any, Any, Any]:
+    """``fn(*args)`` as a coroutine: the entry from async code into the runtime."""
+    return greenlet_spawn(fn, *args)

@@ -1,0 +1,234 @@
+"""The asyncio worker: the same runtime, its services as tasks on your event loop.
+
+:class:`AsyncWorker` is a thin layer over the one runtime of :class:`~sqla_queue.Worker`,
+as SQLAlchemy's ``AsyncSession`` is over ``Session``: the services (executors, sweeper,
+listener) run as tasks on the loop that started the worker, their code in greenlets, and
+every database call is awaited on psycopg's asyncio connections of your ``AsyncEngine``.
+The heartbeat runs on a thread and event loop of its own, so a handler that blocks the
+loop cannot cost the worker its leases. Same services, ledger, outcome path and fences;
+only the driver (:class:`~sqla_queue.driver.AsyncDriver`) differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+from ..driver import AsyncDriver, Driver
+from ..runtime import run_in_greenlet
+from ..session import AsyncQueueSession
+from ..sql import ClaimToken
+from ..tasks import Handler, ResolvedHandler, Tasks
+from . import Worker
+from .config import WorkerConfig, check_options
+from .executor import ExecutorPool
+from .heartbeat import Heartbeat
+from .ledger import Ledger
+from .listener import Listener
+from .producer import WorkSignal
+from .service import Service
+from .stats import WorkerStats
+from .sweeper import Sweeper
+
+__all__ = ["AsyncWorker"]
+
+
+class _Runtime(Worker):
+    """The thread Worker's lifecycle, on an :class:`AsyncDriver`."""
+
+    def _make_driver(self, engine: Any) -> Driver:
+        return AsyncDriver(engine, threads=self.config.concurrency)
+
+    def _default_sessions(self, engine: Any) -> Callable[[], Any]:
+        return async_sessionmaker(engine, class_=AsyncQueueSession)
+
+    def _check_handler(self, handler: ResolvedHandler) -> None:
+        """Every kind runs: ``async def`` as tasks, plain functions in a thread pool."""
+
+
+class AsyncWorker:
+    """Run ``handler`` for the jobs of ``model``'s table, on the running event loop.
+
+    ``handler`` takes ``(job)`` or ``(job, session)`` and may be ``async def`` or a plain
+    function, or it is a :class:`~sqla_queue.Tasks` registry of either kind. A
+    transactional ``async def handler(job, session)`` gets an ``AsyncSession`` (default:
+    an :class:`~sqla_queue.AsyncQueueSession` on ``engine``) joined to the worker's
+    transaction: its writes commit with the job's completion, exactly once. Plain
+    handlers run in a thread pool of ``concurrency`` threads; a plain transactional one
+    runs on the loop with a synchronous session, as ``AsyncSession.run_sync`` does.
+
+    ``concurrency`` is the number of jobs run at once, each by a task with its own
+    connection. Start, stop and run it from one event loop.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: Any,
+        handler: Handler | Tasks,
+        *,
+        config: WorkerConfig | None = None,
+        session_factory: Callable[[], Any] | None = None,
+        job_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        **options: Any,
+    ) -> None:
+        self._runtime = _Runtime(
+            engine,  # type: ignore[arg-type]
+            model,
+            handler,
+            config=config,
+            session_factory=session_factory,
+            job_context=job_context,
+            **options,
+        )
+
+    # -- what the thread Worker offers too ---------------------------------------------
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._runtime.engine  # type: ignore[return-value]
+
+    @property
+    def model(self) -> Any:
+        return self._runtime.model
+
+    @property
+    def handler(self) -> Handler | Tasks:
+        return self._runtime.handler
+
+    @property
+    def config(self) -> WorkerConfig:
+        return self._runtime.config
+
+    @property
+    def session_factory(self) -> Callable[[], Any]:
+        return self._runtime.session_factory
+
+    @property
+    def owner(self) -> str:
+        return self._runtime.owner
+
+    @property
+    def stats(self) -> WorkerStats:
+        return self._runtime.stats
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._runtime.ledger
+
+    @property
+    def signal(self) -> WorkSignal:
+        return self._runtime.signal
+
+    @property
+    def executors(self) -> ExecutorPool:
+        return self._runtime.executors
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        return self._runtime.heartbeat
+
+    @property
+    def sweeper(self) -> Sweeper | None:
+        return self._runtime.sweeper
+
+    @property
+    def listener(self) -> Listener | None:
+        return self._runtime.listener
+
+    @property
+    def stopped(self) -> bool:
+        return self._runtime.stopped
+
+    def services(self) -> list[Service]:
+        return self._runtime.services()
+
+    def held(self) -> list[ClaimToken]:
+        """Tokens of the jobs this worker holds right now."""
+        return self._runtime.held()
+
+    def idle(self) -> bool:
+        """No job held, every executor waiting for work, none due within the poll."""
+        return self._runtime.idle()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop gracefully (from any thread; returns at once)."""
+        self._runtime.request_stop()
+
+    @staticmethod
+    def check_options(**options: Any) -> None:
+        """Raise now (TypeError, ValueError) for options a worker would refuse later."""
+        check_options(**options)
+
+    def with_options(self, **options: Any) -> AsyncWorker:
+        """A new, unstarted worker like this one with some options changed."""
+        if not options:
+            return self
+        from dataclasses import replace
+
+        return AsyncWorker(
+            self.engine,
+            self.model,
+            self.handler,
+            config=replace(self.config, **options),
+            session_factory=self.session_factory,
+            job_context=self._runtime.job_context,
+        )
+
+    # -- lifecycle, awaited ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check the database and the table, start every service, and return.
+
+        Raises :class:`~sqla_queue.WorkerStartError` (one clear line) when the database
+        cannot be reached or the table is missing or lacks the queue columns.
+        """
+        await run_in_greenlet(self._runtime.start)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop claiming, let running jobs finish within ``grace``, hand back the rest
+        and cancel their tasks. Returns within ``grace`` plus a few seconds."""
+        await run_in_greenlet(self._runtime.stop, grace)
+
+    async def run(self, *, install_signal_handlers: bool = True, until_idle: bool = False) -> None:
+        """Run until stopped (SIGTERM/SIGINT, :meth:`request_stop`), then stop gracefully.
+
+        The first signal stops claiming and lets running jobs finish within
+        ``shutdown_grace``; a second one hands everything back at once. Cancelling the
+        task that awaits ``run()`` is that second signal: everything is handed back, the
+        handlers' tasks are cancelled, and ``CancelledError`` propagates.
+        """
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._runtime._on_signal, sig, None)
+                installed.append(sig)
+        try:
+            await self.start()
+            try:
+                await run_in_greenlet(self._runtime._wait_for_stop, until_idle)
+            except asyncio.CancelledError:
+                self._runtime._hard_stop.set()
+                await self.stop(grace=0)
+                raise
+            await self.stop()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    async def __aenter__(self) -> AsyncWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
