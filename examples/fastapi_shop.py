@@ -107,12 +107,17 @@ router = APIRouter()
 
 @router.post("/orders", status_code=201)
 async def place_order(data: OrderIn, db: DB) -> dict[str, int]:
-    order = Order(product_id=data.product_id, quantity=data.quantity, email=data.email)
+    # The product is locked first: inserting the order takes a key-share lock on it (the
+    # foreign key), and two orders upgrading theirs to FOR UPDATE would deadlock.
+    product = await db.get(Product, data.product_id, with_for_update=True)
+    if product is None:
+        raise HTTPException(404, f"no product {data.product_id}")
+    order = Order(product_id=product.id, quantity=data.quantity, email=data.email)
     db.add(order)
     await db.flush()
     db.enqueue(ConfirmOrder(order_id=order.id), max_attempts=5)
     try:
-        await take_from_stock(db, order)
+        take_from_stock(product, order)
     except OutOfStock as exc:
         await db.rollback()  # the order and its job go together
         raise HTTPException(409, str(exc)) from None
@@ -130,10 +135,9 @@ async def show_order(order_id: int, db: DB) -> dict[str, Any]:
     return {"order_id": order.id, "confirmed": bool(confirmed), "job": job}
 
 
-async def take_from_stock(db: AsyncSession, order: Order) -> None:
-    product = await db.get(Product, order.product_id, with_for_update=True)
-    if product is None or product.stock < order.quantity:
-        raise OutOfStock(f"only {product.stock if product else 0} left")
+def take_from_stock(product: Product, order: Order) -> None:
+    if product.stock < order.quantity:
+        raise OutOfStock(f"only {product.stock} left")
     product.stock -= order.quantity
 
 
@@ -194,8 +198,8 @@ async def tour(database_url: str) -> None:
             for state in states:
                 print(f"order {state['order_id']}: confirmed={state['confirmed']} job={state['job']}")
         async with own.connect() as conn:
-            counted = select(Confirmation.order_id, func.count()).group_by(Confirmation.order_id)
-            per_order = dict(sorted((await conn.execute(counted)).tuples()))
+            counted = select(Confirmation.order_id, func.count().label("n")).group_by(Confirmation.order_id)
+            per_order = {row.order_id: row.n for row in await conn.execute(counted.order_by(Confirmation.order_id))}
         print(f"confirmations per order: {per_order}")
         print(f"worker stats: {app.state.worker.stats}")
     finally:

@@ -20,24 +20,24 @@ from .models import Effect, Task
 
 tasks = Tasks()
 
-#: Handlers running right now in this process, and the most there ever were at once.
+#: Handlers running right now in this process.
 _running = 0
-_peak = 0
 
 
 @tasks.task
 async def record(job: Any, session: AsyncSession) -> None:
-    """Transactional: the Effect row commits with the job's completion; its note says how
-    many handlers this process ran at once, so far."""
-    global _running, _peak
+    """Transactional: the Effect row, written before the pause, commits with the job's
+    completion or rolls back with it; its note says how many handlers this process was
+    running at once when the job started."""
+    global _running
     _running += 1
-    _peak = max(_peak, _running)
     try:
+        session.add(Effect(job_id=job.id, worker=str(os.getpid()), note=f"running {_running}"))
+        await session.flush()
         started = job.payload.get("started")
         if started:
             Path(started).write_text(str(os.getpid()))
         await asyncio.sleep(float(job.payload.get("sleep", 0)))
-        session.add(Effect(job_id=job.id, worker=str(os.getpid()), note=f"peak {_peak}"))
     finally:
         _running -= 1
 

@@ -297,7 +297,7 @@ def test_worker_runs_an_async_worker_with_the_command_line_options(engine: Engin
     notes = effect_notes(engine)
     assert sorted(notes) == ids and all(len(n) == 1 for n in notes.values())
     # Three handlers ran at once, never more: --concurrency 3, not the default 4.
-    assert max(int(n[0].removeprefix("peak ")) for n in notes.values()) == 3
+    assert max(int(n[0].removeprefix("running ")) for n in notes.values()) == 3
 
 
 def test_admin_commands_take_an_async_worker_target(engine: Engine, capsys: Any) -> None:
@@ -354,7 +354,7 @@ def test_sigterm_hands_back_an_async_job_that_outlives_the_grace(
     assert worker.wait(15) == 0, worker.log()
     (row,) = task_rows(engine)
     assert (row.id, row.status, row.lease_owner, row.attempts) == (job_id, "pending", None, 1)
-    assert not effect_notes(engine)  # the cancelled handler's writes rolled back
+    assert not effect_notes(engine)  # the cancelled handler's flushed write rolled back
 
 
 def test_second_signal_stops_an_async_worker_at_once(

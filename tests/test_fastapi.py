@@ -80,8 +80,10 @@ def test_every_order_is_confirmed_once_by_the_worker_in_the_lifespan(server: Ser
 
             await wait_until(all_done, what="every confirmation job done")
             async with engine.connect() as conn:
-                counted = select(shop.Confirmation.order_id, func.count()).group_by(shop.Confirmation.order_id)
-                per_order: dict[int, int] = dict((await conn.execute(counted)).tuples())
+                counted = select(shop.Confirmation.order_id, func.count().label("n")).group_by(
+                    shop.Confirmation.order_id
+                )
+                per_order = {row.order_id: row.n for row in await conn.execute(counted)}
                 jobs = (await conn.execute(select(shop.ConfirmOrder.order_id, shop.ConfirmOrder.attempts))).all()
             assert per_order == dict.fromkeys(placed, 1)
             assert sorted(jobs) == [(order_id, 1) for order_id in placed]
