@@ -1,14 +1,16 @@
 """The sqla-queue command line: run workers, sweep, inspect, requeue and prune.
 
 TARGET is module:attribute (the module importable from the current directory): a
-sqla_queue Worker, a function returning one, or, for the commands that do not run jobs,
-a queue model together with --url (or DATABASE_URL).
+sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
+not run jobs, a queue model together with --url (or DATABASE_URL).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import inspect
 import logging
 import os
 import re
@@ -85,6 +87,7 @@ def load_target(spec: str) -> Any:
 
 
 def _worker_from(target: Any) -> Any:
+    """The Worker or AsyncWorker ``target`` is, or that calling it returns."""
     from .worker import Worker
     from .worker.aio import AsyncWorker
 
@@ -95,6 +98,9 @@ def _worker_from(target: Any) -> Any:
         made = target()
         if isinstance(made, kinds):
             return made
+        if inspect.iscoroutine(made):
+            made.close()  # never awaited: closed, so no "never awaited" warning follows the error
+            raise CommandError(f"{target!r} is a coroutine function: make it a plain one returning the worker")
         raise CommandError(
             f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker or AsyncWorker"
         )
@@ -109,6 +115,7 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from .errors import NotAQueueModel
     from .model import queue_table
     from .worker import Worker
+    from .worker.aio import AsyncWorker
 
     target = load_target(args.target)
     if isinstance(target, type):
@@ -126,7 +133,10 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
         except NotAQueueModel as exc:
             raise CommandError(str(exc)) from None
         return create_engine(url), target
-    worker = target if isinstance(target, Worker) else _worker_from(target)
+    worker = target if isinstance(target, Worker | AsyncWorker) else _worker_from(target)
+    if isinstance(worker, AsyncWorker):
+        # The admin commands are synchronous: a synchronous engine on the same database.
+        return create_engine(worker.engine.url.set(drivername="postgresql+psycopg")), worker.model
     return worker.engine, worker.model
 
 
@@ -287,22 +297,29 @@ def check_database(engine: Any, model: Any) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from .worker.aio import AsyncWorker
+
     overrides = _overrides(args)
     worker = _worker_from(load_target(args.target))
     try:
         worker = worker.with_options(**overrides)
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    from .worker.aio import AsyncWorker
-
     if isinstance(worker, AsyncWorker):
-        import asyncio
-
-        asyncio.run(worker.run(until_idle=args.until_idle))  # start() checks the table
+        asyncio.run(_run_async(worker, until_idle=args.until_idle))
         return 0
     check_database(worker.engine, worker.model)
     worker.run(until_idle=args.until_idle)
     return 0
+
+
+async def _run_async(worker: Any, *, until_idle: bool) -> None:
+    """Run an AsyncWorker (its start checks the database), then close its engine's
+    connections while the event loop that made them still runs."""
+    try:
+        await worker.run(until_idle=until_idle)
+    finally:
+        await worker.engine.dispose()
 
 
 @contextmanager
@@ -376,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     seconds, positive_seconds = _seconds(positive=False), _seconds(positive=True)
 
     worker = _subcommand(subparsers, "worker", "run a worker until SIGTERM/SIGINT")
-    worker.add_argument("target", help="module:attr of a Worker, or of a function returning one")
-    worker.add_argument("--concurrency", type=positive_int, help="handler threads")
+    worker.add_argument("target", help="module:attr of a Worker or AsyncWorker, or of a function returning one")
+    worker.add_argument("--concurrency", type=positive_int, help="handler threads (tasks, for an AsyncWorker)")
     worker.add_argument("--batch-size", type=positive_int, help="most jobs per claim")
     worker.add_argument("--lease", type=positive_seconds, help="lease length (e.g. 60s)")
     worker.add_argument("--heartbeat", type=positive_seconds, help="heartbeat interval (default lease/3)")
@@ -391,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def admin(name: str, help: str) -> argparse.ArgumentParser:
         sub = _subcommand(subparsers, name, help)
-        sub.add_argument("target", help="module:attr of a Worker (or factory), or of a queue model")
+        sub.add_argument("target", help="module:attr of a Worker or AsyncWorker (or factory), or of a queue model")
         sub.add_argument(
             "--url",
             type=database_url,

@@ -116,8 +116,15 @@ def worker_processes(tmp_path: object, runtime: Any) -> Iterator[object]:
 
     started: list[WorkerProcess] = []
 
-    def start(*args: str, app_name: str = "sqla_queue_worker", url: str | None = None) -> WorkerProcess:
-        process = WorkerProcess(*args, app_name=app_name, log_dir=tmp_path, url=url, runtime=runtime.name)
+    def start(
+        *args: str,
+        app_name: str = "sqla_queue_worker",
+        url: str | None = None,
+        target: str = "tests.worker_app:make_worker",
+    ) -> WorkerProcess:
+        process = WorkerProcess(
+            *args, app_name=app_name, log_dir=tmp_path, url=url, target=target, runtime=runtime.name
+        )
         started.append(process)
         return process
 

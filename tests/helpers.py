@@ -89,10 +89,16 @@ def notifications_until_sentinel(listen_conn: Any, conninfo: str, timeout: float
 
 
 class WorkerProcess:
-    """``sqla-queue worker tests.worker_app:make_worker`` in a process of its own."""
+    """``sqla-queue worker TARGET`` (by default ``tests.worker_app:make_worker``) in a
+    process of its own."""
 
     def __init__(
-        self, *args: str, app_name: str = "sqla_queue_worker", log_dir: Any, url: str | None = None,
+        self,
+        *args: str,
+        app_name: str = "sqla_queue_worker",
+        log_dir: Any,
+        url: str | None = None,
+        target: str = "tests.worker_app:make_worker",
         runtime: str = "thread",
     ) -> None:
         import os
@@ -108,7 +114,7 @@ class WorkerProcess:
             env["SQLA_QUEUE_TEST_URL"] = url
         repo = Path(__file__).resolve().parent.parent
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sqla_queue.cli", "worker", "tests.worker_app:make_worker", *args],
+            [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args],
             cwd=repo,
             env=env,
             stdout=self._log,

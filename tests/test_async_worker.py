@@ -250,7 +250,9 @@ def tasks_noop() -> Tasks:
 
 def _lease(engine: Engine, job_id: int) -> Any:
     with engine.connect() as conn:
-        return conn.scalar(select(TASKS.c.lease_expires_at).where(TASKS.c.id == job_id)).timestamp()
+        lease = conn.scalar(select(TASKS.c.lease_expires_at).where(TASKS.c.id == job_id))
+        assert lease is not None
+        return lease.timestamp()
 
 
 def test_async_with_starts_and_stops_it(engine: Engine, Sessions: Any) -> None:

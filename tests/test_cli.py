@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -14,11 +15,13 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy.orm import sessionmaker
 
+from sqla_queue import QueueSession
 from sqla_queue.cli import build_parser, main, parse_duration
 
-from .helpers import Server, table_of
-from .models import EmailJob
+from .helpers import Server, table_of, wait_for
+from .models import Effect, EmailJob, Task
 
 JOBS = table_of(EmailJob)
 REPO = Path(__file__).resolve().parent.parent
@@ -74,7 +77,11 @@ def test_bad_targets_get_one_clear_line(url: str, capsys: Any) -> None:
     assert main(["stats", "tests.nowhere:X", "--url", url]) == 2
     assert "cannot import 'tests.nowhere'" in capsys.readouterr().err
     assert main(["worker", "tests.models:EmailJob"]) == 2
-    assert "not a sqla_queue.Worker" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is not a sqla_queue.Worker or" in err and "AsyncWorker" in err
+    assert main(["worker", "tests.models:all_tables"]) == 2
+    err = capsys.readouterr().err
+    assert "returned list, not a sqla_queue.Worker or" in err and "AsyncWorker" in err
     assert main(["stats", "tests.models:Order", "--url", url]) == 2
     assert "'orders' is not a queue table" in capsys.readouterr().err
 
@@ -252,3 +259,115 @@ def test_bare_postgres_urls_use_psycopg(engine: Engine, server: Server, scheme: 
     assert bare.startswith(f"{scheme}://")
     assert main(["stats", MODEL, "--url", bare]) == 0
     assert "(no jobs)" in capsys.readouterr().out
+
+
+# -- an AsyncWorker target: run with asyncio.run(worker.run()), the same options apply -------
+
+ASYNC_WORKER = "tests.async_worker_app:make_worker"
+TASKS = table_of(Task)
+
+
+def add_tasks(engine: Engine, n: int, **payload: Any) -> list[int]:
+    with sessionmaker(engine, class_=QueueSession)() as session:
+        jobs = [session.enqueue(Task(task="record", payload=dict(payload))) for _ in range(n)]
+        session.commit()
+        return [job.id for job in jobs]
+
+
+def task_rows(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(TASKS.c.id, TASKS.c.status, TASKS.c.attempts, TASKS.c.lease_owner)))
+
+
+def effect_notes(engine: Engine) -> dict[int, list[str]]:
+    notes: dict[int, list[str]] = {}
+    with engine.connect() as conn:
+        for job_id, note in conn.execute(select(Effect.job_id, Effect.note)):
+            notes.setdefault(job_id, []).append(note)
+    return notes
+
+
+@pytest.mark.parametrize("target", [ASYNC_WORKER, "tests.async_worker_app:worker"])
+def test_worker_runs_an_async_worker_with_the_command_line_options(engine: Engine, target: str) -> None:
+    ids = add_tasks(engine, 9, sleep=0.3)
+    result = run_cli("worker", target, "--until-idle", "--concurrency", "3", "--batch-size", "1",
+                     "--poll-interval", "0.5s")
+    assert result.returncode == 0, result.stderr
+    assert {(r.id, r.status, r.attempts) for r in task_rows(engine)} == {(i, "done", 1) for i in ids}
+    notes = effect_notes(engine)
+    assert sorted(notes) == ids and all(len(n) == 1 for n in notes.values())
+    # Three handlers ran at once, never more: --concurrency 3, not the default 4.
+    assert max(int(n[0].removeprefix("running ")) for n in notes.values()) == 3
+
+
+def test_admin_commands_take_an_async_worker_target(engine: Engine, capsys: Any) -> None:
+    add_tasks(engine, 2)
+    assert main(["stats", ASYNC_WORKER]) == 0
+    assert "pending" in capsys.readouterr().out
+
+
+def test_async_worker_on_a_missing_table_fails_at_start_in_one_line(url: str, tmp_path: Path) -> None:
+    (tmp_path / "unmigrated_async_app.py").write_text(
+        "import os\n"
+        "from sqlalchemy.ext.asyncio import create_async_engine\n"
+        "from sqlalchemy.orm import DeclarativeBase\n"
+        "from sqla_queue import AsyncWorker, JobMixin\n"
+        "class Base(DeclarativeBase):\n"
+        "    pass\n"
+        "class NeverCreated(Base, JobMixin):\n"
+        "    __tablename__ = 'never_created_async_jobs'\n"
+        "async def handle(job):\n"
+        "    pass\n"
+        "def make_worker():\n"
+        "    return AsyncWorker(create_async_engine(os.environ['SQLA_QUEUE_TEST_URL']), NeverCreated, handle)\n"
+    )
+    result = run_cli(
+        "worker",
+        "unmigrated_async_app:make_worker",
+        "--until-idle",
+        cwd=tmp_path,
+        env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )
+    line = _one_line_start_failure(result)
+    assert "never_created_async_jobs" in line and "does not exist" in line
+
+
+def test_sigterm_lets_a_running_async_job_finish(engine: Engine, worker_processes: Any, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    (job_id,) = add_tasks(engine, 1, sleep=1.5, started=str(started))
+    worker = worker_processes("--shutdown-grace", "20s", "--poll-interval", "0.5s", target=ASYNC_WORKER)
+    wait_for(started.exists, what="the job to start")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.log()
+    assert [(r.id, r.status) for r in task_rows(engine)] == [(job_id, "done")]
+    assert list(effect_notes(engine)) == [job_id]
+
+
+def test_sigterm_hands_back_an_async_job_that_outlives_the_grace(
+    engine: Engine, worker_processes: Any, tmp_path: Path
+) -> None:
+    started = tmp_path / "started"
+    (job_id,) = add_tasks(engine, 1, sleep=60, started=str(started))
+    worker = worker_processes("--shutdown-grace", "0.5s", "--poll-interval", "0.5s", target=ASYNC_WORKER)
+    wait_for(started.exists, what="the job to start")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(15) == 0, worker.log()
+    (row,) = task_rows(engine)
+    assert (row.id, row.status, row.lease_owner, row.attempts) == (job_id, "pending", None, 1)
+    assert not effect_notes(engine)  # the cancelled handler's flushed write rolled back
+
+
+def test_second_signal_stops_an_async_worker_at_once(
+    engine: Engine, worker_processes: Any, tmp_path: Path
+) -> None:
+    started = tmp_path / "started"
+    add_tasks(engine, 1, sleep=60, started=str(started))
+    worker = worker_processes("--shutdown-grace", "60s", "--poll-interval", "0.5s", target=ASYNC_WORKER)
+    wait_for(started.exists, what="the job to start")
+    worker.signal(signal.SIGTERM)
+    worker.wait_for_log("finishing running jobs")
+    worker.signal(signal.SIGINT)
+    assert worker.wait(15) == 0, worker.log()  # long before the 60 s grace
+    (row,) = task_rows(engine)
+    assert (row.status, row.lease_owner) == ("pending", None)
+    assert not effect_notes(engine)

@@ -39,6 +39,14 @@ def test_flask_shop_example(server: Server) -> None:
     assert "outbox: ['order-1.eml', 'order-2.eml']" in out
 
 
+def test_fastapi_shop_example(server: Server) -> None:
+    out = run_example("fastapi_shop.py", server)
+    assert "order by cy@example.com   x3: HTTP 409" in out  # out of stock: nothing kept
+    assert "order 1: confirmed=True job=done" in out
+    assert "order 2: confirmed=True job=done" in out
+    assert "confirmations per order: {1: 1, 2: 1}" in out
+
+
 def test_alembic_project_example(server: Server) -> None:
     out = run_example("alembic_project/run.py", server)
     assert "$ " in out and "alembic init migrations" in out

@@ -105,7 +105,7 @@ class Executor:
                 with self.job_context():
                     return self._call(held, handler, lane)
             return self._call(held, handler, lane)
-        except BaseException as exc:  # noqa: BLE001 - whatever a handler raises is its job's
+        except BaseException as exc:
             if self.runtime.cancelled():
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
             return self.failure(held, exc)
@@ -184,7 +184,7 @@ class Executor:
                 if inspect.isawaitable(result):
                     return self._awaitable(held, handler, result)
                 session.commit()
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 if self.runtime.cancelled():
                     raise
                 return self.failure(held, exc)
