@@ -3,10 +3,15 @@
 ``enqueue()`` adds an ORM object to the session, and the unit of work inserts it at the
 flush: that costs more Python time than the round trips themselves. ``enqueue_values()``
 skips the ORM: it checks the values with the same rules and runs one statement, an
-``INSERT … RETURNING`` that also sends the wake-up (built by SQLAlchemy and compiled once
-per set of columns), directly on the session's psycopg connection, inside its transaction. The job
-commits or rolls back with the caller's other writes, as with ``enqueue()``; no object is
-added to the session, so nothing of the job is in its identity map.
+``INSERT … RETURNING`` that also sends the wake-up, directly on the session's psycopg
+connection, inside its transaction. The job commits or rolls back with the caller's other
+writes, as with ``enqueue()``; no object is added to the session, so nothing of the job is
+in its identity map.
+
+Everything that depends only on the model, the dialect and which columns are given (the
+SQL, compiled by SQLAlchemy; the checks that apply; the defaults, already converted for
+the driver) is worked out once, on the first call of that shape: a later call looks its
+plan up by those keys, checks its values and sends them.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from functools import lru_cache
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import Connection, Select, String, Table, bindparam, func, insert, literal, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session, scoped_session
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import ColumnElement, False_, True_
 
 from ._rules import (
     check_json,
@@ -28,7 +33,7 @@ from ._rules import (
     table_rules,
     validate_options,
 )
-from .driver import Statement, compile_statement
+from .driver import compile_statement
 from .errors import EnqueueError
 from .model import QueueTable, queue_table
 from .session import _resolve_session
@@ -39,6 +44,11 @@ __all__ = ["enqueue_values"]
 _DELAY_PARAM = "sqla_queue_delay_seconds"
 #: ``DEFAULT`` in the VALUES list: the column's server default.
 _DEFAULT: ColumnElement[Any] = literal_column("DEFAULT")
+#: Where a pooled connection keeps the psycopg cursor the fast path reuses (the pool
+#: clears a connection's ``info`` when it replaces the DBAPI connection).
+_CURSOR: Final = "sqla_queue.enqueue_values.cursor"
+#: Plans kept at most (a new shape past that starts the cache afresh).
+_MAX_PLANS: Final = 1024
 
 
 def enqueue_values(
@@ -64,56 +74,94 @@ def enqueue_values(
     callables) or server defaults. The NOTIFY is sent by the INSERT itself: PostgreSQL
     delivers it on commit, once per table and queue per transaction.
     """
-    qt = queue_table(model)
-    table = qt.table
-    options, delay_by = validate_options(
-        queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
-    )
+    target = _targets.get(model) or _target(model)
     row = dict(values) if values else {}
-    row.update(options)
-    conn = _connection(session, qt)
-    plan = _plan(table, qt.channel, frozenset(row), delay_by is not None, conn.dialect)
-    plan.check(row, conn.dialect)
-    params = plan.params(row)
-    if delay_by is not None:
-        params[_DELAY_PARAM] = delay_by
-    raw: Any = conn.connection.dbapi_connection
-    if raw is not None and conn.dialect.driver == "psycopg" and not conn.dialect.is_async:
-        row_out = raw.execute(plan.compiled.sql, plan.compiled.params(params)).fetchone()
-        pk = row_out[0]
-    else:
-        pk = conn.execute(plan.statement, params).scalars().one()
-    return pk
+    delay_by = None
+    if queue is not None or priority is not None or delay is not None or run_at is not None or max_attempts is not None:
+        options, delay_by = validate_options(
+            queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
+        )
+        row.update(options)
+    conn = session if isinstance(session, Connection) else _session_connection(session, target)
+    dialect = conn.dialect
+    key = (target.table, dialect, delay_by is not None, *row)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(target.table, target.channel, frozenset(row), delay_by is not None, dialect)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    plan.check(row)
+    if plan.direct:
+        if not conn.in_transaction():
+            # What Connection.execute would do first (autobegin): then commit() on a
+            # "commit as you go" connection commits the job, and close() rolls it back.
+            conn.begin()
+        pooled = conn.connection
+        raw: Any = pooled.dbapi_connection
+        if raw is not None:
+            info = pooled.info
+            cursor = info.get(_CURSOR)
+            if cursor is None or cursor.connection is not raw or cursor.closed:
+                cursor = info[_CURSOR] = raw.cursor()
+            cursor.execute(plan.sql, plan.driver_params(row, delay_by))
+            return cursor.fetchone()[0]
+    return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
 
 
-def _connection(session: Session | scoped_session[Any] | Connection, qt: QueueTable) -> Connection:
-    if isinstance(session, Connection):
-        return session
+class _Target:
+    """What one model resolves to, once: its queue table, and how a Session finds its bind."""
+
+    __slots__ = ("bind_arguments", "channel", "table")
+
+    def __init__(self, qt: QueueTable) -> None:
+        self.table = qt.table
+        self.channel = qt.channel
+        self.bind_arguments: dict[str, Any] = (
+            {"mapper": qt.mapped_class} if qt.mapped_class is not None else {"clause": qt.table}
+        )
+
+
+_targets: dict[Any, _Target] = {}
+_plans: dict[tuple[Any, ...], _Plan] = {}
+
+
+def _target(model: Any) -> _Target:
+    target = _Target(queue_table(model))  # raises NotAQueueModel for anything else
+    if isinstance(model, (type, Table)):  # not instances: they would pile up
+        _targets[model] = target
+    return target
+
+
+def _session_connection(session: Session | scoped_session[Any], target: _Target) -> Connection:
     resolved = _resolve_session(session)
     if not isinstance(resolved, Session):
         raise TypeError(
             f"enqueue_values needs a Session or a Connection, got {type(session).__qualname__}"
             " (from async code: await session.run_sync(lambda s: enqueue_values(s, ...)))"
         )
-    bind_arguments: dict[str, Any] = (
-        {"mapper": qt.mapped_class} if qt.mapped_class is not None else {"clause": qt.table}
-    )
-    return resolved.connection(bind_arguments=bind_arguments)
+    return resolved.connection(bind_arguments=target.bind_arguments)
 
 
 class _Plan:
-    """The INSERT for one set of given columns, and how to fill the others."""
+    """The INSERT for one set of given columns, how to check them and fill the others."""
 
     def __init__(self, table: Table, channel: str, keys: frozenset[str], delayed: bool, dialect: Dialect) -> None:
         unknown = sorted(keys - set(table.c.keys()))
         if unknown:
             raise EnqueueError(f"{table.name} has no column {', '.join(map(repr, unknown))}")
-        self.rules = table_rules(table)
-        self.serializer = dialect_json_serializer(dialect)
-        self.json = self.rules.json & keys
+        rules = table_rules(table)
+        serializer = dialect_json_serializer(dialect)
+        #: The JSON columns given (checked even when None: JSON null is a value).
+        self.json: list[tuple[str, Callable[[Any], Any]]] = [(key, serializer) for key in sorted(rules.json & keys)]
+        #: The other given columns that have a check, and the check.
+        self.checks: list[tuple[str, Callable[[Any, str], None]]] = [
+            (key, rules.checks[key]) for key in sorted(keys - rules.json) if key in rules.checks
+        ]
         values: dict[str, Any] = {key: bindparam(key, type_=table.c[key].type) for key in keys}
-        #: Columns filled by a Python default: (key, value, or a callable to call per row).
-        self.defaults: list[tuple[str, Any, Callable[[], Any] | None]] = []
+        scalars: dict[str, Any] = {}
+        #: Columns filled per row by a Python callable default.
+        self.callables: list[tuple[str, Callable[[], Any]]] = []
         for column in table.c:
             if column.key in keys or column.default is None:
                 continue
@@ -124,13 +172,13 @@ class _Plan:
                 values[column.key] = default.arg
             elif default.is_callable:
                 values[column.key] = bindparam(column.key, type_=column.type)
-                self.defaults.append((column.key, None, _no_context(default.arg)))
+                self.callables.append((column.key, _no_context(default.arg)))
             elif default.is_scalar:
                 if _server_says_the_same(column):
                     values[column.key] = _DEFAULT  # the server fills it in alike: one parameter less
                     continue
                 values[column.key] = bindparam(column.key, type_=column.type)
-                self.defaults.append((column.key, default.arg, None))
+                scalars[column.key] = default.arg
         if delayed:
             values["run_after"] = delay_from_insert(bindparam(_DELAY_PARAM))  # type: ignore[arg-type]
         (pk,) = table.primary_key.columns
@@ -141,36 +189,80 @@ class _Plan:
         self.statement: Select[Any] = select(
             job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
         )
-        self.compiled: Statement = compile_statement(self.statement, dialect)
+        #: On psycopg (sync), the statement runs on the DBAPI cursor: SQLAlchemy's
+        #: execution machinery would cost more Python time than the round trip.
+        self.direct = dialect.driver == "psycopg" and not dialect.is_async
+        compiled = compile_statement(self.statement, dialect)
+        self.sql = compiled.sql
+        #: The SQLAlchemy-level values of the scalar defaults (for ``Connection.execute``).
+        self.scalars = scalars
+        processors = compiled.processors
+        per_call = set(keys) | {key for key, _ in self.callables} | {_DELAY_PARAM}
+        #: Every parameter that does not change per call, ready for the driver: the
+        #: compiled literals and the scalar defaults, converted once here.
+        self.fixed: dict[str, Any] = {
+            name: value for name, value in compiled.defaults.items() if name not in per_call
+        }
+        self.fixed.update(scalars)
+        for name, value in self.fixed.items():
+            process = processors.get(name)
+            if process is not None and value is not None:
+                self.fixed[name] = process(value)
+        #: The converters of the parameters that change per call.
+        self.processors: list[tuple[str, Callable[[Any], Any]]] = [
+            (name, process) for name, process in processors.items() if name in per_call
+        ]
 
-    def check(self, row: Mapping[str, Any], dialect: Dialect) -> None:
+    def check(self, row: Mapping[str, Any]) -> None:
         violation = managed_violation(row)
         if violation is not None:
             key, value = violation
             raise EnqueueError(f"{key} is managed by the queue; do not set it (got {value!r})")
-        rules = self.rules
-        for key, value in row.items():
-            if key in self.json:
-                check_json(value, key, self.serializer)
-            elif value is not None:
-                rules.check(key, value)
+        for key, serializer in self.json:
+            check_json(row[key], key, serializer)
+        for key, check in self.checks:
+            value = row[key]
+            if value is not None:
+                check(value, key)
 
-    def params(self, row: Mapping[str, Any]) -> dict[str, Any]:
+    def params(self, row: Mapping[str, Any], delay: float | None) -> dict[str, Any]:
+        """The parameters for ``Connection.execute`` (SQLAlchemy converts them)."""
         params = dict(row)
-        for key, value, make in self.defaults:
-            params[key] = make() if make is not None else value
+        params.update(self.scalars)
+        for key, make in self.callables:
+            params[key] = make()
+        if delay is not None:
+            params[_DELAY_PARAM] = delay
+        return params
+
+    def driver_params(self, row: Mapping[str, Any], delay: float | None) -> dict[str, Any]:
+        """The parameters for the psycopg cursor, converted as SQLAlchemy would."""
+        params = dict(self.fixed)
+        params.update(row)
+        for key, make in self.callables:
+            params[key] = make()
+        if delay is not None:
+            params[_DELAY_PARAM] = delay
+        for name, process in self.processors:
+            value = params[name]
+            if value is not None:
+                params[name] = process(value)
         return params
 
 
 def _server_says_the_same(column: Any) -> bool:
     """The column's server default is the literal its Python default would send (the
-    mixin's columns: ``default=0, server_default=text("0")``)."""
+    mixin's columns: ``default=0, server_default=text("0")``, ``default=False,
+    server_default=false()``)."""
     server = column.server_default
     arg = getattr(server, "arg", None)
-    if arg is None or isinstance(column.default.arg, bool):
+    python = column.default.arg
+    if arg is None:
         return False
+    if isinstance(python, bool):
+        return (python is False and isinstance(arg, False_)) or (python is True and isinstance(arg, True_))
     text = arg if isinstance(arg, str) else getattr(arg, "text", None)
-    return text is not None and text.strip("'") == str(column.default.arg)
+    return text is not None and text.strip("'") == str(python)
 
 
 def _no_context(fn: Callable[..., Any]) -> Callable[[], Any]:

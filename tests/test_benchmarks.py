@@ -24,6 +24,7 @@ EXPECTED_ROWS = (
     "enqueue, 1 job per transaction |",
     "enqueue, 1 job per transaction, fast path (enqueue_values) in a Session |",
     "enqueue, 1 job per transaction, fast path (enqueue_values) on a Connection |",
+    "enqueue, 1 job per transaction, fast path (enqueue_values) on one open Connection",
     "enqueue, 1 job per transaction: plain SQLAlchemy ORM",
     "enqueue, 1 job per transaction: session.enqueue() vs the plain ORM reference",
     "enqueue, 1 job per transaction + ORM business row |",

@@ -3,12 +3,14 @@ transaction, with the same checks, and one wake-up sent with the COMMIT."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Engine, func, select, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queue_table
@@ -139,3 +141,86 @@ def test_unknown_and_managed_columns_are_refused(engine: Engine, values: dict[st
     with Session(engine) as session, pytest.raises(EnqueueError, match=message):
         enqueue_values(session, EmailJob, values)
     assert rows(engine, EMAILS) == []
+
+
+def test_checks_run_on_every_call_whatever_the_shape_cached(engine: Engine) -> None:
+    """The plan of a shape (its SQL, checks and defaults) is worked out once; the values of
+    each call are still checked, and keys given in another order or with options get
+    their own plan."""
+    with Session(engine) as session:
+        enqueue_values(session, Task, {"task": "a", "payload": {"n": 1}})
+        enqueue_values(session, Task, {"payload": {"n": 2}, "task": "b"}, priority=2)
+        enqueue_values(session, Task, {"payload": {"n": 3}, "task": "c"})
+        with pytest.raises(EnqueueError, match="task name"):
+            enqueue_values(session, Task, {"task": "", "payload": {"n": 4}})
+        with pytest.raises(EnqueueError, match="priority must be"):
+            enqueue_values(session, Task, {"payload": {"n": 5}, "task": "e"}, priority=2**40)
+        session.commit()
+    assert [(t.task, t.payload, t.priority) for t in rows(engine, TASKS)] == [
+        ("a", {"n": 1}, 0),
+        ("b", {"n": 2}, 2),
+        ("c", {"n": 3}, 0),
+    ]
+
+
+def test_commit_as_you_go_and_a_replaced_dbapi_connection(engine: Engine) -> None:
+    """On a Connection with no transaction begun, the call begins one as
+    ``Connection.execute`` would, so ``commit()`` commits the job. The statement runs on a
+    cursor kept with the pooled connection; when the pool replaces the DBAPI connection,
+    the next call makes a cursor on the new one."""
+    with engine.connect() as conn:
+        enqueue_values(conn, EmailJob, {"recipient": "before@example.com"})
+        conn.commit()
+        before = conn.connection.dbapi_connection
+        conn.invalidate()
+        conn.rollback()
+        enqueue_values(conn, EmailJob, {"recipient": "after@example.com"})
+        assert conn.connection.dbapi_connection is not before
+        conn.commit()
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["before@example.com", "after@example.com"]
+
+
+def test_a_statement_the_database_refuses_aborts_the_transaction_like_any_other(engine: Engine) -> None:
+    """A value only the database can refuse (a foreign key) fails the INSERT there: the
+    transaction is aborted as by any failed statement, and nothing of it is committed."""
+    with Session(engine) as session:
+        session.add(Order(customer="lost"))
+        session.flush()
+        with pytest.raises(psycopg.errors.ForeignKeyViolation):
+            enqueue_values(session, EmailJob, {"order_id": 10**9})
+        session.rollback()
+        enqueue_values(session, EmailJob, {"recipient": "next@example.com"})
+        session.commit()
+    assert rows(engine, table_of(Order)) == []
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["next@example.com"]
+
+
+def test_an_async_session_through_run_sync(engine: Engine, server: Server) -> None:
+    """On the async driver the statement goes through ``Connection.execute`` (no psycopg
+    cursor to run it on from the sync side): the same row, defaults and delay."""
+
+    async def main() -> None:
+        async_engine = create_async_engine(server.url.set(drivername="postgresql+psycopg"))
+        try:
+            async with AsyncSession(async_engine) as session:
+                await session.run_sync(lambda s: enqueue_values(s, Task, {"task": "t"}, queue="aq", delay=60))
+                await session.run_sync(lambda s: enqueue_values(s, EmailJob))
+                await session.commit()
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(main())
+    (task,) = rows(engine, TASKS)
+    assert (task.task, task.payload, task.queue, task.isolated) == ("t", {}, "aq", False)
+    assert task.run_after - task.created_at >= timedelta(seconds=59)
+    (email,) = rows(engine, EMAILS)
+    assert (email.recipient, email.priority, email.isolated) == ("someone@example.com", 0, False)
+
+
+def test_on_an_autocommit_connection_each_call_is_committed(engine: Engine, listening: Any, server: Server) -> None:
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        first = enqueue_values(conn, EmailJob, {"recipient": "x@example.com"}, queue="auto")
+        assert [r.id for r in rows(engine, EMAILS)] == [first]  # seen by another connection
+        enqueue_values(conn, EmailJob, queue="auto")
+    assert len(rows(engine, EMAILS)) == 2
+    assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "auto")] * 2
