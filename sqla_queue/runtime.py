@@ -293,10 +293,13 @@ class ThreadRuntime:
 class AsyncRuntime:
     """Every service and executor a task on the running loop, its code in a greenlet.
 
-    ``async def`` handlers run as tasks of their own (so that shutdown can cancel
-    them); plain handlers run in a thread pool of ``threads`` threads, except those that
-    must stay on the loop (``on_loop``: a synchronous transactional handler, whose session
-    awaits on this loop underneath, as with ``AsyncSession.run_sync``).
+    ``async def`` handlers are awaited in the executor's own task (no task per job), so
+    shutdown cancels that task while it awaits a handler; the handler's exceptions,
+    ``KeyboardInterrupt`` and ``SystemExit`` included, are thrown back into the executor's
+    greenlet, never let out into the loop. Plain handlers run in a thread pool of
+    ``threads`` threads, except those that must stay on the loop (``on_loop``: a
+    synchronous transactional handler, whose session awaits on this loop underneath, as
+    with ``AsyncSession.run_sync``).
     """
 
     name = "asyncio"
@@ -304,8 +307,9 @@ class AsyncRuntime:
     def __init__(self, threads: int) -> None:
         self._threads = threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._loops: set[asyncio.AbstractEventLoop] = set()
+        #: Executor tasks awaiting a handler right now: what interrupt() cancels.
+        self._in_handler: set[asyncio.Task[Any]] = set()
+        self._kinds: dict[Any, bool] = {}
 
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
         strand = Strand(name)
@@ -327,7 +331,13 @@ class AsyncRuntime:
         return strand
 
     def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
-        if is_async_callable(fn):
+        try:
+            kind = self._kinds.get(fn)
+            if kind is None:
+                kind = self._kinds[fn] = is_async_callable(fn)
+        except TypeError:  # an unhashable callable
+            kind = is_async_callable(fn)
+        if kind:
             return self._await(fn(*args))
         if on_loop:
             result = fn(*args)
@@ -340,15 +350,13 @@ class AsyncRuntime:
         return result
 
     def _await(self, awaitable: Any) -> Any:
-        task = asyncio.ensure_future(_guarded(awaitable))
-        self._tasks.add(task)
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_handler.add(task)
         try:
-            returned, value = await_only(task)
+            return await_only(awaitable)
         finally:
-            self._tasks.discard(task)
-        if returned:
-            return value
-        raise value
+            self._in_handler.discard(task)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -356,8 +364,9 @@ class AsyncRuntime:
         return self._pool
 
     def interrupt(self) -> None:
-        """Cancel the ``async def`` handlers still running (CancelledError at their await)."""
-        for task in list(self._tasks):
+        """Cancel the ``async def`` handlers still running (CancelledError at their await):
+        their executors end with them, their jobs already handed back."""
+        for task in list(self._in_handler):
             task.get_loop().call_soon_threadsafe(task.cancel)
 
     def cancelled(self) -> bool:
@@ -375,17 +384,6 @@ def _current_task() -> asyncio.Task[Any] | None:
         return asyncio.current_task()
     except RuntimeError:  # no running loop in this thread
         return None
-
-
-async def _guarded(awaitable: Any) -> tuple[bool, Any]:
-    """A handler's coroutine, its exception returned rather than raised: asyncio lets a
-    ``KeyboardInterrupt`` or ``SystemExit`` out of a task stop the whole event loop."""
-    try:
-        return True, await awaitable
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - re-raised in the executor, which records it
-        return False, exc
 
 
 def run_in_greenlet(fn: Callable[..., Any], *args: Any) -> Coroutine[Any, Any, Any]:
