@@ -264,18 +264,7 @@ class ThreadRuntime:
     name = "thread"
 
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
-        strand = Strand(name)
-
-        def run() -> None:
-            try:
-                target(*args)
-            finally:
-                strand.finished()
-
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        strand.is_current = lambda: threading.current_thread() is thread
-        thread.start()
-        return strand
+        return _on_thread(target, name, *args)
 
     def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
         return fn(*args)
@@ -312,19 +301,9 @@ class AsyncRuntime:
         self._kinds: dict[Any, bool] = {}
 
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
+        if own_thread:  # a loop of its own, on a thread of its own
+            return _on_thread(lambda: asyncio.run(greenlet_spawn(target, *args)), name)
         strand = Strand(name)
-        if own_thread:
-
-            def run_loop() -> None:
-                try:
-                    asyncio.run(greenlet_spawn(target, *args))
-                finally:
-                    strand.finished()
-
-            thread = threading.Thread(target=run_loop, name=name, daemon=True)
-            strand.is_current = lambda: threading.current_thread() is thread
-            thread.start()
-            return strand
         task = asyncio.get_running_loop().create_task(greenlet_spawn(target, *args), name=name)
         task.add_done_callback(lambda _: strand.finished())
         strand.is_current = lambda: _current_task() is task
@@ -377,6 +356,21 @@ class AsyncRuntime:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _on_thread(target: Callable[..., None], name: str, *args: Any) -> Strand:
+    strand = Strand(name)
+
+    def run() -> None:
+        try:
+            target(*args)
+        finally:
+            strand.finished()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    strand.is_current = lambda: threading.current_thread() is thread
+    thread.start()
+    return strand
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -13,13 +13,13 @@ import os
 import time
 from typing import Any
 
-from sqlalchemy import create_engine
-from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from sqla_queue import AsyncWorker, Tasks, Worker
 
-from .models import Effect, Task
+from .models import Effect
+from .worker_app import worker_for
 
 tasks = Tasks()
 
@@ -57,8 +57,4 @@ async def quick_async(job: Any) -> None:
 
 def make_worker() -> Worker | AsyncWorker:
     """A thread ``Worker``, or an ``AsyncWorker`` when ``SQLA_QUEUE_TEST_RUNTIME=asyncio``."""
-    url = os.environ["SQLA_QUEUE_TEST_URL"]
-    connect_args = {"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")}
-    if os.environ.get("SQLA_QUEUE_TEST_RUNTIME") == "asyncio":
-        return AsyncWorker(create_async_engine(url, connect_args=connect_args), Task, async_tasks)
-    return Worker(create_engine(url, connect_args=connect_args), Task, tasks)
+    return worker_for(tasks, async_tasks)

@@ -114,9 +114,14 @@ async def later_async(job: Any) -> None:
     later(job)
 
 
-def make_worker() -> Worker | AsyncWorker:
+def worker_for(thread_tasks: Tasks, asyncio_tasks: Tasks) -> Worker | AsyncWorker:
+    """A worker on the test database for the runtime ``SQLA_QUEUE_TEST_RUNTIME`` names."""
     url = os.environ["SQLA_QUEUE_TEST_URL"]
     connect_args = {"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")}
     if os.environ.get("SQLA_QUEUE_TEST_RUNTIME") == "asyncio":
-        return AsyncWorker(create_async_engine(url, connect_args=connect_args), Task, async_tasks)
-    return Worker(create_engine(url, connect_args=connect_args), Task, tasks)
+        return AsyncWorker(create_async_engine(url, connect_args=connect_args), Task, asyncio_tasks)
+    return Worker(create_engine(url, connect_args=connect_args), Task, thread_tasks)
+
+
+def make_worker() -> Worker | AsyncWorker:
+    return worker_for(tasks, async_tasks)
