@@ -11,8 +11,9 @@ sqla_queue: an ``AsyncQueueSession`` per request on an ``AsyncEngine`` (psycopg 
 Baseline: one open ``psycopg.AsyncConnection``, ``INSERT``, ``SELECT pg_notify`` and
 ``commit()``, each awaited. A third side, the same ORM insert and NOTIFY in a plain
 ``AsyncSession`` without sqla_queue, shows how much of the gap is SQLAlchemy's async ORM.
-The fast path from asyncio, ``await conn.run_sync(enqueue_values, Model, values)`` on an
-autocommit ``AsyncConnection`` (one statement, as pgqueuer's), runs too.
+The fast path from asyncio, ``await enqueue_values(…)``, runs as a user writes it: in an
+``AsyncQueueSession`` per transaction and in ``async with engine.begin()`` (against the
+baseline), and on one open autocommit ``AsyncConnection`` (one statement, as pgqueuer's).
 When pgqueuer is installed, its ``Queries.enqueue`` on an autocommit asyncpg connection
 (one statement, one transaction, its trigger sends the NOTIFY; as ``benchmarks/peers.py``
 measures it) runs beside them, its schema installed by its own installer for the run.
@@ -110,16 +111,33 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
                 await session.commit()
         return n / (time.perf_counter() - start)
 
+    async def fast_session(n: int) -> float:
+        """The fast path in an AsyncQueueSession per transaction."""
+        start = time.perf_counter()
+        for i in range(n):
+            async with factory() as session:
+                await enqueue_values(session, bench.BenchJob, {"recipient": f"u{i}@example.com"})
+                await session.commit()
+        return n / (time.perf_counter() - start)
+
+    async def fast_begin(n: int) -> float:
+        """The fast path in ``async with engine.begin()`` per transaction."""
+        start = time.perf_counter()
+        for i in range(n):
+            async with async_engine.begin() as conn:
+                await enqueue_values(conn, bench.BenchJob, {"recipient": f"u{i}@example.com"})
+        return n / (time.perf_counter() - start)
+
     autocommit = await (await async_engine.connect()).execution_options(isolation_level="AUTOCOMMIT")
 
     async def fast_autocommit(n: int) -> float:
-        """The fast path, through run_sync(), on an autocommit connection: one statement."""
+        """The fast path on an autocommit connection kept open: one statement per job."""
         start = time.perf_counter()
         for i in range(n):
-            await autocommit.run_sync(enqueue_values, bench.BenchJob, {"recipient": f"u{i}@example.com"})
+            await enqueue_values(autocommit, bench.BenchJob, {"recipient": f"u{i}@example.com"})
         return n / (time.perf_counter() - start)
 
-    sides: list[Callable[[int], Awaitable[float]]] = [ours, base, plain_orm, fast_autocommit]
+    sides: list[Callable[[int], Awaitable[float]]] = [ours, base, plain_orm, fast_session, fast_begin, fast_autocommit]
     if peers is not None:
         pgq_conn, queries = await peers.pgqueuer_queries(url)
 
@@ -156,7 +174,23 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
             None,
         ),
     ]
-    fast = f"{name}, fast path (enqueue_values via run_sync) on an autocommit AsyncConnection"
+    rows += [
+        bench.throughput_row(
+            f"{name}, fast path (await enqueue_values) in an AsyncQueueSession",
+            results[fast_session],
+            results[base],
+            "txn/s",
+            TARGET,
+        ),
+        bench.throughput_row(
+            f"{name}, fast path (await enqueue_values) in engine.begin()",
+            results[fast_begin],
+            results[base],
+            "txn/s",
+            TARGET,
+        ),
+    ]
+    fast = f"{name}, fast path (await enqueue_values) on an autocommit AsyncConnection"
     for side, label in ((ours, name), (fast_autocommit, fast)):
         vs = f"{label} vs pgqueuer's Queries.enqueue (autocommit)"
         if peers is None:

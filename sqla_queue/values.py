@@ -6,7 +6,8 @@ skips the ORM: it checks the values with the same rules and runs one statement, 
 ``INSERT … RETURNING`` that also sends the wake-up, directly on the session's psycopg
 connection, inside its transaction. The job commits or rolls back with the caller's other
 writes, as with ``enqueue()``; no object is added to the session, so nothing of the job is
-in its identity map.
+in its identity map. From asyncio, ``await enqueue_values(async_session_or_connection,
+…)`` awaits the same statement on the psycopg ``AsyncConnection``.
 
 Everything that depends only on the model, the dialect and which columns are given (the
 SQL, compiled by SQLAlchemy; the checks that apply; the defaults, already converted for
@@ -16,15 +17,18 @@ plan up by those keys, checks its values and sends them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from functools import lru_cache
-from typing import Any, Final
+from typing import Any, Final, overload
 
 from sqlalchemy import Connection, Select, String, Table, bindparam, func, insert, literal, literal_column, select
 from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import InvalidRequestError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.sql.elements import ColumnElement, False_, True_
+from sqlalchemy.util import greenlet_spawn
 
 from ._rules import (
     check_json,
@@ -47,12 +51,46 @@ _DEFAULT: ColumnElement[Any] = literal_column("DEFAULT")
 #: Where a pooled connection keeps the psycopg cursor the fast path reuses (the pool
 #: clears a connection's ``info`` when it replaces the DBAPI connection).
 _CURSOR: Final = "sqla_queue.enqueue_values.cursor"
+#: The same for the psycopg ``AsyncCursor`` of the async form.
+_ASYNC_CURSOR: Final = "sqla_queue.enqueue_values.async_cursor"
 #: Plans kept at most (a new shape past that starts the cache afresh).
 _MAX_PLANS: Final = 1024
+#: What makes the call a coroutine.
+_ASYNC_KINDS: Final = (AsyncSession, async_scoped_session, AsyncConnection)
+
+
+@overload
+def enqueue_values(
+    session: AsyncSession | async_scoped_session[Any] | AsyncConnection,
+    model: Any,
+    values: Mapping[str, Any] | None = None,
+    /,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    delay: timedelta | float | None = None,
+    run_at: datetime | None = None,
+    max_attempts: int | None = None,
+) -> Coroutine[Any, Any, Any]: ...
+
+
+@overload
+def enqueue_values(
+    session: Session | scoped_session[Any] | Connection,
+    model: Any,
+    values: Mapping[str, Any] | None = None,
+    /,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    delay: timedelta | float | None = None,
+    run_at: datetime | None = None,
+    max_attempts: int | None = None,
+) -> Any: ...
 
 
 def enqueue_values(
-    session: Session | scoped_session[Any] | Connection,
+    session: Any,
     model: Any,
     values: Mapping[str, Any] | None = None,
     /,
@@ -73,7 +111,20 @@ def enqueue_values(
     the transaction untouched. Columns not given get their Python defaults (scalars and
     callables) or server defaults. The NOTIFY is sent by the INSERT itself: PostgreSQL
     delivers it on commit, once per table and queue per transaction.
+
+    With an ``AsyncSession``, an ``async_scoped_session`` or an ``AsyncConnection`` this
+    returns a coroutine: ``job_id = await enqueue_values(async_session, Model, values)``.
+    It is the same call (checks, plan, one statement with its NOTIFY, in the caller's
+    transaction, begun if need be as ``AsyncConnection.execute`` would), awaited on the
+    psycopg ``AsyncConnection`` itself. Nothing happens until it is awaited: errors,
+    the checks' too, are raised by the ``await``.
     """
+    if isinstance(session, Connection):
+        conn = session
+    elif isinstance(session, _ASYNC_KINDS):
+        return _enqueue_values_async(session, model, values, queue, priority, delay, run_at, max_attempts)
+    else:
+        conn = None
     target = _targets.get(model) or _target(model)
     row = dict(values) if values else {}
     delay_by = None
@@ -82,16 +133,9 @@ def enqueue_values(
             queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
         )
         row.update(options)
-    conn = session if isinstance(session, Connection) else _session_connection(session, target)
-    dialect = conn.dialect
-    key = (target.table, dialect, delay_by is not None, *row)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plan(target.table, target.channel, frozenset(row), delay_by is not None, dialect)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    plan.check(row)
+    if conn is None:
+        conn = _session_connection(session, target)
+    plan = _checked_plan(target, conn.dialect, row, delay_by)
     if plan.direct:
         if not conn.in_transaction():
             # What Connection.execute would do first (autobegin): then commit() on a
@@ -107,6 +151,79 @@ def enqueue_values(
             cursor.execute(plan.sql, plan.driver_params(row, delay_by))
             return cursor.fetchone()[0]
     return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
+
+
+async def _enqueue_values_async(
+    session: AsyncSession | async_scoped_session[Any] | AsyncConnection,
+    model: Any,
+    values: Mapping[str, Any] | None,
+    queue: str | None,
+    priority: int | None,
+    delay: timedelta | float | None,
+    run_at: datetime | None,
+    max_attempts: int | None,
+) -> Any:
+    """:func:`enqueue_values` from asyncio: the same steps, the I/O awaited.
+
+    The statement is awaited on the psycopg ``AsyncConnection`` under SQLAlchemy's
+    adapter, as the sync call runs it on the psycopg connection: no greenlet, no
+    execution machinery, once the transaction and its connection are there.
+    """
+    target = _targets.get(model) or _target(model)
+    row = dict(values) if values else {}
+    delay_by = None
+    if queue is not None or priority is not None or delay is not None or run_at is not None or max_attempts is not None:
+        options, delay_by = validate_options(
+            queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
+        )
+        row.update(options)
+    if isinstance(session, AsyncConnection):
+        conn = session.sync_connection
+        if conn is None:
+            raise InvalidRequestError("the AsyncConnection is not started: `async with engine.connect() as conn`")
+        plan = _checked_plan(target, conn.dialect, row, delay_by)
+        if not conn.in_transaction():
+            # As AsyncConnection.execute would (autobegin), in a greenlet: begin events
+            # may do I/O. Then commit() commits the job, and close() rolls it back.
+            await greenlet_spawn(conn.begin)
+    else:
+        resolved = _resolve_session(session)
+        sync = resolved.sync_session
+        # The dialect without a connection: a bad value begins nothing on the session.
+        plan = _checked_plan(target, sync.get_bind(**target.bind_arguments).dialect, row, delay_by)
+        conn = (await resolved.connection(bind_arguments=target.bind_arguments)).sync_connection
+        assert conn is not None
+    if plan.direct_async and not conn.invalidated:
+        pooled = conn.connection
+        driver: Any = pooled.driver_connection
+        if driver is not None:
+            info = pooled.info
+            cursor = info.get(_ASYNC_CURSOR)
+            if cursor is None or cursor.connection is not driver or cursor.closed:
+                cursor = info[_ASYNC_CURSOR] = driver.cursor()
+            await cursor.execute(plan.sql, plan.driver_params(row, delay_by))
+            return (await cursor.fetchone())[0]
+    # Another async driver, or a connection to revalidate: SQLAlchemy's own way, in a
+    # greenlet as AsyncConnection.execute runs it.
+    return await greenlet_spawn(_execute, conn, plan, row, delay_by)
+
+
+def _execute(conn: Connection, plan: _Plan, row: Mapping[str, Any], delay_by: float | None) -> Any:
+    return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
+
+
+def _checked_plan(target: _Target, dialect: Dialect, row: Mapping[str, Any], delay_by: float | None) -> _Plan:
+    """The plan of this call's shape (made on the first call of it), once ``row`` meets
+    its checks."""
+    key = (target.table, dialect, delay_by is not None, *row)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(target.table, target.channel, frozenset(row), delay_by is not None, dialect)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    plan.check(row)
+    return plan
 
 
 class _Target:
@@ -137,8 +254,8 @@ def _session_connection(session: Session | scoped_session[Any], target: _Target)
     resolved = _resolve_session(session)
     if not isinstance(resolved, Session):
         raise TypeError(
-            f"enqueue_values needs a Session or a Connection, got {type(session).__qualname__}"
-            " (from async code: await session.run_sync(lambda s: enqueue_values(s, ...)))"
+            "enqueue_values needs a Session, a Connection, an AsyncSession or an AsyncConnection,"
+            f" got {type(session).__qualname__}"
         )
     return resolved.connection(bind_arguments=target.bind_arguments)
 
@@ -189,9 +306,11 @@ class _Plan:
         self.statement: Select[Any] = select(
             job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
         )
-        #: On psycopg (sync), the statement runs on the DBAPI cursor: SQLAlchemy's
-        #: execution machinery would cost more Python time than the round trip.
+        #: On psycopg, the statement runs on the driver's cursor (sync, or awaited on the
+        #: async one): SQLAlchemy's execution machinery would cost more Python time than
+        #: the round trip.
         self.direct = dialect.driver == "psycopg" and not dialect.is_async
+        self.direct_async = dialect.driver == "psycopg" and dialect.is_async
         compiled = compile_statement(self.statement, dialect)
         self.sql = compiled.sql
         #: The SQLAlchemy-level values of the scalar defaults (for ``Connection.execute``).
