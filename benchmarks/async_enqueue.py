@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 
 #: The ratio to the baseline the sync one-job enqueue is held to in run.py.
 TARGET = 0.8
+ORM_TARGET = 0.9
 #: sqla_queue's async one-job enqueue against pgqueuer's.
 PGQUEUER_TARGET = 1.0
 
@@ -164,8 +165,15 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
             peers.reset_peer(peers.PGQUEUER, url)
         bench.reset(engine)
     name = "async enqueue, 1 job per transaction"
+    # As for the synchronous session.enqueue(): the ORM's unit of work sets the pace, and
+    # the target is at most 10 % over the same insert in a plain AsyncSession.
+    vs_orm = bench.throughput_row(
+        f"{name}: AsyncQueueSession.enqueue() vs the plain AsyncSession reference",
+        results[ours], results[plain_orm], "txn/s", ORM_TARGET,
+    )
+    vs_orm.base += " (the reference)"
     rows = [
-        bench.throughput_row(name, results[ours], results[base], "txn/s", TARGET),
+        bench.throughput_row(name, results[ours], results[base], "txn/s", None),
         bench.throughput_row(
             f"{name}: plain SQLAlchemy AsyncSession + pg_notify, no sqla_queue (reference)",
             results[plain_orm],
@@ -173,6 +181,7 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
             "txn/s",
             None,
         ),
+        vs_orm,
     ]
     rows += [
         bench.throughput_row(

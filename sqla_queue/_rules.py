@@ -53,6 +53,8 @@ _MANAGED_DEFAULTS: Final = {
     "lease_expires_at": (None,),
     "finished_at": (None,),
 }
+#: Their names: a row setting none of them needs no closer look.
+MANAGED_KEYS: Final = frozenset(_MANAGED_DEFAULTS)
 
 #: Characters PostgreSQL text cannot hold (NUL) or psycopg cannot encode (lone surrogates).
 _BAD_CHAR: Final = re.compile("[\x00\ud800-\udfff]")

@@ -32,6 +32,7 @@ EXPECTED_ROWS = (
     "enqueue, 1 job per transaction + ORM business row, fast path (enqueue_values) on a Connection |",
     "async enqueue, 1 job per transaction |",
     "async enqueue, 1 job per transaction: plain SQLAlchemy AsyncSession",
+    "async enqueue, 1 job per transaction: AsyncQueueSession.enqueue() vs the plain AsyncSession reference |",
     "async enqueue, 1 job per transaction vs pgqueuer's Queries.enqueue (autocommit) |",
     "async enqueue, 1 job per transaction, fast path (await enqueue_values) in an AsyncQueueSession |",
     "async enqueue, 1 job per transaction, fast path (await enqueue_values) in engine.begin() |",
