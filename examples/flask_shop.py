@@ -100,6 +100,9 @@ def create_app(database_url: str | None = None) -> Flask:
     @app.post("/orders")
     def place_order() -> Any:
         data = request.get_json(force=True)
+        # The product is locked first: inserting the order takes a key-share lock on it (the
+        # foreign key), and two orders upgrading theirs to FOR UPDATE would deadlock.
+        db.session.get(Product, data["product_id"], with_for_update=True)
         order = ShopOrder(product_id=data["product_id"], quantity=data["quantity"], email=data["email"])
         db.session.add(order)
         db.session.flush()

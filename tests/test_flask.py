@@ -79,6 +79,28 @@ def test_failure_after_enqueue_rolls_back_both(app: Any, listener: Any, server: 
     assert notifications_until_sentinel(listener, server.conninfo) == []
 
 
+def test_concurrent_orders_for_one_product_neither_deadlock_nor_oversell(app: Any) -> None:
+    """Six orders at once for the three teapots in stock: three placed, three refused."""
+    import threading
+
+    start = threading.Barrier(6, timeout=10)
+    statuses: list[int] = []
+
+    def order(n: int) -> None:
+        client = app.test_client()
+        start.wait()
+        response = client.post("/orders", json={"product_id": 1, "quantity": 1, "email": f"{n}@example.com"})
+        statuses.append(response.status_code)
+
+    threads = [threading.Thread(target=order, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(statuses) == [201, 201, 201, 409, 409, 409]
+    assert counts(app) == (3, 3)
+
+
 def test_db_session_enqueue_is_the_current_session(app: Any) -> None:
     with app.app_context():
         order = shop.ShopOrder(product_id=1, quantity=1, email="x@example.com")
