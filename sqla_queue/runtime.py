@@ -323,12 +323,13 @@ class AsyncRuntime:
         else:
             loop = asyncio.get_running_loop()
             context = contextvars.copy_context()
-            result = await_only(loop.run_in_executor(self._executor(), context.run, fn, *args))
+            result = self._await(loop.run_in_executor(self._executor(), context.run, fn, *args))
         if inspect.isawaitable(result):
             return self._await(result)
         return result
 
     def _await(self, awaitable: Any) -> Any:
+        """Await a handler (or the thread running one) so that interrupt() can cut it short."""
         task = asyncio.current_task()
         assert task is not None
         self._in_handler.add(task)
@@ -344,7 +345,8 @@ class AsyncRuntime:
 
     def interrupt(self) -> None:
         """Cancel the ``async def`` handlers still running (CancelledError at their await):
-        their executors end with them, their jobs already handed back."""
+        their executors end with them, their jobs already handed back. A plain handler's
+        thread cannot be stopped: its executor stops waiting for it, and it ends alone."""
         for task in list(self._in_handler):
             task.get_loop().call_soon_threadsafe(task.cancel)
 

@@ -182,6 +182,38 @@ def test_stop_cancels_the_handlers_still_running_after_the_grace(engine: Engine,
     assert effects(engine) == []
 
 
+def test_stop_does_not_wait_for_a_plain_handler_past_the_grace(engine: Engine, Sessions: Any) -> None:
+    """A plain handler blocks its pool thread past the grace: stop() hands the job back
+    and returns; the thread ends alone later and its outcome is not recorded."""
+    entered, release = threading.Event(), threading.Event()
+    tasks = Tasks()
+
+    @tasks.task
+    def stuck(job: Any) -> None:
+        entered.set()
+        release.wait(30)
+
+    (job_id,) = add(Sessions, "stuck")
+
+    async def main(async_engine: AsyncEngine) -> AsyncWorker:
+        worker = AsyncWorker(async_engine, Task, tasks, **OPTIONS)
+        await worker.start()
+        assert await asyncio.to_thread(entered.wait, 20)
+        began = time.monotonic()
+        await worker.stop(grace=0.3)
+        assert time.monotonic() - began < 3
+        assert worker.executors.join(0), "an executor still waits for the stuck thread"
+        return worker
+
+    try:
+        worker = run(main, engine)
+    finally:
+        release.set()
+    assert worker.stopped
+    row = job(engine, job_id)
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
+
+
 def test_cancelling_run_hands_back_and_cancels_at_once(engine: Engine, Sessions: Any) -> None:
     cancelled: list[int] = []
     ids = add(Sessions, "forever", 3)

@@ -19,7 +19,8 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session
 
 from ..driver import AsyncDriver, Driver
 from ..runtime import run_in_greenlet
@@ -75,7 +76,7 @@ class AsyncWorker:
         handler: Handler | Tasks,
         *,
         config: WorkerConfig | None = None,
-        session_factory: Callable[[], Any] | None = None,
+        session_factory: Callable[[], AsyncSession | Session] | None = None,
         job_context: Callable[[], AbstractContextManager[Any]] | None = None,
         **options: Any,
     ) -> None:
@@ -84,7 +85,7 @@ class AsyncWorker:
             model,
             handler,
             config=config,
-            session_factory=session_factory,
+            session_factory=session_factory,  # type: ignore[arg-type]  # AsyncDriver takes both kinds
             job_context=job_context,
             **options,
         )
