@@ -521,6 +521,26 @@ def test_reconnect_backoff_is_configurable(engine: Engine, make_worker: Any) -> 
     assert worker.config.reconnect_backoff == 0.5
 
 
+def test_a_claim_lost_with_its_connection_gives_the_isolated_slot_back(engine: Engine) -> None:
+    """A worker runs at most one isolated job, and claims one only while its slot is free.
+    A claim of one that fails (the connection dropped under it) must free the slot again,
+    or the worker never runs an isolated job any more: the jobs its crashed peers left
+    behind would wait for other workers forever. The producer is driven directly here,
+    on a connection that is closed under it, as a terminated backend would be."""
+    import psycopg
+
+    worker = Worker(engine, Task, app_tasks)
+    producer, driver = worker._producer, worker._driver
+    conn = driver.connect("sqla_queue test")
+    try:
+        conn.raw.close()
+        with pytest.raises(psycopg.OperationalError):
+            producer.claim(conn, 4)  # an isolated claim first: none has been tried yet
+    finally:
+        conn.close()
+    assert worker.ledger.take_isolated_slot(), "the failed claim kept the isolated slot"
+
+
 # -- 9. fail fast at start ----------------------------------------------------------------------
 
 

@@ -320,6 +320,8 @@ class ExecutorPool(Service):
         when there is one to claim. Returns the next batch (maybe empty) and the jobs run."""
         outcomes: list[Outcome] = []
         ran = 0
+        request = None
+        accepted = False
         try:
             for h in held:
                 if not self.ledger.start(h):
@@ -331,16 +333,15 @@ class ExecutorPool(Service):
                 request = self.producer.request(limit) if entered else None
                 then = (request, self.producer.indexes) if request is not None else None
                 rows = self.completer.record(lane.connect, outcomes, then=then)
-                if request is None:
-                    return [], ran
-                if rows is None:  # the claim did not run with the completion
-                    if request.isolated:
-                        self.ledger.give_back_isolated_slot()
+                if request is None or rows is None:  # no claim ran with the completion
                     return [], ran
                 nxt = self.producer.accept(request, rows)
+                accepted = True
             finally:
                 if entered:
                     self.producer.leave()
+                if request is not None and not accepted:
+                    self.producer.unclaimed(request)
             if not nxt and request.isolated:
                 return [], ran  # no isolated job waits: claim ordinary ones next round
             return nxt, ran

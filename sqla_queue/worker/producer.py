@@ -171,10 +171,20 @@ class Producer:
             request = self.request(limit)
             if request is None:
                 return []
-            held = self.accept(request, self.fetch(conn, request))
+            try:
+                rows = self.fetch(conn, request)
+            except BaseException:
+                self.unclaimed(request)
+                raise
+            held = self.accept(request, rows)
         if not held and request.isolated:
             return self.claim(conn, limit)  # no isolated job: ordinary ones, now
         return held
+
+    def unclaimed(self, request: ClaimRequest) -> None:
+        """``request`` did not run (or its rows were not read): free what it reserved."""
+        if request.isolated:
+            self.ledger.give_back_isolated_slot()
 
     def try_enter(self) -> bool:
         """A place among the threads claiming now, if one is free (see CONCURRENT_CLAIMS)."""
