@@ -900,7 +900,9 @@ def test_no_beat_for_a_whole_lease_stops_claiming_and_loses_what_is_held(
     row = job(engine, job_id)
     assert (row.status, row.attempts) == ("done", 2)
     assert notes(engine) == ["attempt 2"], "attempt 1's writes committed"
-    assert worker.ledger.healthy
+    # Healthy again: the retry was claimed. On a loaded machine a later beat may overrun
+    # its 0.2 s deadline and flip it for a moment, which is the design, not a failure.
+    wait_for(lambda: worker.ledger.healthy, what="claiming to stay resumed")
     assert (worker.stats.lost, worker.stats.done) == (1, 1) and worker.stats.swept >= 1
 
 
