@@ -245,6 +245,10 @@ class Runtime(Protocol):
         """Call a handler; ``on_loop``: a synchronous handler that must run here."""
         ...
 
+    def is_async(self, fn: Callable[..., Any]) -> bool:
+        """Whether this runtime awaits ``fn`` (decided once per function)."""
+        ...
+
     def interrupt(self) -> None:
         """Shutdown gave up waiting: cut short the handlers that can be."""
         ...
@@ -268,6 +272,9 @@ class ThreadRuntime:
 
     def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
         return fn(*args)
+
+    def is_async(self, fn: Callable[..., Any]) -> bool:
+        return False  # the thread Worker refuses async handlers when it is built
 
     def interrupt(self) -> None:
         """A thread cannot be interrupted: a handler past the grace finishes alone."""
@@ -309,14 +316,17 @@ class AsyncRuntime:
         strand.is_current = lambda: _current_task() is task
         return strand
 
-    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+    def is_async(self, fn: Callable[..., Any]) -> bool:
         try:
             kind = self._kinds.get(fn)
             if kind is None:
                 kind = self._kinds[fn] = is_async_callable(fn)
         except TypeError:  # an unhashable callable
-            kind = is_async_callable(fn)
-        if kind:
+            return is_async_callable(fn)
+        return kind
+
+    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+        if self.is_async(fn):
             return self._await(fn(*args))
         if on_loop:
             result = fn(*args)

@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -172,8 +173,6 @@ class AsyncWorker:
         """A new, unstarted worker like this one with some options changed."""
         if not options:
             return self
-        from dataclasses import replace
-
         return AsyncWorker(
             self.engine,
             self.model,

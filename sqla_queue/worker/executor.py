@@ -28,7 +28,6 @@ from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
 from ..model import QueueTable
-from ..runtime import is_async_callable
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
 from .config import WorkerConfig
@@ -178,7 +177,7 @@ class Executor:
             try:
                 session, given = self.driver.session_on(self.session_factory, sa)
                 fn = handler.fn
-                if not is_async_callable(fn):
+                if not self.runtime.is_async(fn):
                     given = session  # a plain function gets the synchronous session
                 result = self.runtime.call(fn, held.job, given, on_loop=True)
                 if inspect.isawaitable(result):
