@@ -22,9 +22,7 @@ The sides alternate, rotating which goes first, and medians are reported.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 import psycopg
-from sqlalchemy import URL, Engine, create_engine, text
+from sqlalchemy import URL, Engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 from sqla_queue import AsyncQueueSession, enqueue_values
@@ -214,22 +212,7 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
-    parser.add_argument("--url", help="admin URL of the server (default: DATABASE_URL, else embedded)")
-    args = parser.parse_args(argv)
-    bench = harness()
-    plan = bench.QUICK if args.quick else bench.FULL
-    with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
-        engine = create_engine(url)
-        try:
-            bench.Base.metadata.create_all(engine)
-            info = bench.machine_info(engine)
-            rows = bench_async_enqueue(engine, url, plan)
-        finally:
-            engine.dispose()
-    print(f"{info}\n\n{bench.markdown(rows)}")
-    return 0
+    return int(harness().run_alone(bench_async_enqueue, __doc__, argv))
 
 
 if __name__ == "__main__":

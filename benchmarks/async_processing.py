@@ -23,7 +23,6 @@ running (``run.py``'s ``run_processing``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -34,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 import psycopg
+from async_enqueue import harness
 from sqlalchemy import URL, Engine, create_engine, make_url
 
 HERE = Path(__file__).resolve().parent
@@ -42,18 +42,6 @@ HERE = Path(__file__).resolve().parent
 TARGET = 0.8
 #: AsyncWorker's best rate against pgqueuer's best, one process each.
 PGQUEUER_TARGET = 2.0
-
-
-def harness() -> ModuleType:
-    """``benchmarks/run.py``: the running program itself when it imported this module, else
-    imported (see ``async_enqueue.harness``)."""
-    main = sys.modules.get("__main__")
-    if main is not None and Path(getattr(main, "__file__", "") or ".").resolve() == HERE / "run.py":
-        return main
-    sys.path.insert(0, str(HERE))
-    import run
-
-    return run
 
 
 async def anoop(job: Any) -> None:
@@ -218,22 +206,7 @@ def bench_async_processing(engine: Engine, url: URL, plan: Any) -> list[Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
-    parser.add_argument("--url", help="admin URL of the server (default: DATABASE_URL, else embedded)")
-    args = parser.parse_args(argv)
-    bench = harness()
-    plan = bench.QUICK if args.quick else bench.FULL
-    with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
-        engine = create_engine(url)
-        try:
-            bench.Base.metadata.create_all(engine)
-            info = bench.machine_info(engine)
-            rows = bench_async_processing(engine, url, plan)
-        finally:
-            engine.dispose()
-    print(f"{info}\n\n{bench.markdown(rows)}")
-    return 0
+    return int(harness().run_alone(bench_async_processing, __doc__, argv))
 
 
 if __name__ == "__main__":

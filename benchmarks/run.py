@@ -969,6 +969,28 @@ def peers_module() -> Any:
 QUICK_NOTE = " (QUICK: sizes too small to mean anything)"
 
 
+def run_alone(
+    benchmark: Callable[[Engine, URL, Plan], list[Row]], doc: str | None, argv: Sequence[str] | None
+) -> int:
+    """The command line of a benchmark module run on its own (``--quick``, ``--url``):
+    its rows on a scratch database, printed as this script prints them."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
+    parser.add_argument("--url", help="admin URL of the server (default: DATABASE_URL, else embedded)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    with scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
+        engine = create_engine(url)
+        try:
+            Base.metadata.create_all(engine)
+            info = machine_info(engine)
+            rows = benchmark(engine, url, plan)
+        finally:
+            engine.dispose()
+    print(f"{info}\n\n{markdown(rows)}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
