@@ -44,6 +44,7 @@ from sqlalchemy import (
     literal_column,
     not_,
     null,
+    or_,
     select,
     true,
     tuple_,
@@ -814,16 +815,33 @@ def owned_tokens(model: QueueModel) -> Select[Any]:
     return select(qt.pk, qt.c.attempts).select_from(qt.table).join(tokens, _token_fence(qt, tokens))
 
 
+#: How far back :func:`next_run_after` looks for a job that fell due just now.
+RECENTLY_DUE_SECONDS: Final = 1.0
+
+
 def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) -> Select[Any]:
     """When the next delayed job (or retry) of ``queues`` falls due, as seconds from now
-    (NULL when none waits): lets an idle worker wake at that time, not at its next poll."""
+    (NULL when none waits; zero or less when one is due already): lets an idle worker
+    wake at that time, not at its next poll.
+
+    Jobs that fell due in the last :data:`RECENTLY_DUE_SECONDS` count too: one that fell
+    due between a worker's empty claim and this query is in neither answer otherwise,
+    and would wait for the poll. Isolated jobs count only ahead, since a worker whose
+    isolated slot is taken cannot claim them.
+    """
     qt = queue_table(model)
     c = qt.c
+    now = func.now()
     soonest = (
         select(c.run_after)
-        .where(_status(qt, PENDING), c.run_after > func.now(), *_queue_filter(qt, queues))
+        .where(
+            _status(qt, PENDING),
+            c.run_after > now - seconds_interval(RECENTLY_DUE_SECONDS),
+            or_(c.run_after > now, not_(c.isolated)),
+            *_queue_filter(qt, queues),
+        )
         .order_by(c.run_after)
         .limit(1)
         .scalar_subquery()
     )
-    return select(func.extract("epoch", soonest - func.now()))
+    return select(func.extract("epoch", soonest - now))

@@ -97,6 +97,41 @@ def test_claim_skips_jobs_not_yet_due_and_finished_ones(engine: Engine) -> None:
         assert [r.id for r in claim(conn)] == [due]
 
 
+def _next_due(conn: Connection) -> float | None:
+    seconds = conn.scalar(q.next_run_after(EmailJob))
+    return None if seconds is None else float(seconds)
+
+
+def test_next_run_after_is_the_soonest_delayed_job(engine: Engine) -> None:
+    with engine.begin() as conn:
+        assert _next_due(conn) is None
+        add_jobs(conn, 1, run_after=func.now() + timedelta(minutes=10))
+        add_jobs(conn, 1, run_after=func.now() + timedelta(minutes=5))
+        add_jobs(conn, 1, run_after=func.now() + timedelta(minutes=1), status="done")
+        assert _next_due(conn) == pytest.approx(300, abs=1)
+
+
+def test_next_run_after_sees_a_job_that_fell_due_a_moment_ago(engine: Engine) -> None:
+    """A job that fell due between a worker's empty claim and this query must not wait
+    for the poll: it counts as due now (zero or less)."""
+    with engine.begin() as conn:
+        add_jobs(conn, 1, run_after=func.now() - timedelta(milliseconds=200))
+        add_jobs(conn, 1, run_after=func.now() + timedelta(minutes=5))
+        seconds = _next_due(conn)
+        assert seconds is not None and -0.3 < seconds <= 0
+
+
+def test_next_run_after_ignores_long_due_and_isolated_jobs(engine: Engine) -> None:
+    """Long-due jobs are the claim's business, and an isolated one may be unclaimable by a
+    worker whose isolated slot is taken: neither may keep an idle worker waking."""
+    with engine.begin() as conn:
+        add_jobs(conn, 1, run_after=func.now() - timedelta(minutes=1))
+        add_jobs(conn, 1, run_after=func.now() - timedelta(milliseconds=200), isolated=True)
+        assert _next_due(conn) is None
+        add_jobs(conn, 1, run_after=func.now() + timedelta(minutes=2), isolated=True)
+        assert _next_due(conn) == pytest.approx(120, abs=1)
+
+
 def test_claim_filters_queues(engine: Engine) -> None:
     with engine.begin() as conn:
         (a,) = add_jobs(conn, 1, queue="a")

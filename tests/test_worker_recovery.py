@@ -432,6 +432,44 @@ def test_retry_starts_at_its_time_not_at_the_poll(
     assert retry_in <= waited <= retry_in + ON_TIME, f"attempt 2 started {waited:.3f}s after attempt 1 failed"
 
 
+@pytest.fixture
+def slow_retry_writes(engine: Engine) -> Iterator[float]:
+    """Every retry's UPDATE takes ``stall`` seconds on the server (a trigger sleeps in it)."""
+    stall = 0.4
+    with engine.begin() as conn:
+        conn.execute(text(
+            "CREATE FUNCTION sqla_queue_test_stall() RETURNS trigger LANGUAGE plpgsql AS "
+            f"$$ BEGIN PERFORM pg_sleep({stall}); RETURN NEW; END $$"
+        ))
+        conn.execute(text(
+            f"CREATE TRIGGER sqla_queue_test_stall BEFORE UPDATE ON {TASKS.name} FOR EACH ROW "
+            "WHEN (OLD.status = 'running' AND NEW.status = 'pending') EXECUTE FUNCTION sqla_queue_test_stall()"
+        ))
+    try:
+        yield stall
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TRIGGER sqla_queue_test_stall ON {TASKS.name}"))
+            conn.execute(text("DROP FUNCTION sqla_queue_test_stall()"))
+
+
+def test_retry_time_counts_from_the_failure_not_from_a_slow_write(
+    engine: Engine, start_worker: Any, timers: tuple[Starts, Tasks, Event], slow_retry_writes: float
+) -> None:
+    """The server stamps ``run_after`` when the retry's statement starts; a worker whose
+    write took long must not add that time again before it claims the retry."""
+    starts, tasks, _ = timers
+    retry_in = 0.5
+    worker = start_worker(tasks, poll_interval=30, backoff=Backoff(base=retry_in, factor=2, cap=retry_in, jitter=0))
+    wait_for(worker.idle, what="the worker idle")
+    (job_id,) = enqueue(engine, "flaky")
+    wait_for(lambda: job(engine, job_id).status == "done", timeout=10, what="the retry to run")
+    waited = starts.at[(job_id, 2)] - starts.ended[(job_id, 1)]
+    assert waited <= retry_in + ON_TIME, (
+        f"attempt 2 started {waited:.3f}s after attempt 1 failed (its write stalled {slow_retry_writes}s)"
+    )
+
+
 # -- 8. connection loss --------------------------------------------------------------------------
 
 

@@ -116,8 +116,9 @@ class Completer:
             return conn.execute_then_claim(self._done, params, claim, *indexes)
 
         try:
-            rows, claimed = cast(
-                "tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]", self._with_retries(connect, run)
+            (rows, claimed), _ = cast(
+                "tuple[tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]], float]",
+                self._with_retries(connect, run),
             )
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
             log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
@@ -148,7 +149,7 @@ class Completer:
         if not outcomes:
             return
         try:
-            rows = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
+            rows, sent = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
         except Exception as exc:  # noqa: BLE001 - fall back to one job at a time
             if len(outcomes) > 1 or kind in (Kind.RETRY, Kind.FAIL):
                 log.warning("recording %d %s outcome(s) failed (%s); one at a time", len(outcomes), kind.value, exc)
@@ -159,7 +160,7 @@ class Completer:
                       outcomes[0].held.token.job_id, kind.value, exc)
             self.ledger.lose([o.held for o in outcomes])
             return
-        self._settle(kind, outcomes, rows)
+        self._settle(kind, outcomes, rows, sent)
 
     def _record_alone(self, connect: Callable[[], DbConnection], outcome: Outcome, refund: bool) -> None:
         attempts = [outcome]
@@ -172,11 +173,11 @@ class Completer:
                 return self._run(conn, c.kind, [c], refund)
 
             try:
-                rows = self._with_retries(connect, run)
+                rows, sent = self._with_retries(connect, run)
             except Exception as exc:  # noqa: BLE001
                 log.warning("job %s: recording %s failed: %s", outcome.held.token.job_id, candidate.kind.value, exc)
                 continue
-            self._settle(candidate.kind, [candidate], rows)
+            self._settle(candidate.kind, [candidate], rows, sent)
             return
         log.error("job %s: no outcome could be recorded; its lease will expire", outcome.held.token.job_id)
         self.ledger.lose([outcome.held])
@@ -199,13 +200,17 @@ class Completer:
             return conn.execute(self._release if refund else self._hand_back, tokens_params(self.owner, tokens))
         raise AssertionError(kind)
 
-    def _with_retries(self, connect: Callable[[], DbConnection], work: Callable[[DbConnection], Any]) -> Any:
-        """Connection errors are retried until about a lease has passed; the rest raise."""
+    def _with_retries(
+        self, connect: Callable[[], DbConnection], work: Callable[[DbConnection], Any]
+    ) -> tuple[Any, float]:
+        """``work``'s result and when its successful try began. Connection errors are
+        retried until about a lease has passed; the rest raise."""
         give_up = time.monotonic() + self.config.lease
         failures = 0
         while True:
             try:
-                return work(connect())
+                began = time.monotonic()
+                return work(connect()), began
             except Exception as exc:
                 if not self.driver.is_connection_error(exc) or time.monotonic() >= give_up:
                     raise
@@ -216,7 +221,10 @@ class Completer:
 
     # -- bookkeeping -------------------------------------------------------------------
 
-    def _settle(self, kind: Kind, outcomes: list[Outcome], rows: list[tuple[Any, ...]]) -> None:
+    def _settle(self, kind: Kind, outcomes: list[Outcome], rows: list[tuple[Any, ...]], sent: float = 0.0) -> None:
+        """``sent``: when the statement went out. The server stamped a retry's ``run_after``
+        from its clock as the statement ran, so the wake-up counts from then, not from the
+        answer, which a slow write or commit may have held back."""
         moved = {(row[0], row[1]): row for row in rows}
         recorded = [o for o in outcomes if o.held.token in moved]
         missed = [o.held for o in outcomes if o.held.token not in moved]
@@ -233,7 +241,6 @@ class Completer:
         elif kind is Kind.RELEASE:
             self.stats.add("released", len(recorded))
         elif kind is Kind.RETRY:
-            now = time.monotonic()
             for o in recorded:
                 status = moved[o.held.token][2]
                 if status == "failed":
@@ -242,7 +249,7 @@ class Completer:
                               o.held.token.job_id, o.held.token.attempt, _first(o.error))
                 else:
                     self.stats.add("retried")
-                    self.signal.wake_at(now + o.delay)
+                    self.signal.wake_at(sent + o.delay)
                     log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
                                 o.held.token.job_id, o.held.token.attempt, _first(o.error), o.delay)
 

@@ -39,6 +39,9 @@ _new_token = tuple.__new__
 
 log = logging.getLogger("sqla_queue.worker")
 
+#: The pause before claiming again a job that is due but was not claimed (seconds).
+MISSED_DUE_PAUSE = 0.002
+
 
 class WorkSignal:
     """Wakes idle executor threads: one per NOTIFY, at due times, or at the poll."""
@@ -225,7 +228,9 @@ class Producer:
             rows = conn.execute(self._next_due, {})
             seconds = rows[0][0] if rows else None
             if seconds is not None:
-                signal.wake_at(time.monotonic() + max(float(seconds), 0.0))
+                # Due already, yet the claim just missed it: another claim holds it, or
+                # it fell due a moment after ours. Look again shortly, not in a loop.
+                signal.wake_at(time.monotonic() + max(float(seconds), MISSED_DUE_PAUSE))
         signal.wait(self.config.poll_interval)
 
 
