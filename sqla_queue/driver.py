@@ -97,7 +97,6 @@ class DbConnection:
         # cannot parse fails its own job, not the whole claim.
         self._cursor = self.raw.cursor()
         self._claim_cursor = self.raw.cursor()
-        self._tx_cursor = self.raw.cursor()
         for cursor in (self._cursor, self._claim_cursor):
             for name in ("json", "jsonb"):
                 cursor.adapters.register_loader(name, TextLoader)
@@ -142,15 +141,19 @@ class DbConnection:
         attempt_index: int,
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
         """``stmt`` (a completion) and then a claim, in one transaction sent as one
-        pipeline: one round trip and one commit where two statements would take two."""
+        pipeline: one round trip and one commit where two statements would take two.
+
+        No BEGIN or COMMIT: on an autocommit connection, the statements of a pipeline up
+        to its Sync run as one transaction, committed at the Sync or rolled back whole
+        if one fails. Two messages fewer, and no moment in which the server holds the
+        transaction open waiting for this thread to send its next statement.
+        """
         raw = self.raw
         claim_cursor = self._claim_cursor
         try:
             with raw.pipeline():
-                self._tx_cursor.execute(b"BEGIN")
                 self._cursor.execute(stmt.sql, stmt.params(values))
                 claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
-                self._tx_cursor.execute(b"COMMIT")
         except BaseException:
             if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 with suppress(Exception):
@@ -188,7 +191,6 @@ class DbConnection:
         with suppress(Exception):
             self._cursor.close()
             self._claim_cursor.close()
-            self._tx_cursor.close()
         with suppress(Exception):
             self.sa.invalidate()
         with suppress(Exception):
@@ -232,7 +234,6 @@ class AsyncDbConnection(DbConnection):
         adapted.autocommit = True
         self._cursor = self.raw.cursor()
         self._claim_cursor = self.raw.cursor()
-        self._tx_cursor = self.raw.cursor()
         for cursor in (self._cursor, self._claim_cursor):
             for name in ("json", "jsonb"):
                 cursor.adapters.register_loader(name, TextLoader)
@@ -280,11 +281,9 @@ class AsyncDbConnection(DbConnection):
     ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
         raw = self.raw
         try:
-            async with raw.pipeline():
-                await self._tx_cursor.execute(b"BEGIN")
+            async with raw.pipeline():  # one transaction up to the Sync, as above
                 await self._cursor.execute(stmt.sql, stmt.params(values))
                 await self._claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
-                await self._tx_cursor.execute(b"COMMIT")
         except BaseException:
             if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 with suppress(Exception):
