@@ -134,8 +134,12 @@ def enqueue_values(
         )
         row.update(options)
     if conn is None:
-        conn = _session_connection(session, target)
-    plan = _checked_plan(target, conn.dialect, row, delay_by)
+        # The dialect without a connection: a bad value begins nothing on the session.
+        resolved = _resolved_session(session)
+        plan = _checked_plan(target, resolved.get_bind(**target.bind_arguments).dialect, row, delay_by)
+        conn = resolved.connection(bind_arguments=target.bind_arguments)
+    else:
+        plan = _checked_plan(target, conn.dialect, row, delay_by)
     if plan.direct:
         if not conn.in_transaction():
             # What Connection.execute would do first (autobegin): then commit() on a
@@ -250,14 +254,14 @@ def _target(model: Any) -> _Target:
     return target
 
 
-def _session_connection(session: Session | scoped_session[Any], target: _Target) -> Connection:
+def _resolved_session(session: Session | scoped_session[Any]) -> Session:
     resolved = _resolve_session(session)
     if not isinstance(resolved, Session):
         raise TypeError(
             "enqueue_values needs a Session, a Connection, an AsyncSession or an AsyncConnection,"
             f" got {type(session).__qualname__}"
         )
-    return resolved.connection(bind_arguments=target.bind_arguments)
+    return resolved
 
 
 class _Plan:

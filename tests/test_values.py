@@ -143,6 +143,13 @@ def test_unknown_and_managed_columns_are_refused(engine: Engine, values: dict[st
     assert rows(engine, EMAILS) == []
 
 
+def test_a_refused_value_begins_nothing_on_the_session(engine: Engine) -> None:
+    with Session(engine) as session:
+        with pytest.raises(EnqueueError, match="task name"):
+            enqueue_values(session, Task, {"task": ""})
+        assert not session.in_transaction()
+
+
 def test_checks_run_on_every_call_whatever_the_shape_cached(engine: Engine) -> None:
     """The plan of a shape (its SQL, checks and defaults) is worked out once; the values of
     each call are still checked, and keys given in another order or with options get
