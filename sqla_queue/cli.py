@@ -15,18 +15,19 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, cast
 
-from sqlalchemy import URL
+from sqlalchemy import URL, Engine
 from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from . import admin
 from ._rules import check_queue
 from .errors import SqlaQueueError
 from .urls import psycopg_url
+
+T = TypeVar("T")
 
 __all__ = ["main"]
 
@@ -110,6 +111,7 @@ def _worker_from(target: Any) -> Any:
 
 
 def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The engine (an ``AsyncEngine`` for an AsyncWorker target) and the queue model."""
     from sqlalchemy import create_engine
 
     from .errors import NotAQueueModel
@@ -134,9 +136,6 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
             raise CommandError(str(exc)) from None
         return create_engine(url), target
     worker = target if isinstance(target, Worker | AsyncWorker) else _worker_from(target)
-    if isinstance(worker, AsyncWorker):
-        # The admin commands are synchronous: a synchronous engine on the same database.
-        return create_engine(worker.engine.url.set(drivername="postgresql+psycopg")), worker.model
     return worker.engine, worker.model
 
 
@@ -322,41 +321,59 @@ async def _run_async(worker: Any, *, until_idle: bool) -> None:
         await worker.engine.dispose()
 
 
-@contextmanager
-def _admin_target(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
-    """The command's engine and model; the engine's pooled connections closed afterwards
-    (left open, only the garbage collector would close them)."""
+def _on_admin_target(args: argparse.Namespace, command: Callable[[Engine, Any], T]) -> T:
+    """``command(engine, model)`` on the target's own engine, its pooled connections closed
+    afterwards (left open, only the garbage collector would close them).
+
+    An AsyncWorker's engine is used as SQLAlchemy's asyncio extension uses it: its
+    synchronous core, run in a greenlet on an event loop. So the command connects exactly
+    as the worker does (URL, ``connect_args``, events), not through a look-alike engine.
+    """
+    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.util import greenlet_spawn
+
     engine, model = _engine_and_model(args)
-    try:
-        yield engine, model
-    finally:
-        engine.dispose()
+    if not isinstance(engine, AsyncEngine):
+        try:
+            return command(engine, model)
+        finally:
+            engine.dispose()
+    async_engine = engine
+
+    async def run() -> T:
+        try:
+            return cast("T", await greenlet_spawn(command, async_engine.sync_engine, model))
+        finally:
+            await async_engine.dispose()
+
+    return asyncio.run(run())
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    with _admin_target(args) as (engine, model):
-        back, dead = admin.sweep(engine, model, limit=args.limit)
+    back, dead = _on_admin_target(args, lambda engine, model: admin.sweep(engine, model, limit=args.limit))
     print(f"swept {back + dead} expired lease(s): {back} back to pending, {dead} dead-lettered")
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with _admin_target(args) as (engine, model):
-        print(admin.format_stats(engine, model))
+    print(_on_admin_target(args, admin.format_stats))
     return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    with _admin_target(args) as (engine, model):
-        count = admin.requeue(engine, model, ids=args.id, queues=args.queue)
+    count = _on_admin_target(args, lambda engine, model: admin.requeue(engine, model, ids=args.id, queues=args.queue))
     print(f"requeued {count} dead-lettered job(s)")
     return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     statuses = args.status or ["done", "cancelled"]
-    with _admin_target(args) as (engine, model):
-        count = admin.prune(engine, model, older_than=args.older_than, statuses=statuses, limit=args.limit)
+    count = _on_admin_target(
+        args,
+        lambda engine, model: admin.prune(
+            engine, model, older_than=args.older_than, statuses=statuses, limit=args.limit
+        ),
+    )
     print(f"pruned {count} finished job(s) ({', '.join(statuses)}) older than {args.older_than}")
     return 0
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, func, insert, select, text, update
 from sqlalchemy.orm import sessionmaker
 
 from sqla_queue import QueueSession
@@ -304,6 +304,44 @@ def test_admin_commands_take_an_async_worker_target(engine: Engine, capsys: Any)
     add_tasks(engine, 2)
     assert main(["stats", ASYNC_WORKER]) == 0
     assert "pending" in capsys.readouterr().out
+
+
+def test_admin_commands_connect_as_the_async_worker_does(engine: Engine, url: str, tmp_path: Path) -> None:
+    """The worker's engine finds its table only through its ``connect_args`` (a
+    search_path): an admin command must connect with them too, not from the URL alone."""
+    schema = f"sqlaq_cli_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "schema_async_app.py").write_text(
+        "import os\n"
+        "from sqlalchemy.ext.asyncio import create_async_engine\n"
+        "from sqlalchemy.orm import DeclarativeBase\n"
+        "from sqla_queue import AsyncWorker, JobMixin\n"
+        "class Base(DeclarativeBase):\n"
+        "    pass\n"
+        "class SchemaJob(Base, JobMixin):\n"
+        "    __tablename__ = 'cli_schema_jobs'\n"
+        "async def handle(job):\n"
+        "    pass\n"
+        "def make_worker():\n"
+        "    engine = create_async_engine(os.environ['SQLA_QUEUE_TEST_URL'],\n"
+        f"                                 connect_args={{'options': '-c search_path={schema}'}})\n"
+        "    return AsyncWorker(engine, SchemaJob, handle)\n"
+    )
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+        conn.execute(text(f"CREATE TABLE {schema}.cli_schema_jobs (LIKE {TASKS.name} INCLUDING ALL)"))
+        conn.execute(text(f"INSERT INTO {schema}.cli_schema_jobs (task, queue) VALUES ('t', 'in-the-schema')"))
+    try:
+        result = run_cli(
+            "stats",
+            "schema_async_app:make_worker",
+            cwd=tmp_path,
+            env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        )
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+    assert result.returncode == 0, result.stderr
+    assert "in-the-schema" in result.stdout
 
 
 def test_async_worker_on_a_missing_table_fails_at_start_in_one_line(url: str, tmp_path: Path) -> None:
