@@ -72,6 +72,9 @@ class ClaimRequest:
     statement: Statement
     values: Mapping[str, Any]
     isolated: bool = False
+    #: The same claim behind a completion, as one statement (its values: the claim's and
+    #: the completion's); see :meth:`DbConnection.complete_then_claim`.
+    after_completion: Statement | None = None
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,8 @@ class DbConnection:
         # JSON is read as text and parsed per row by the loader, so one value Python
         # cannot parse fails its own job, not the whole claim.
         self._cursor = self.raw.cursor()
-        self._claim_cursor = self.raw.cursor()
-        for cursor in (self._cursor, self._claim_cursor):
-            for name in ("json", "jsonb"):
-                cursor.adapters.register_loader(name, TextLoader)
+        for name in ("json", "jsonb"):
+            self._cursor.adapters.register_loader(name, TextLoader)
         self.closed = False
 
     @property
@@ -132,34 +133,17 @@ class DbConnection:
         cur.execute(stmt.sql, stmt.params(values))
         return self._claimed_rows(cur, pk_index, attempt_index)
 
-    def execute_then_claim(
-        self,
-        stmt: Statement,
-        values: Mapping[str, Any],
-        claim: ClaimRequest,
-        pk_index: int,
-        attempt_index: int,
-    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
-        """``stmt`` (a completion) and then a claim, in one transaction sent as one
-        pipeline: one round trip and one commit where two statements would take two.
-
-        No BEGIN or COMMIT: on an autocommit connection, the statements of a pipeline up
-        to its Sync run as one transaction, committed at the Sync or rolled back whole
-        if one fails. Two messages fewer, and no moment in which the server holds the
-        transaction open waiting for this thread to send its next statement.
-        """
-        raw = self.raw
-        claim_cursor = self._claim_cursor
-        try:
-            with raw.pipeline():
-                self._cursor.execute(stmt.sql, stmt.params(values))
-                claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
-        except BaseException:
-            if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                with suppress(Exception):
-                    raw.execute("ROLLBACK")
-            raise
-        return self._cursor.fetchall(), self._claimed_rows(claim_cursor, pk_index, attempt_index)
+    def complete_then_claim(
+        self, claim: ClaimRequest, values: Mapping[str, Any], pk_index: int, attempt_index: int
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
+        """Record tokens done and claim the next batch in one statement (one round trip,
+        one transaction, one commit): ``claim.after_completion``, with the completion's
+        and the claim's values. Returns the (key, attempt) completed and the claimed rows."""
+        stmt = claim.after_completion
+        assert stmt is not None
+        cur = self._cursor
+        cur.execute(stmt.sql, stmt.params(values))
+        return _completed_and_claimed(self._claimed_rows(cur, pk_index, attempt_index), pk_index, attempt_index)
 
     def _claimed_rows(
         self, cur: psycopg.Cursor[Any], pk_index: int, attempt_index: int
@@ -190,7 +174,6 @@ class DbConnection:
         self.closed = True
         with suppress(Exception):
             self._cursor.close()
-            self._claim_cursor.close()
         with suppress(Exception):
             self.sa.invalidate()
         with suppress(Exception):
@@ -208,6 +191,21 @@ def _load_one(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], row: int, col
     if data is None or loader_class is None:
         return data
     return loader_class(oid, cur).load(data)
+
+
+def _completed_and_claimed(
+    rows: list[tuple[Any, ...] | RowError], pk_index: int, attempt_index: int
+) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
+    """The rows of :func:`~sqla_queue.sql.complete_many_if_owner_then_claim`, split by
+    their last column: the tokens completed, and the jobs claimed."""
+    done: list[tuple[Any, Any]] = []
+    claimed: list[tuple[Any, ...] | RowError] = []
+    for row in rows:
+        if isinstance(row, RowError) or not row[-1]:
+            claimed.append(row)
+        else:
+            done.append((row[pk_index], row[attempt_index]))
+    return done, claimed
 
 
 def _row_error(
@@ -233,10 +231,8 @@ class AsyncDbConnection(DbConnection):
         self.raw: psycopg.AsyncConnection[Any] = adapted.driver_connection  # type: ignore[assignment]
         adapted.autocommit = True
         self._cursor = self.raw.cursor()
-        self._claim_cursor = self.raw.cursor()
-        for cursor in (self._cursor, self._claim_cursor):
-            for name in ("json", "jsonb"):
-                cursor.adapters.register_loader(name, TextLoader)
+        for name in ("json", "jsonb"):
+            self._cursor.adapters.register_loader(name, TextLoader)
         self.closed = False
 
     def set_autocommit(self, on: bool) -> None:
@@ -261,36 +257,13 @@ class AsyncDbConnection(DbConnection):
         await self._cursor.execute(sql, params)
         return await self._aclaimed_rows(self._cursor, pk_index, attempt_index)
 
-    def execute_then_claim(
-        self,
-        stmt: Statement,
-        values: Mapping[str, Any],
-        claim: ClaimRequest,
-        pk_index: int,
-        attempt_index: int,
-    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
-        return await_only(self._execute_then_claim(stmt, values, claim, pk_index, attempt_index))
-
-    async def _execute_then_claim(
-        self,
-        stmt: Statement,
-        values: Mapping[str, Any],
-        claim: ClaimRequest,
-        pk_index: int,
-        attempt_index: int,
-    ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
-        raw = self.raw
-        try:
-            async with raw.pipeline():  # one transaction up to the Sync, as above
-                await self._cursor.execute(stmt.sql, stmt.params(values))
-                await self._claim_cursor.execute(claim.statement.sql, claim.statement.params(claim.values))
-        except BaseException:
-            if not raw.broken and raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                with suppress(Exception):
-                    await raw.execute("ROLLBACK")
-            raise
-        done = await self._cursor.fetchall()
-        return done, await self._aclaimed_rows(self._claim_cursor, pk_index, attempt_index)
+    def complete_then_claim(
+        self, claim: ClaimRequest, values: Mapping[str, Any], pk_index: int, attempt_index: int
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
+        stmt = claim.after_completion
+        assert stmt is not None
+        rows = await_only(self._fetch_claimed(stmt.sql, stmt.params(values), pk_index, attempt_index))
+        return _completed_and_claimed(rows, pk_index, attempt_index)
 
     @staticmethod
     async def _aclaimed_rows(

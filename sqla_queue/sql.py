@@ -23,6 +23,7 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 from sqlalchemy import (
     CTE,
+    CompoundSelect,
     DateTime,
     Delete,
     Float,
@@ -49,6 +50,7 @@ from sqlalchemy import (
     true,
     tuple_,
     type_coerce,
+    union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
@@ -662,6 +664,8 @@ LIMIT_PARAM: Final = "sqla_queue_limit"
 LEASE_PARAM: Final = "sqla_queue_lease_seconds"
 ERRORS_PARAM: Final = "sqla_queue_errors"
 DELAYS_PARAM: Final = "sqla_queue_delays"
+#: The last column of :func:`complete_many_if_owner_then_claim`: true on a completed token's row.
+DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 
 
 def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
@@ -717,6 +721,32 @@ def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
         .where(_token_fence(qt, tokens))
         .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
         .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def complete_many_if_owner_then_claim(
+    model: QueueModel, *, queues: Sequence[str] | None = None, isolated: bool = False
+) -> CompoundSelect[Any]:
+    """:func:`complete_many_if_owner` and :func:`claim_template` in one statement, one
+    transaction: the parameters of both (one owner), and rows of every table column plus
+    a last one, ``sqla_queue_done``: false for each job claimed, true for each token
+    completed (its key and attempt in their columns, NULL elsewhere).
+
+    The two updates touch disjoint rows (running ones, pending ones) and see the same
+    snapshot, so neither needs the other's effect.
+    """
+    qt = queue_table(model)
+    done = complete_many_if_owner(model).cte("sqla_queue_completed")
+    claimed = claim_template(model, queues=queues, isolated=isolated).cte("sqla_queue_claimed")
+    done_pk, done_attempt = list(done.c)
+    flag = DONE_FLAG_COLUMN
+    completed_columns = [
+        done_pk if column is qt.pk else done_attempt if column is qt.c.attempts else null()
+        for column in qt.table.c
+    ]
+    return union_all(
+        select(*claimed.c, false().label(flag)),
+        select(*completed_columns, true().label(flag)),
     )
 
 

@@ -88,7 +88,11 @@ def test_demo_runs_the_whole_tour(server: Server, demo_tmp: Path) -> None:
     }
     assert lines["done"].split()[1] == f"{200 + 400 + 20 + 150:,}"
     assert lines["dead-lettered"].split()[1] == "5"
-    assert lines["retried, then done"].split()[3] == "10"
+    # The 10 flaky webhooks fail once, then succeed; one whose retry ran in the killed
+    # process is counted among the jobs recovered after the kill instead.
+    retried = int(lines["retried, then done"].split()[3])
+    recovered = int(lines["recovered after the kill"].split()[4])
+    assert retried <= 10 <= retried + recovered, (retried, recovered)
     assert lines["orders confirmed twice"].split()[3] == "0"
     assert "0 unconfirmed" in lines["orders confirmed twice"]
     assert "pickup latency" in out and "jobs/s" in out

@@ -74,11 +74,11 @@ def _complete_then_claim(limit: int) -> Body:
         values = {q.OWNER_PARAM: "w", q.LIMIT_PARAM: 1, q.LEASE_PARAM: 60.0}
         (first,) = conn.execute(claim, values)
         job_id, attempt = first[PK], first[ATTEMPT]
-        done = driver.compile(q.complete_many_if_owner(Task))
-        params = tokens_params("w", [(job_id, attempt)])
-        request = ClaimRequest(claim, {**values, q.LIMIT_PARAM: limit})
+        both = driver.compile(q.complete_many_if_owner_then_claim(Task))
+        request = ClaimRequest(claim, {**values, q.LIMIT_PARAM: limit}, after_completion=both)
+        params = {**tokens_params("w", [(job_id, attempt)]), **request.values}
         try:
-            return job_id, conn.execute_then_claim(done, params, request, PK, ATTEMPT)
+            return job_id, conn.complete_then_claim(request, params, PK, ATTEMPT)
         except psycopg.Error as exc:
             return job_id, exc
 
@@ -88,7 +88,7 @@ def _complete_then_claim(limit: int) -> Body:
 def test_a_completion_and_the_next_claim_commit_together(engine: Engine, on_driver: Any) -> None:
     ids = _jobs(engine, 3)
     first, (done, claimed) = on_driver(_complete_then_claim(2))
-    assert [row[0] for row in done] == [first]
+    assert done == [(first, 1)]
     statuses = _statuses(engine)
     assert statuses[first] == "done"
     assert sorted(row[PK] for row in claimed) == sorted(set(ids) - {first})
@@ -96,8 +96,9 @@ def test_a_completion_and_the_next_claim_commit_together(engine: Engine, on_driv
 
 
 def test_a_failing_claim_rolls_its_completion_back(engine: Engine, on_driver: Any) -> None:
-    """The two statements are one transaction: when the claim fails, the completion does
-    not stand alone (the caller records it again), and the connection stays usable."""
+    """The completion and the claim are one transaction: when the claim fails, the
+    completion does not stand alone (the caller records it again), and the connection
+    stays usable."""
     ids = _jobs(engine, 2)
 
     def body(driver: Driver, conn: DbConnection) -> Any:

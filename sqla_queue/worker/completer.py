@@ -112,12 +112,14 @@ class Completer:
             return None
         params = tokens_params(self.owner, [o.held.token for o in outcomes])
 
-        def run(conn: DbConnection) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]]:
-            return conn.execute_then_claim(self._done, params, claim, *indexes)
+        params.update(claim.values)
+
+        def run(conn: DbConnection) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
+            return conn.complete_then_claim(claim, params, *indexes)
 
         try:
             (rows, claimed), _ = cast(
-                "tuple[tuple[list[tuple[Any, ...]], list[tuple[Any, ...] | RowError]], float]",
+                "tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]], float]",
                 self._with_retries(connect, run),
             )
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart

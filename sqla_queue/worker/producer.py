@@ -134,6 +134,12 @@ class Producer:
         self._claim_isolated = driver.compile(
             q.claim_template(qt.table, queues=config.queues, isolated=True)
         )
+        self._after_completion = driver.compile(
+            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues)
+        )
+        self._isolated_after_completion = driver.compile(
+            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues, isolated=True)
+        )
         self._next_due = driver.compile(q.next_run_after(qt.table, queues=config.queues))
         columns = list(qt.table.c)
         self._pk_index = columns.index(qt.pk)
@@ -154,8 +160,10 @@ class Producer:
         if not self.ledger.healthy:
             return None
         if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
-            return ClaimRequest(self._claim_isolated, self._values(1), isolated=True)
-        return ClaimRequest(self._claim, self._values(limit))
+            return ClaimRequest(
+                self._claim_isolated, self._values(1), isolated=True, after_completion=self._isolated_after_completion
+            )
+        return ClaimRequest(self._claim, self._values(limit), after_completion=self._after_completion)
 
     def accept(self, request: ClaimRequest, rows: list[tuple[Any, ...] | RowError]) -> list[Held]:
         """The held jobs of a claim's rows, added to the ledger."""
