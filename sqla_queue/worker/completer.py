@@ -63,9 +63,9 @@ class Completer:
     ) -> list[tuple[Any, ...] | RowError] | None:
         """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use.
 
-        ``then``: a claim to run in the same transaction and round trip as the ``done``
-        statement; its rows are returned (None when it was not run: claim yourself).
-        """
+        ``then``: a claim to run in the same statement as the ``done`` one (one
+        transaction, one round trip); its rows are returned (None when it was not run:
+        claim yourself)."""
         done_kind = Kind.DONE
         done_list: list[Outcome] = []
         by_kind: dict[Kind, list[Outcome]] = {}

@@ -2,8 +2,9 @@
 
 Each executor thread owns one dedicated connection: it claims a batch on it, runs the
 handlers one after another, and hands the outcomes to the completer, which records them
-on the same connection. No job crosses a thread, and a batch costs two round trips
-(claim, record) however many jobs it holds. The batch is sized by the handlers' measured
+on the same connection. No job crosses a thread, and while work keeps coming a batch
+costs one statement however many jobs it holds: the completion of the batch before and
+the claim of the next, together. The batch is sized by the handlers' measured
 speed: up to ``batch_size`` jobs for fast handlers, one at a time for slow ones, so a job
 never waits long behind its batch-mates.
 
