@@ -44,6 +44,22 @@ def marked(marker: str) -> list[str]:
     return found
 
 
+def stop_marked(marker: str) -> None:
+    """After a failure: stop what the demo left running (its embedded server by an
+    immediate shutdown, which takes its backends with it; anything else by SIGKILL)."""
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if proc.environ().get("SQLA_QUEUE_TEST_MARKER") != marker:
+                continue
+            if proc.info["name"] != "postgres":
+                proc.kill()
+            elif " -D " in f" {' '.join(proc.info['cmdline'] or [])} ":
+                proc.send_signal(signal.SIGQUIT)
+        except psutil.Error:
+            pass
+    wait_for(lambda: not marked(marker), timeout=30, what="the demo's processes to stop")
+
+
 @pytest.fixture
 def demo_tmp() -> Iterator[Path]:
     """A temp dir for the demo alone (TMPDIR), so the test sees what it leaves there.
@@ -104,7 +120,8 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path) -> Non
     log = tmp_path / "demo.out"
     with open(log, "w") as out:
         demo = subprocess.Popen(
-            [sys.executable, "-m", "sqla_queue.demo", "--jobs", "200000"],
+            # faulthandler: a demo stuck after the SIGINT dumps its threads' stacks on SIGABRT.
+            [sys.executable, "-X", "faulthandler", "-m", "sqla_queue.demo", "--jobs", "200000"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         try:
@@ -113,11 +130,20 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path) -> Non
             assert marked(marker), "the marker should find the demo's processes"
             assert postmasters() - before, "the demo should have started an embedded server"
             demo.send_signal(signal.SIGINT)
-            assert demo.wait(60) == 130
+            try:
+                code = demo.wait(60)
+            except subprocess.TimeoutExpired:
+                demo.send_signal(signal.SIGABRT)
+                demo.wait(30)
+                stuck = log.read_text()[-6000:]
+                raise AssertionError(f"the demo did not stop within 60 s of Ctrl-C:\n{stuck}") from None
+            assert code == 130, log.read_text()
         finally:
             if demo.poll() is None:
                 demo.kill()
                 demo.wait(30)
+            if demo.returncode != 130:
+                stop_marked(marker)
     output = log.read_text()
     assert "interrupted; cleaned up" in output
     assert output.startswith("== starting an embedded PostgreSQL"), output  # no warning first
