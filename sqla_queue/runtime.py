@@ -249,6 +249,11 @@ class Runtime(Protocol):
         """Whether this runtime awaits ``fn`` (decided once per function)."""
         ...
 
+    def run_awaitable(self, awaitable: Any, what: str) -> Any:
+        """Await ``awaitable`` (``what`` made it) where this runtime can; raise TypeError,
+        naming it, where it cannot."""
+        ...
+
     def interrupt(self) -> None:
         """Shutdown gave up waiting: cut short the handlers that can be."""
         ...
@@ -275,6 +280,15 @@ class ThreadRuntime:
 
     def is_async(self, fn: Callable[..., Any]) -> bool:
         return False  # the thread Worker refuses async handlers when it is built
+
+    def run_awaitable(self, awaitable: Any, what: str) -> Any:
+        close = getattr(awaitable, "close", None)
+        if close is not None:  # a coroutine never awaited: no "never awaited" warning
+            close()
+        raise TypeError(
+            f"{what} gave an awaitable ({type(awaitable).__name__}); the thread Worker cannot "
+            f"await it (sqla_queue.AsyncWorker can)"
+        )
 
     def interrupt(self) -> None:
         """A thread cannot be interrupted: a handler past the grace finishes alone."""
@@ -337,6 +351,9 @@ class AsyncRuntime:
         if inspect.isawaitable(result):
             return self._await(result)
         return result
+
+    def run_awaitable(self, awaitable: Any, what: str) -> Any:
+        return self._await(awaitable)
 
     def _await(self, awaitable: Any) -> Any:
         """Await a handler (or the thread running one) so that interrupt() can cut it short."""

@@ -321,3 +321,49 @@ def test_the_thread_worker_names_the_async_one_for_async_handlers(engine: Engine
     with pytest.raises(TypeError, match="AsyncWorker"):
         Worker(engine, Task, handler)
     assert AsyncWorker(create_async_engine(engine.url), Task, handler).handler is handler
+
+
+def test_an_async_job_context_is_awaited_around_every_job(engine: Engine, Sessions: Any) -> None:
+    """``@asynccontextmanager`` factories work as ``job_context``: entered and left in the
+    job's task, around the handler, seeing what it raised."""
+    seen: list[tuple[str, int, int]] = []
+    inside: list[int] = []
+    tasks = Tasks()
+
+    @asynccontextmanager
+    async def context() -> AsyncIterator[None]:
+        await asyncio.sleep(0)  # really awaited
+        inside.append(1)
+        try:
+            yield
+        except ValueError:
+            seen.append(("raised", 0, 0))
+            raise
+        finally:
+            inside.pop()
+
+    @tasks.task
+    async def in_context(job: Any) -> None:
+        seen.append(("ran", job.id, len(inside)))
+        if job.attempts == 1:
+            raise ValueError("first attempt fails")
+
+    (job_id,) = add(Sessions, "in_context")
+
+    async def main(async_engine: AsyncEngine) -> None:
+        worker = AsyncWorker(async_engine, Task, tasks, job_context=context, concurrency=1, **OPTIONS)
+        async with started(worker):
+            await until(all_done(engine, [job_id]), what="the retry done")
+
+    run(main, engine)
+    assert seen == [("ran", job_id, 1), ("raised", 0, 0), ("ran", job_id, 1)]
+    assert inside == []
+
+
+def test_the_thread_worker_refuses_an_async_job_context(engine: Engine) -> None:
+    @asynccontextmanager
+    async def context() -> AsyncIterator[None]:
+        yield
+
+    with pytest.raises(TypeError, match="AsyncWorker"):
+        Worker(engine, Task, tasks_noop(), job_context=context)  # type: ignore[arg-type]

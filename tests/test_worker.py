@@ -153,6 +153,72 @@ def test_worker_refuses_a_registry_for_a_typed_table(engine: Engine, make_worker
         make_worker(engine, Task, Tasks(), lease=1, heartbeat_interval=2)
 
 
+# -- job_context ---------------------------------------------------------------------------
+
+
+class Contexts:
+    """A ``job_context`` factory that records what each context saw: the job it wrapped
+    and the exception its exit was given; ``swallow``: its exit suppresses exceptions."""
+
+    def __init__(self, *, swallow: bool = False) -> None:
+        self.swallow = swallow
+        self.inside = 0
+        self.exits: list[type[BaseException] | None] = []
+        self.runs: list[tuple[int, int, int]] = []  # (job id, attempt, contexts open)
+
+    def __call__(self) -> Any:
+        contexts = self
+
+        class Context:
+            def __enter__(self) -> None:
+                contexts.inside += 1
+
+            def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> bool:
+                contexts.inside -= 1
+                contexts.exits.append(kind)
+                return contexts.swallow
+
+        return Context()
+
+    def tasks(self) -> Tasks:
+        tasks = Tasks()
+
+        @tasks.task
+        def in_context(job: Any) -> None:
+            self.runs.append((job.id, job.attempts, self.inside))
+            if job.attempts == 1 and job.payload.get("fail_first"):
+                raise ValueError("first attempt fails")
+
+        return tasks
+
+
+def test_job_context_wraps_every_run_and_sees_what_the_handler_raised(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    contexts = Contexts()
+    (ok,) = add(Sessions, "in_context")
+    (flaky,) = add(Sessions, "in_context", fail_first=True)
+    start_worker(contexts.tasks(), job_context=contexts, concurrency=1)
+    wait_for(lambda: all(job(engine, i).status == "done" for i in (ok, flaky)), what="both jobs done")
+    assert sorted(contexts.runs) == sorted([(ok, 1, 1), (flaky, 1, 1), (flaky, 2, 1)])
+    assert sorted(contexts.exits, key=str) == sorted([None, ValueError, None], key=str)
+    assert contexts.inside == 0
+
+
+def test_a_job_context_that_swallows_the_error_does_not_run_the_handler_twice(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    """A ``with`` block whose context suppresses the exception goes on after the block;
+    the handler must not run again for it, and the attempt has still failed."""
+    contexts = Contexts(swallow=True)
+    (job_id,) = add(Sessions, "in_context", fail_first=True)
+    start_worker(contexts.tasks(), job_context=contexts, concurrency=1)
+    wait_for(status_is(engine, job_id, "done"), what="the retry done")
+    assert contexts.runs == [(job_id, 1, 1), (job_id, 2, 1)]
+    row = job(engine, job_id)
+    assert row.attempts == 2 and "first attempt fails" in row.last_error
+
+
 # -- leases --------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ written here: statements come from :mod:`sqla_queue.sql`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -70,8 +71,9 @@ class Worker:
     ``session_factory`` makes the sessions of transactional handlers (default: a
     :class:`~sqla_queue.QueueSession` on ``engine``, so handlers can enqueue follow-ups);
     they are joined to the worker's transaction on ``engine`` (see the README).
-    ``job_context`` is entered around every job in its thread (Flask's
-    ``app.app_context``, a tracing span...). Every connection the worker uses is made by
+    ``job_context`` makes a context manager entered around every job in its thread
+    (Flask's ``app.app_context``, a tracing span...); it sees what the handler raised,
+    and a job whose exception it swallows has still failed. Every connection the worker uses is made by
     ``engine`` (its URL, ``connect_args`` and events) but kept out of its pool: one per
     executor thread, and one each for the heartbeat, the sweeper and the listener.
     """
@@ -90,6 +92,8 @@ class Worker:
         self.engine = engine
         self.model = model
         self.handler = handler
+        if job_context is not None:
+            self._check_job_context(job_context)
         self.job_context = job_context
         self.config = replace(config, **options) if config is not None else check_options(**options)
         self._qt: QueueTable = queue_table(model)
@@ -131,6 +135,13 @@ class Worker:
 
     def _default_sessions(self, engine: Any) -> Callable[[], Any]:
         return sessionmaker(engine, class_=QueueSession)
+
+    def _check_job_context(self, job_context: Callable[[], Any]) -> None:
+        if is_async_callable(job_context) or inspect.isasyncgenfunction(getattr(job_context, "__wrapped__", None)):
+            raise TypeError(
+                "job_context makes an async context manager: the thread Worker cannot enter it; "
+                "run on sqla_queue.AsyncWorker, or pass a plain context manager factory"
+            )
 
     def _check_handler(self, handler: ResolvedHandler) -> None:
         if is_async_callable(handler.fn):

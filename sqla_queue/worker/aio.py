@@ -15,7 +15,7 @@ import asyncio
 import signal
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -54,6 +54,9 @@ class _Runtime(Worker):
     def _check_handler(self, handler: ResolvedHandler) -> None:
         """Every kind runs: ``async def`` as tasks, plain functions in a thread pool."""
 
+    def _check_job_context(self, job_context: Callable[[], Any]) -> None:
+        """Plain and async context managers both: an async one is awaited."""
+
 
 class AsyncWorker:
     """Run ``handler`` for the jobs of ``model``'s table, on the running event loop.
@@ -67,7 +70,9 @@ class AsyncWorker:
     runs on the loop with a synchronous session, as ``AsyncSession.run_sync`` does.
 
     ``concurrency`` is the number of jobs run at once, each by a task with its own
-    connection. Start, stop and run it from one event loop.
+    connection. Start, stop and run it from one event loop. ``job_context`` is the
+    thread Worker's, and may also make an async context manager, awaited in the job's
+    task (an ``@asynccontextmanager`` function, for example).
     """
 
     def __init__(
@@ -78,7 +83,7 @@ class AsyncWorker:
         *,
         config: WorkerConfig | None = None,
         session_factory: Callable[[], AsyncSession | Session] | None = None,
-        job_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        job_context: Callable[[], AbstractContextManager[Any] | AbstractAsyncContextManager[Any]] | None = None,
         **options: Any,
     ) -> None:
         self._runtime = _Runtime(
@@ -87,7 +92,7 @@ class AsyncWorker:
             handler,
             config=config,
             session_factory=session_factory,  # type: ignore[arg-type]  # AsyncDriver takes both kinds
-            job_context=job_context,
+            job_context=job_context,  # type: ignore[arg-type]  # the async kind too
             **options,
         )
 

@@ -19,7 +19,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, suppress
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, suppress
 from typing import Any
 
 from sqlalchemy import Connection
@@ -29,6 +29,7 @@ from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
 from ..model import QueueTable
+from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
 from .config import WorkerConfig
@@ -84,7 +85,7 @@ class Executor:
         owner: str,
         handler: ResolvedHandler | Tasks,
         session_factory: Callable[[], Any],
-        job_context: Callable[[], AbstractContextManager[Any]] | None,
+        job_context: Callable[[], AbstractContextManager[Any] | AbstractAsyncContextManager[Any]] | None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -102,13 +103,30 @@ class Executor:
         try:
             handler = self._resolve(held.job)
             if self.job_context is not None:
-                with self.job_context():
-                    return self._call(held, handler, lane)
+                return self._in_job_context(held, handler, lane)
             return self._call(held, handler, lane)
         except BaseException as exc:
             if self.runtime.cancelled():
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
             return self.failure(held, exc)
+
+    def _in_job_context(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
+        """The handler inside a fresh ``job_context()``: a context manager, or on the
+        asyncio runtime an async one. The context sees what the handler raised, as a
+        ``with`` block would; if it swallows it, the job has failed all the same (a
+        ``with`` statement would go on after the block, and the handler must not run
+        twice)."""
+        assert self.job_context is not None
+        enter, leave = _context_methods(self.job_context(), self.runtime)
+        enter()
+        try:
+            outcome = self._call(held, handler, lane)
+        except BaseException as exc:
+            if not leave(type(exc), exc, exc.__traceback__) or self.runtime.cancelled():
+                raise
+            return self.failure(held, exc)
+        leave(None, None, None)
+        return outcome
 
     def _call(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
         if handler.transactional:
@@ -216,6 +234,19 @@ class Executor:
                 conn.set_autocommit(True)
             except Exception:  # noqa: BLE001 - a broken connection: make a new one
                 lane.reset()
+
+
+def _context_methods(context: Any, runtime: Runtime) -> tuple[Callable[[], Any], Callable[..., Any]]:
+    """``(enter, exit)`` of what ``job_context()`` returned, awaited when it is async."""
+    kind = type(context)
+    if hasattr(kind, "__enter__") and hasattr(kind, "__exit__"):
+        return (lambda: kind.__enter__(context)), (lambda *exc: kind.__exit__(context, *exc))
+    if hasattr(kind, "__aenter__") and hasattr(kind, "__aexit__"):
+        return (
+            lambda: runtime.run_awaitable(kind.__aenter__(context), "job_context"),
+            lambda *exc: runtime.run_awaitable(kind.__aexit__(context, *exc), "job_context"),
+        )
+    raise TypeError(f"job_context() returned {kind.__name__}, not a context manager")
 
 
 def _first_line(exc: BaseException) -> str:
