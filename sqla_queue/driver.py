@@ -96,11 +96,7 @@ class DbConnection:
         raw: Any = sa.connection.dbapi_connection
         self.raw: psycopg.Connection[Any] = raw
         self.raw.autocommit = True
-        # JSON is read as text and parsed per row by the loader, so one value Python
-        # cannot parse fails its own job, not the whole claim.
-        self._cursor = self.raw.cursor()
-        for name in ("json", "jsonb"):
-            self._cursor.adapters.register_loader(name, TextLoader)
+        self._cursor = _runtime_cursor(self.raw)
         self.closed = False
 
     @property
@@ -141,9 +137,8 @@ class DbConnection:
         and the claim's values. Returns the (key, attempt) completed and the claimed rows."""
         stmt = claim.after_completion
         assert stmt is not None
-        cur = self._cursor
-        cur.execute(stmt.sql, stmt.params(values))
-        return _completed_and_claimed(self._claimed_rows(cur, pk_index, attempt_index), pk_index, attempt_index)
+        rows = self.fetch_claimed(stmt, values, pk_index, attempt_index)
+        return _completed_and_claimed(rows, pk_index, attempt_index)
 
     def _claimed_rows(
         self, cur: psycopg.Cursor[Any], pk_index: int, attempt_index: int
@@ -173,13 +168,24 @@ class DbConnection:
             return
         self.closed = True
         with suppress(Exception):
-            self._cursor.close()
-        with suppress(Exception):
             self.sa.invalidate()
         with suppress(Exception):
             self.sa.close()
         with suppress(Exception):
-            self.raw.close()
+            self._close_raw()
+
+    def _close_raw(self) -> None:
+        """Close the psycopg connection (its cursor with it), whatever SQLAlchemy did."""
+        self.raw.close()
+
+
+def _runtime_cursor(raw: Any) -> Any:
+    """The cursor the runtime's statements run on. JSON is read as text and parsed per row
+    by the loader, so one value Python cannot parse fails its own job, not the claim."""
+    cursor = raw.cursor()
+    for name in ("json", "jsonb"):
+        cursor.adapters.register_loader(name, TextLoader)
+    return cursor
 
 
 def _load_one(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], row: int, col: int) -> Any:
@@ -230,9 +236,7 @@ class AsyncDbConnection(DbConnection):
         self._adapted = adapted
         self.raw: psycopg.AsyncConnection[Any] = adapted.driver_connection  # type: ignore[assignment]
         adapted.autocommit = True
-        self._cursor = self.raw.cursor()
-        for name in ("json", "jsonb"):
-            self._cursor.adapters.register_loader(name, TextLoader)
+        self._cursor = _runtime_cursor(self.raw)
         self.closed = False
 
     def set_autocommit(self, on: bool) -> None:
@@ -256,14 +260,6 @@ class AsyncDbConnection(DbConnection):
     ) -> list[tuple[Any, ...] | RowError]:
         await self._cursor.execute(sql, params)
         return await self._aclaimed_rows(self._cursor, pk_index, attempt_index)
-
-    def complete_then_claim(
-        self, claim: ClaimRequest, values: Mapping[str, Any], pk_index: int, attempt_index: int
-    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
-        stmt = claim.after_completion
-        assert stmt is not None
-        rows = await_only(self._fetch_claimed(stmt.sql, stmt.params(values), pk_index, attempt_index))
-        return _completed_and_claimed(rows, pk_index, attempt_index)
 
     @staticmethod
     async def _aclaimed_rows(
@@ -299,18 +295,8 @@ class AsyncDbConnection(DbConnection):
     async def _notifies(self, timeout: float) -> list[str]:
         return [n.payload async for n in self.raw.notifies(timeout=timeout, stop_after=1)]
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        with suppress(Exception):
-            self.sa.invalidate()
-        with suppress(Exception):
-            self.sa.close()
-        with suppress(Exception):
-            await_only(self.raw.close())
-
-
+    def _close_raw(self) -> None:
+        await_only(self.raw.close())
 
 
 class Driver:

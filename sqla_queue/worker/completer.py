@@ -118,7 +118,7 @@ class Completer:
             return conn.complete_then_claim(claim, params, *indexes)
 
         try:
-            (rows, claimed), _ = cast(
+            (rows, claimed), sent = cast(
                 "tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]], float]",
                 self._with_retries(connect, run),
             )
@@ -128,7 +128,7 @@ class Completer:
                 o.held.finishing = False
             self._record_kind(connect, Kind.DONE, outcomes)
             return None
-        self._settle(Kind.DONE, outcomes, rows)
+        self._settle(Kind.DONE, outcomes, rows, sent)
         return claimed
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
@@ -223,7 +223,7 @@ class Completer:
 
     # -- bookkeeping -------------------------------------------------------------------
 
-    def _settle(self, kind: Kind, outcomes: list[Outcome], rows: list[tuple[Any, ...]], sent: float = 0.0) -> None:
+    def _settle(self, kind: Kind, outcomes: list[Outcome], rows: list[tuple[Any, ...]], sent: float) -> None:
         """``sent``: when the statement went out. The server stamped a retry's ``run_after``
         from its clock as the statement ran, so the wake-up counts from then, not from the
         answer, which a slow write or commit may have held back."""
