@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, func, insert, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql
 
 from sqla_queue import Backoff, ClaimToken, archive_table
@@ -547,7 +547,7 @@ def test_builders_print_readable_sql() -> None:
     assert "RETURNING" in claim_sql
     complete = str(q.complete_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)]).compile(dialect=dialect))
     assert "email_jobs.status = 'running'" in complete and "lease_owner" in complete
-    assert "(email_jobs.id, email_jobs.attempts) IN" in complete
+    assert "email_jobs.id = ANY (" in complete and "unnest(" in complete  # arrays: no IN list
 
 
 def test_builders_compose_with_the_callers_statements(engine: Engine) -> None:
@@ -629,3 +629,211 @@ def test_empty_ids_mean_no_jobs(engine: Engine) -> None:
     assert admin.requeue(engine, EmailJob, ids=None) == 2
     with pytest.raises(TypeError, match="single string"):
         q.cancel_pending(EmailJob, ids="12")
+
+
+# -- statements compiled once, several queues, many tokens ---------------------------------
+
+
+def _sorts_over_the_table(node: dict[str, Any], limited: bool = False) -> list[str]:
+    """Sort nodes of a JSON plan that sort rows read from a table with no LIMIT between
+    (a sort of every matching pending row), as opposed to a sort of limited subresults."""
+    found: list[str] = []
+    kind = node["Node Type"]
+    if kind == "Sort" and not limited and _reads_the_table(node):
+        found.append(f"Sort {node.get('Sort Key')}")
+    below_limit = limited or kind == "Limit"
+    if kind == "Sort":
+        below_limit = False  # what the sort consumes is not limited by a LIMIT above it
+    for child in node.get("Plans", []):
+        found += _sorts_over_the_table(child, below_limit)
+    return found
+
+
+def _reads_the_table(node: dict[str, Any]) -> bool:
+    if node["Node Type"] == "Limit":
+        return False
+    if "Relation Name" in node:
+        return True
+    return any(_reads_the_table(child) for child in node.get("Plans", []))
+
+
+def _json_plan(conn: Connection, stmt: Any, *, analyze: bool) -> dict[str, Any]:
+    compiled = stmt.compile(dialect=conn.dialect)
+    options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
+    (plan,) = conn.exec_driver_sql(f"EXPLAIN ({options}) " + str(compiled), compiled.params).scalar_one()
+    root: dict[str, Any] = plan["Plan"]
+    return root
+
+
+def _generic_json_plan(conn: Connection, stmt: Any) -> dict[str, Any]:
+    from psycopg import sql as pgsql
+    from sqlalchemy.dialects.postgresql import asyncpg
+
+    compiled = stmt.compile(dialect=asyncpg.dialect())  # type: ignore[no-untyped-call]
+    values = [compiled.params[name] for name in compiled.positiontup or []]
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    raw.execute("SET plan_cache_mode = force_generic_plan")
+    raw.execute(f"PREPARE sqla_queue_plan AS {compiled}")
+    explain = pgsql.SQL("EXPLAIN (FORMAT JSON) EXECUTE sqla_queue_plan({})").format(
+        pgsql.SQL(", ").join(pgsql.Literal(v) for v in values)
+    )
+    (row,) = raw.execute(explain).fetchall()
+    raw.execute("DEALLOCATE sqla_queue_plan")
+    raw.execute("RESET plan_cache_mode")
+    root: dict[str, Any] = row[0][0]["Plan"]
+    return root
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node, *(n for child in node.get("Plans", []) for n in _nodes(child))]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("queues", [["q1"], ["q1", "q2", "q3"]], ids=["one queue", "three queues"])
+def test_claim_of_several_queues_reads_the_queue_index_in_order(engine: Engine, queues: list[str]) -> None:
+    """A backlog of 40,000 pending jobs in five queues: the claim reads each served
+    queue's index in claim order and stops after ``limit`` rows per queue; it never
+    sorts every pending row of the queues it serves (``queue IN (...)`` did)."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO email_jobs (recipient, queue, priority, run_after) "
+                "SELECT 'x', 'q' || (i % 5), i % 3, now() - interval '1 hour' + (i % 997) * interval '1 ms' "
+                "FROM generate_series(1, 40000) i"
+            )
+        )
+        conn.execute(text("ANALYZE email_jobs"))
+    limit = 10
+    stmt = q.claim(EmailJob, owner="w", limit=limit, queues=queues)
+    with engine.connect() as conn:
+        with conn.begin() as tx:  # EXPLAIN ANALYZE runs the claim: roll it back
+            executed = _json_plan(conn, stmt, analyze=True)
+            tx.rollback()
+        generic = _generic_json_plan(conn, stmt)
+    for plan in (executed, generic):
+        assert _sorts_over_the_table(plan) == [], plan
+        scans = [n for n in _nodes(plan) if n.get("Relation Name") == "email_jobs" and "Index Name" in n]
+        assert {n["Index Name"] for n in scans} >= {"email_jobs_claim_queue_idx"}, plan
+        assert not [n for n in _nodes(plan) if n["Node Type"] == "Bitmap Heap Scan"], plan
+    assert not [n for n in _nodes(executed) if n["Node Type"] == "Seq Scan"], executed
+    read = sum(
+        n["Actual Rows"] * n["Actual Loops"]
+        for n in _nodes(executed)
+        if n.get("Index Name") == "email_jobs_claim_queue_idx"
+    )
+    assert read <= limit * len(queues), executed  # 8,000 pending rows per queue, 10 read from each
+
+
+def test_claim_of_several_queues_keeps_claim_order_and_the_other_queues(engine: Engine) -> None:
+    with engine.begin() as conn:
+        low_b = add_jobs(conn, 2, queue="b", priority=0)
+        high_c = add_jobs(conn, 2, queue="c", priority=5)
+        mid_d = add_jobs(conn, 2, queue="d", priority=3)
+        add_jobs(conn, 3, queue="a", priority=9)
+        claimed = {r.id for r in claim(conn, limit=5, queues=["b", "c", "d"])}
+        assert claimed == {*high_c, *mid_d, low_b[0]}
+        assert [r.id for r in claim(conn, limit=5, queues=("b", "c", "d"))] == low_b[1:]
+        assert claim(conn, queues=["b", "c", "d", "c"]) == []
+        assert conn.scalar(select(func.count()).where(JOBS.c.queue == "a", JOBS.c.status == "pending")) == 3
+
+
+def test_compile_statement_refuses_placeholders_only_sqlalchemy_fills_in() -> None:
+    from sqla_queue.driver import CompileOnceError, compile_statement
+
+    dialect = postgresql.psycopg.dialect()  # type: ignore[no-untyped-call]
+    with pytest.raises(CompileOnceError, match="ANY"):
+        compile_statement(select(JOBS.c.id).where(JOBS.c.queue.in_(["a", "b"])), dialect)
+    with pytest.raises(CompileOnceError):
+        compile_statement(select(JOBS.c.id).limit(bindparam("n", 5, literal_execute=True)), dialect)
+
+
+#: Every builder a statement can be compiled once from, with lists of several values.
+_COMPILED_ONCE: list[Any] = [
+    lambda: q.claim_template(EmailJob, queues=["a", "b", "c"]),
+    lambda: q.claim_template(EmailJob, queues=["a", "b", "c"], isolated=True),
+    lambda: q.complete_many_if_owner_then_claim(EmailJob, queues=["a", "b", "c"]),
+    lambda: q.complete_many_if_owner_then_claim(EmailJob, queues=["a", "b"], isolated=True),
+    lambda: q.next_run_after(EmailJob, queues=["a", "b", "c"]),
+    lambda: q.isolated_waiting(EmailJob, queues=["a", "b", "c"]),
+    lambda: q.claim(EmailJob, owner="w", queues=["a", "b", "c"]),
+    lambda: q.requeue_failed(EmailJob, ids=[1, 2, 3], queues=["a", "b"]),
+    lambda: q.cancel_pending(EmailJob, ids=[1, 2, 3]),
+    lambda: q.complete_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)]),
+    lambda: q.extend_leases_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)], lease=5),
+    lambda: q.release_if_owner(EmailJob, owner="w", tokens=[(1, 1), (2, 1)]),
+    lambda: q.prune_finished(EmailJob, older_than=5, statuses=["done", "failed"]),
+]
+
+
+@pytest.mark.parametrize("build", _COMPILED_ONCE)
+def test_builders_with_several_values_run_as_compiled_once(engine: Engine, build: Any) -> None:
+    """Compiled once and sent as text to the psycopg cursor, as the worker and
+    ``enqueue_values`` do: no expanding parameter is left for SQLAlchemy to fill in."""
+    from sqla_queue.driver import compile_statement
+    from sqla_queue.sql import LEASE_PARAM, LIMIT_PARAM, OWNER_PARAM
+
+    with engine.begin() as conn:
+        add_jobs(conn, 3, queue="b")
+        statement = compile_statement(build(), conn.dialect)
+        params = {OWNER_PARAM: "w", LIMIT_PARAM: 5, LEASE_PARAM: 30.0, "sqla_queue_ids": [], "sqla_queue_attempts": []}
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        cursor.execute(statement.sql, statement.params(params))  # raised UndefinedColumn "__"
+
+
+@pytest.mark.timeout(300)
+def test_public_token_builders_take_ten_thousand_tokens(engine: Engine) -> None:
+    n = 10_001
+    with engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO email_jobs (recipient) SELECT 'x' FROM generate_series(1, {n})"))
+        tokens = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="w", limit=n)]
+        assert len(tokens) == n
+        extended = conn.scalars(q.extend_leases_if_owner(EmailJob, owner="w", tokens=tokens, lease=300)).all()
+        assert len(extended) == n
+        stale = [ClaimToken(t.job_id, t.attempt + 1) for t in tokens]
+        assert conn.scalars(q.release_if_owner(EmailJob, owner="w", tokens=stale)).all() == []
+        released = conn.scalars(q.release_if_owner(EmailJob, owner="w", tokens=tokens)).all()
+        assert sorted(released) == sorted(t.job_id for t in tokens)
+        tokens = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="w", limit=n)]
+        done = conn.scalars(q.complete_if_owner(EmailJob, owner="w", tokens=[*tokens, *tokens])).all()
+        assert len(done) == n
+        assert conn.scalar(select(func.count()).where(JOBS.c.status == "done")) == n
+
+
+def test_token_fence_matches_each_id_with_its_own_attempt(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 3)
+        a, b, c = [ClaimToken(r.id, r.attempts) for r in claim(conn, owner="w")]
+        mixed = [(a.job_id, b.attempt + 1), (b.job_id, b.attempt), (c.job_id, a.attempt + 7)]
+        assert conn.scalars(q.complete_if_owner(EmailJob, owner="w", tokens=mixed)).all() == [b.job_id]
+
+
+_FACTORS = [1, 1.0001, 1.5, 2, 10, 1e6, 1e300, float("inf")]
+_ATTEMPTS = [-5, 0, 1, 2, 3, 10, 64, 1000, 1024, 1075, 10**6, 10**18, 10**100]
+
+
+@pytest.mark.parametrize("cap", [0, 0.5, 3600, 1e12, float("inf")])
+def test_backoff_gives_a_delay_for_every_attempt_and_factor(cap: float) -> None:
+    for factor in _FACTORS:
+        for base in (0, 0.001, 1, 1e300, float("inf")):
+            for jitter in (0, 0.25, 1):
+                backoff = Backoff(base=base, factor=factor, cap=cap, jitter=jitter)
+                previous = 0.0
+                for attempt in _ATTEMPTS:
+                    low, high = backoff.bounds(attempt)
+                    assert 0 <= low <= high <= min(cap, q.MAX_BACKOFF_SECONDS), (backoff, attempt)
+                    for rand in (0.0, 0.5, 0.999999):
+                        seconds = backoff.delay(attempt, rand=lambda r=rand: r).total_seconds()
+                        assert low - 1e-6 <= seconds <= high + 1e-6, (backoff, attempt)
+                    if jitter == 0:
+                        assert low >= previous, (backoff, attempt)  # never shrinks
+                        previous = low
+
+
+def test_backoff_with_an_infinite_cap_reaches_its_ceiling() -> None:
+    backoff = Backoff(cap=float("inf"), jitter=0)
+    assert backoff.delay(1000).total_seconds() == q.MAX_BACKOFF_SECONDS
+    assert backoff.delay(3).total_seconds() == 4
+    for bad in (float("nan"), "1"):
+        with pytest.raises(ValueError):
+            Backoff(cap=bad)  # type: ignore[arg-type]
