@@ -23,7 +23,7 @@ from typing import Any, Final, cast
 import psycopg
 from psycopg import sql as pgsql
 from psycopg.types.string import TextLoader
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Table
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
@@ -32,12 +32,12 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util.concurrency import await_only
 
 from .errors import SqlaQueueError
-from .model import REQUIRED_COLUMNS
+from .model import REQUIRED_COLUMNS, notify_channel, translated_schema
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 
 __all__ = [
-    "AsyncDbConnection", "AsyncDriver", "ClaimRequest", "DbConnection", "Driver", "RowError", "Statement",
-    "WorkerStartError",
+    "AsyncDbConnection", "AsyncDriver", "ClaimRequest", "CompileOnceError", "DbConnection", "Driver", "RowError",
+    "Statement", "WorkerStartError", "compile_statement", "schema_map_key",
 ]
 
 log = logging.getLogger("sqla_queue.worker")
@@ -114,6 +114,11 @@ class DbConnection:
     def notifies(self, timeout: float) -> list[str]:
         """Payloads of the notifications that arrive within ``timeout`` seconds."""
         return [n.payload for n in self.raw.notifies(timeout=timeout, stop_after=1)]
+
+    def describe(self, sql: Any) -> dict[str, int]:
+        """The type code of each column of ``sql``'s result, by name."""
+        cur = self.raw.execute(sql)
+        return {d.name: d.type_code for d in cur.description or []}
 
     def execute(self, stmt: Statement, values: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run ``stmt`` (autocommit: one round trip) and return its rows."""
@@ -292,6 +297,13 @@ class AsyncDbConnection(DbConnection):
     def notifies(self, timeout: float) -> list[str]:
         return await_only(self._notifies(timeout))
 
+    def describe(self, sql: Any) -> dict[str, int]:
+        return await_only(self._describe(sql))
+
+    async def _describe(self, sql: Any) -> dict[str, int]:
+        cur = await self.raw.execute(sql)
+        return {d.name: d.type_code for d in cur.description or []}
+
     async def _notifies(self, timeout: float) -> list[str]:
         return [n.payload async for n in self.raw.notifies(timeout=timeout, stop_after=1)]
 
@@ -310,6 +322,7 @@ class Driver:
         self._check(engine)
         self.engine = engine
         self.dialect = engine.dialect
+        self.schema_translate_map = _schema_map(engine)
         self.keepalive = keepalive
         self.runtime = ThreadRuntime()
 
@@ -332,8 +345,20 @@ class Driver:
 
     # -- statements --------------------------------------------------------------------
 
+    #: The engine's ``schema_translate_map``: every statement and name follows it.
+    schema_translate_map: Mapping[str | None, str | None] | None
+
     def compile(self, stmt: ClauseElement) -> Statement:
-        return compile_statement(stmt, self.dialect)
+        return compile_statement(stmt, self.dialect, self.schema_translate_map)
+
+    def channel(self, table: Table) -> str:
+        """The NOTIFY channel of ``table`` in the schema the engine's map puts it in."""
+        return notify_channel(table, self.schema_translate_map)
+
+    def table_name(self, table: Table) -> str:
+        """``table``'s schema-qualified name under the engine's map (for messages)."""
+        schema = translated_schema(table, self.schema_translate_map)
+        return f"{schema}.{table.name}" if schema else table.name
 
     # -- connections -------------------------------------------------------------------
 
@@ -440,8 +465,15 @@ class Driver:
 
     # -- start-up ----------------------------------------------------------------------
 
-    def check_table(self, schema: str | None, table: str) -> None:
-        """Fail fast: the server answers and the table exists with the queue columns."""
+    def check_table(self, table: Table) -> dict[str, int]:
+        """Fail fast: the server answers and the table exists with the queue columns
+        (in the schema the engine's ``schema_translate_map`` puts it in).
+
+        Returns the type code (OID) the server reports for each of ``table``'s columns it
+        has, as ``cursor.description`` will for the claim's rows: result processors
+        depend on it (PostgreSQL numbers, for one)."""
+        schema, name = translated_schema(table, self.schema_translate_map), table.name
+        qualified = pgsql.Identifier(*([schema, name] if schema else [name]))
         try:
             conn = self.connect("start-up check")
         except Exception as exc:
@@ -450,13 +482,20 @@ class Driver:
                 f"{_first_line(exc)}"
             ) from exc
         try:
-            name = f"{schema}.{table}" if schema else table
             with self.deadline(conn, 30):
                 rows = conn.query(
                     "SELECT a.attname FROM pg_attribute a "
                     "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
-                    (pgsql.Identifier(*([schema, table] if schema else [table])).as_string(None),),
+                    (qualified.as_string(None),),
                 )
+                present = {r[0] for r in rows}
+                wanted = [c.name for c in table.c if c.name in present]
+                types = conn.describe(
+                    pgsql.SQL("SELECT {} FROM {} WHERE false").format(
+                        pgsql.SQL(", ").join(map(pgsql.Identifier, wanted)), qualified
+                    )
+                ) if wanted and set(REQUIRED_COLUMNS) <= present else {}
+            name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
         if not rows:
@@ -470,6 +509,7 @@ class Driver:
                 f"table {name!r} lacks the queue columns {', '.join(missing)}: migrate it "
                 f"(the model uses JobMixin, the table does not yet)"
             )
+        return types
 
 
 class AsyncDriver(Driver):
@@ -500,6 +540,7 @@ class AsyncDriver(Driver):
         self.async_engine = engine
         self.engine = sync_engine
         self.dialect = sync_engine.dialect
+        self.schema_translate_map = _schema_map(sync_engine)
         self.keepalive = keepalive
         self.runtime = AsyncRuntime(threads)
 
@@ -512,6 +553,11 @@ class AsyncDriver(Driver):
         if isinstance(session, Session):
             return _joined(session, sa, self.engine), session
         raise TypeError(f"session_factory must make an AsyncSession, got {session!r}")
+
+
+def _schema_map(engine: Engine) -> Mapping[str | None, str | None] | None:
+    found: Mapping[str | None, str | None] | None = engine.get_execution_options().get("schema_translate_map")
+    return dict(found) if found else None
 
 
 def _joined(session: Session, sa: Connection, engine: Engine) -> Session:
@@ -603,16 +649,62 @@ def _listen_for_commits(engine: Engine) -> None:
     _listening.add(key)
 
 
-def compile_statement(stmt: ClauseElement, dialect: Any) -> Statement:
-    """``stmt`` compiled once by SQLAlchemy for ``dialect``, to run on the DBAPI connection."""
-    compiled = cast(SQLCompiler, stmt.compile(dialect=dialect))
+class CompileOnceError(SqlaQueueError, ValueError):
+    """A statement that cannot be compiled once and run as text on the DBAPI cursor: it
+    keeps a placeholder that only SQLAlchemy's execution fills in (an expanding ``IN``
+    list, a ``literal_execute`` parameter, an untranslated schema)."""
+
+
+#: What SQLAlchemy leaves in a compiled string for its own execution to fill in.
+_LATE_PLACEHOLDERS: Final = ("__[POSTCOMPILE_", "__[SCHEMA_")
+
+#: A ``schema_translate_map`` as a hashable key (None for no map or an empty one).
+SchemaMapKey = tuple[tuple[str | None, str | None], ...] | None
+
+
+def schema_map_key(schema_translate_map: Mapping[str | None, str | None] | None) -> SchemaMapKey:
+    """``schema_translate_map`` frozen, for keys of caches of compiled statements."""
+    if not schema_translate_map:
+        return None
+    return tuple(sorted(schema_translate_map.items(), key=lambda item: (item[0] is not None, item[0] or "")))
+
+
+def compile_statement(
+    stmt: ClauseElement,
+    dialect: Any,
+    schema_translate_map: Mapping[str | None, str | None] | None = None,
+) -> Statement:
+    """``stmt`` compiled once by SQLAlchemy for ``dialect``, to run on the DBAPI connection.
+
+    The text must be complete as compiled: ``schema_translate_map`` (an execution option
+    SQLAlchemy applies only on its own execution path) is rendered into it, and a
+    statement that still holds a placeholder for SQLAlchemy's execution to expand (an
+    expanding ``IN``: use ``= ANY(array)``) raises :class:`CompileOnceError` here, when
+    it is compiled, rather than failing on the server at every run.
+    """
+    kwargs: dict[str, Any] = {}
+    if schema_translate_map:
+        kwargs = {"schema_translate_map": dict(schema_translate_map), "render_schema_translate": True}
+    compiled = cast(SQLCompiler, stmt.compile(dialect=dialect, **kwargs))
+    text = compiled.string
+    late = sorted(
+        {compiled.bind_names.get(bind, bind.key) for bind in compiled.binds.values()
+         if bind.expanding or bind.literal_execute}
+    )
+    if late or any(marker in text for marker in _LATE_PLACEHOLDERS):
+        raise CompileOnceError(
+            "this statement cannot run as compiled once on the DBAPI cursor: "
+            + (f"its parameter(s) {', '.join(late)} are expanded (IN lists) or rendered "
+               "by SQLAlchemy at execution; bind an array (column = ANY(:array)) instead"
+               if late else f"its SQL keeps a placeholder for SQLAlchemy's execution: {text[:200]!r}")
+        )
     defaults = compiled.construct_params(_check=False) or {}
     processors = {
         name: proc
         for name, proc in (compiled._bind_processors or {}).items()
         if proc and not _plain_array(compiled.binds.get(name), dialect)
     }
-    return Statement(compiled.string, dict(defaults), processors)
+    return Statement(text, dict(defaults), processors)
 
 
 def _plain_array(bind: Any, dialect: Any) -> bool:

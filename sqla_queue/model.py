@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -203,9 +204,23 @@ class QueueTable:
         return "task" in self.table.c and "payload" in self.table.c
 
 
-def notify_channel(table: Table) -> str:
-    """The LISTEN/NOTIFY channel of a queue table (schema-qualified, under 64 bytes)."""
-    return constraint_name(f"sqla_queue.{table.fullname}", "jobs")
+def translated_schema(table: Table, schema_translate_map: Mapping[str | None, str | None] | None) -> str | None:
+    """The schema ``table`` is in under ``schema_translate_map`` (an execution option)."""
+    if schema_translate_map and table.schema in schema_translate_map:
+        return schema_translate_map[table.schema]
+    return table.schema
+
+
+def notify_channel(table: Table, schema_translate_map: Mapping[str | None, str | None] | None = None) -> str:
+    """The LISTEN/NOTIFY channel of a queue table (schema-qualified, under 64 bytes).
+
+    Named after the schema the table is in under ``schema_translate_map``: the tables of
+    two tenants' schemas, one model, get channels of their own. Enqueuers and workers
+    compute it from the same engine options, so they agree.
+    """
+    schema = translated_schema(table, schema_translate_map)
+    fullname = f"{schema}.{table.name}" if schema else table.name
+    return constraint_name(f"sqla_queue.{fullname}", "jobs")
 
 
 def _attach_schema_objects(table: Table) -> None:

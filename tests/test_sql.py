@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import uuid
 from concurrent.futures import ProcessPoolExecutor
@@ -823,7 +824,7 @@ def test_backoff_gives_a_delay_for_every_attempt_and_factor(cap: float) -> None:
                     low, high = backoff.bounds(attempt)
                     assert 0 <= low <= high <= min(cap, q.MAX_BACKOFF_SECONDS), (backoff, attempt)
                     for rand in (0.0, 0.5, 0.999999):
-                        seconds = backoff.delay(attempt, rand=lambda r=rand: r).total_seconds()
+                        seconds = backoff.delay(attempt, rand=functools.partial(float, rand)).total_seconds()
                         assert low - 1e-6 <= seconds <= high + 1e-6, (backoff, attempt)
                     if jitter == 0:
                         assert low >= previous, (backoff, attempt)  # never shrinks
@@ -837,3 +838,24 @@ def test_backoff_with_an_infinite_cap_reaches_its_ceiling() -> None:
     for bad in (float("nan"), "1"):
         with pytest.raises(ValueError):
             Backoff(cap=bad)  # type: ignore[arg-type]
+
+
+def test_next_due_and_isolated_waiting_with_several_queues_run_as_compiled_once(engine: Engine) -> None:
+    from sqla_queue.driver import compile_statement
+
+    with engine.begin() as conn:
+        add_jobs(conn, 1, queue="x", run_after=func.now() + timedelta(seconds=30))
+        add_jobs(conn, 1, queue="x", isolated=True)
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+
+        def run(stmt: Any) -> Any:
+            statement = compile_statement(stmt, conn.dialect)
+            return cursor.execute(statement.sql, statement.params({})).fetchone()[0]
+
+        assert run(q.next_run_after(EmailJob, queues=["b", "c"])) is None
+        assert run(q.isolated_waiting(EmailJob, queues=["b", "c"])) is False
+        add_jobs(conn, 1, queue="c", run_after=func.now() + timedelta(seconds=120))
+        add_jobs(conn, 1, queue="b", isolated=True)
+        assert float(run(q.next_run_after(EmailJob, queues=["b", "c"]))) == pytest.approx(120, abs=2)
+        assert float(run(q.next_run_after(EmailJob, queues=["x", "c"]))) == pytest.approx(30, abs=2)
+        assert run(q.isolated_waiting(EmailJob, queues=["b", "c"])) is True

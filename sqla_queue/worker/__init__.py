@@ -121,7 +121,7 @@ class Worker:
             Sweeper(cfg, driver, qt, self.stats, self._producer, self.signal) if cfg.sweep_interval > 0 else None
         )
         self.listener = (
-            Listener(cfg, driver, qt.channel, self.signal, queues=cfg.queues) if cfg.listen else None
+            Listener(cfg, driver, driver.channel(qt.table), self.signal, queues=cfg.queues) if cfg.listen else None
         )
         self._stopping = Event()
         self._hard_stop = Event()
@@ -194,12 +194,12 @@ class Worker:
         if self._started:
             raise RuntimeError("worker already started")
         table = self._qt.table
-        self._driver.check_table(table.schema, table.name)
+        self._producer.use_type_codes(self._driver.check_table(table))
         self._started = True
         cfg = self.config
         log.info(
             "worker %s starting: table=%s queues=%s concurrency=%d lease=%.1fs",
-            self.owner, table.fullname, ",".join(cfg.queues) if cfg.queues else "*",
+            self.owner, self._driver.table_name(table), ",".join(cfg.queues) if cfg.queues else "*",
             cfg.concurrency, cfg.lease,
         )
         for service in self.services():

@@ -6,21 +6,26 @@ loader builds each instance as the ORM's own loading does (``new_instance()``, t
 column attributes, an identity key, then the ``load`` event, so ``@reconstructor``
 runs) and reports a row it cannot build as that job's error. The instance is detached:
 ``session.add(job)`` makes it persistent, as for any object loaded by a closed session.
+
+As in the ORM, a column's result processor is made for the type the server reports for
+it (``cursor.description``'s type code): PostgreSQL numbers are converted, or not,
+according to it. With single-table inheritance each row becomes an instance of the
+mapper its discriminator names, as a ``Session`` would load it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import JSON, Column, TypeDecorator, inspect
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import attributes, configure_mappers
+from sqlalchemy.orm import Mapper, attributes, configure_mappers
 from sqlalchemy.orm.exc import UnmappedColumnError
 
-__all__ = ["RowLoader"]
+__all__ = ["RowLoader", "polymorphic_column"]
 
 
 def _is_json(column_type: Any, dialect: Dialect) -> bool:
@@ -30,55 +35,120 @@ def _is_json(column_type: Any, dialect: Dialect) -> bool:
     return isinstance(impl, JSON)
 
 
-class RowLoader:
-    """Turns the claim's ``RETURNING`` rows (every table column, in table order) into
-    model instances."""
+def polymorphic_column(mapper: Mapper[Any]) -> Column[Any] | None:
+    """The discriminator column of ``mapper``'s single-table hierarchy, if it has one."""
+    on = mapper.polymorphic_on
+    if on is None:
+        return None
+    if not isinstance(on, Column) or on.table is not mapper.local_table:
+        raise TypeError(
+            f"{mapper.class_.__qualname__}: the worker needs polymorphic_on to be a column of "
+            f"the queue table, got {on!r}"
+        )
+    return on
 
-    def __init__(self, model: type[Any], columns: Sequence[Column[Any]], dialect: Dialect) -> None:
-        configure_mappers()  # instrumented attributes need configured mappers
-        mapper = inspect(model)
-        self._mapper = mapper
-        self._manager = mapper.class_manager
-        self._cls = model
-        deserialize: Callable[[str], Any] = getattr(dialect, "_json_deserializer", None) or json.loads
-        pk_columns = list(mapper.primary_key)
-        column_list = list(columns)
-        pk_index = [column_list.index(c) for c in pk_columns if c in column_list]
-        self._pk = itemgetter(*pk_index) if len(pk_index) > 1 else None
-        self._pk_single = pk_index[0] if len(pk_index) == 1 else None
+
+class _MapperPlan:
+    """How one mapper's instance is built from a row: which columns go to which
+    attributes, and which need their type's result processor."""
+
+    def __init__(self, mapper: Mapper[Any], columns: Sequence[Column[Any]], dialect: Dialect,
+                 type_codes: Mapping[str, Any] | None) -> None:
+        manager = mapper.class_manager
         plain: list[tuple[str, int]] = []
-        self._processed: list[tuple[str, int, Callable[[Any], Any] | None, bool]] = []
+        self.processed: list[tuple[str, int, Callable[[Any], Any] | None, bool]] = []
         for index, column in enumerate(columns):
             try:
                 prop = mapper.get_property_by_column(column)
             except UnmappedColumnError:
                 continue
-            process = column.type._cached_result_processor(dialect, None)
+            coltype = type_codes.get(column.name) if type_codes is not None else None
+            process = column.type._cached_result_processor(dialect, coltype)
             is_json = _is_json(column.type, dialect)
             if process is None and not is_json:
                 plain.append((prop.key, index))
             else:
-                self._processed.append((prop.key, index, process, is_json))
-        self._plain_keys = tuple(key for key, _ in plain)
-        self._plain_values = itemgetter(*(index for _, index in plain)) if len(plain) > 1 else None
-        self._plain_one = plain[0] if len(plain) == 1 else None
-        self._deserialize = deserialize
+                self.processed.append((prop.key, index, process, is_json))
+        self.plain_keys = tuple(key for key, _ in plain)
+        self.plain_values = itemgetter(*(index for _, index in plain)) if len(plain) > 1 else None
+        self.plain_one = plain[0] if len(plain) == 1 else None
+        self.manager = manager
+        self.new_instance = manager.new_instance
+        self.fire_load = bool(manager.dispatch.load)
+
+
+class RowLoader:
+    """Turns the claim's ``RETURNING`` rows (every table column, in table order) into
+    model instances."""
+
+    def __init__(
+        self,
+        model: type[Any],
+        columns: Sequence[Column[Any]],
+        dialect: Dialect,
+        type_codes: Mapping[str, Any] | None = None,
+    ) -> None:
+        configure_mappers()  # instrumented attributes need configured mappers
+        mapper: Any = inspect(model)
+        self._mapper: Mapper[Any] = mapper
+        self._columns = list(columns)
+        self._dialect = dialect
+        self._type_codes = dict(type_codes) if type_codes is not None else None
+        self._plans: dict[Mapper[Any], _MapperPlan] = {}
+        self._deserialize: Callable[[str], Any] = getattr(dialect, "_json_deserializer", None) or json.loads
+        pk_columns = list(mapper.primary_key)
+        pk_index = [self._columns.index(c) for c in pk_columns if c in self._columns]
+        self._pk = itemgetter(*pk_index) if len(pk_index) > 1 else None
+        self._pk_single = pk_index[0] if len(pk_index) == 1 else None
         self._identity_key = mapper.identity_key_from_primary_key
         #: The class part of the identity key (the mapper's base), as the ORM builds it.
         self._identity_class = mapper.identity_key_from_primary_key([None])[0]
-        self._new_instance = self._manager.new_instance
-        self._fire_load = bool(self._manager.dispatch.load)
+        discriminator = polymorphic_column(mapper)
+        self._discriminator = (
+            self._columns.index(discriminator) if discriminator is not None and discriminator in self._columns else None
+        )
+        self._polymorphic_map: dict[Any, Mapper[Any]] = dict(mapper.polymorphic_map)
+
+    def use_type_codes(self, type_codes: Mapping[str, Any]) -> None:
+        """The type code the server reports for each column (by name), as in
+        ``cursor.description``: result processors are made for them."""
+        self._type_codes = dict(type_codes)
+        self._plans = {}
+
+    def _plan(self, mapper: Mapper[Any]) -> _MapperPlan:
+        plan = self._plans.get(mapper)
+        if plan is None:
+            plan = self._plans[mapper] = _MapperPlan(mapper, self._columns, self._dialect, self._type_codes)
+        return plan
+
+    def _mapper_of(self, row: Sequence[Any]) -> Mapper[Any]:
+        if self._discriminator is None:
+            return self._mapper
+        identity = row[self._discriminator]
+        found = self._polymorphic_map.get(identity)
+        if found is None:
+            raise LookupError(
+                f"no mapper of {self._mapper.class_.__qualname__}'s hierarchy has the polymorphic "
+                f"identity {identity!r}"
+            )
+        if not found.isa(self._mapper):
+            raise LookupError(
+                f"polymorphic identity {identity!r} is a {found.class_.__qualname__}, not a "
+                f"{self._mapper.class_.__qualname__}"
+            )
+        return found
 
     def load(self, row: Sequence[Any]) -> Any:
         """The instance for one row; raises whatever building it raised."""
-        instance = self._new_instance()
+        plan = self._plan(self._mapper_of(row))
+        instance = plan.new_instance()
         state = attributes.instance_state(instance)
         values = state.dict
-        if self._plain_values is not None:
-            values.update(zip(self._plain_keys, self._plain_values(row), strict=True))
-        elif self._plain_one is not None:
-            values[self._plain_one[0]] = row[self._plain_one[1]]
-        for key, index, process, is_json in self._processed:
+        if plan.plain_values is not None:
+            values.update(zip(plan.plain_keys, plan.plain_values(row), strict=True))
+        elif plan.plain_one is not None:
+            values[plan.plain_one[0]] = row[plan.plain_one[1]]
+        for key, index, process, is_json in plan.processed:
             value = row[index]
             if is_json and value is not None:
                 value = self._deserialize(value)
@@ -89,7 +159,7 @@ class RowLoader:
             state.key = (self._identity_class, (row[self._pk_single],), None)
         else:
             state.key = self._identity_key(list(self._pk(row)) if self._pk else [])
-        if self._fire_load:
-            self._manager.dispatch.load(state, None)
+        if plan.fire_load:
+            plan.manager.dispatch.load(state, None)
             state._commit_all(values)  # as the ORM does after the load event
         return instance

@@ -130,17 +130,15 @@ class Producer:
         self.ledger = ledger
         self.signal = signal
         self.owner = owner
-        self._claim = driver.compile(q.claim_template(qt.table, queues=config.queues))
-        self._claim_isolated = driver.compile(
-            q.claim_template(qt.table, queues=config.queues, isolated=True)
-        )
-        self._after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues)
-        )
+        # The model, not its table: a single-table-inheritance subclass claims its own rows.
+        claims = model
+        self._claim = driver.compile(q.claim_template(claims, queues=config.queues))
+        self._claim_isolated = driver.compile(q.claim_template(claims, queues=config.queues, isolated=True))
+        self._after_completion = driver.compile(q.complete_many_if_owner_then_claim(claims, queues=config.queues))
         self._isolated_after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues, isolated=True)
+            q.complete_many_if_owner_then_claim(claims, queues=config.queues, isolated=True)
         )
-        self._next_due = driver.compile(q.next_run_after(qt.table, queues=config.queues))
+        self._next_due = driver.compile(q.next_run_after(claims, queues=config.queues))
         columns = list(qt.table.c)
         self._pk_index = columns.index(qt.pk)
         self._attempt_index = columns.index(qt.c.attempts)
@@ -149,6 +147,10 @@ class Producer:
         self._gate = Semaphore(CONCURRENT_CLAIMS)
         self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
         self._checked_generation = -1
+
+    def use_type_codes(self, type_codes: dict[str, int]) -> None:
+        """The type codes of the claimed rows' columns (see :meth:`Driver.check_table`)."""
+        self._loader.use_type_codes(type_codes)
 
     def look_for_isolated(self) -> None:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""

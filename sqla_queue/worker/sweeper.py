@@ -44,7 +44,7 @@ class Sweeper(Service):
         self.stats = stats
         self.producer = producer
         self.signal = signal
-        self.channel = qt.channel
+        self.channel = driver.channel(qt.table)
         table = qt.table
         sweep = q.sweep_expired(table, limit=SWEEP_LIMIT).returning(table.c.queue)
         self._sweep = driver.compile(sweep)
