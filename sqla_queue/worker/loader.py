@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import JSON, Column, TypeDecorator, inspect
+from sqlalchemy import ARRAY, JSON, Column, TypeDecorator, inspect
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, attributes, configure_mappers
 from sqlalchemy.orm.exc import UnmappedColumnError
@@ -28,11 +28,29 @@ from sqlalchemy.orm.exc import UnmappedColumnError
 __all__ = ["RowLoader", "polymorphic_column"]
 
 
-def _is_json(column_type: Any, dialect: Dialect) -> bool:
+def _impl(column_type: Any, dialect: Dialect) -> Any:
     impl = column_type.dialect_impl(dialect)
     while isinstance(impl, TypeDecorator):
         impl = impl.impl_instance.dialect_impl(dialect)
-    return isinstance(impl, JSON)
+    return impl
+
+
+def _json_kind(column_type: Any, dialect: Dialect) -> int:
+    """1 for a JSON column, 2 for an array of JSON, 0 otherwise: the runtime's cursor
+    reads JSON as text (so that one unparsable value fails its own job), elements of
+    arrays too, and the loader parses it."""
+    impl = _impl(column_type, dialect)
+    if isinstance(impl, JSON):
+        return 1
+    if isinstance(impl, ARRAY) and isinstance(_impl(impl.item_type, dialect), JSON):
+        return 2
+    return 0
+
+
+def _parse_items(value: Any, parse: Callable[[str], Any]) -> Any:
+    if isinstance(value, list):
+        return [_parse_items(item, parse) for item in value]
+    return None if value is None else parse(value)
 
 
 def polymorphic_column(mapper: Mapper[Any]) -> Column[Any] | None:
@@ -56,7 +74,7 @@ class _MapperPlan:
                  type_codes: Mapping[str, Any] | None) -> None:
         manager = mapper.class_manager
         plain: list[tuple[str, int]] = []
-        self.processed: list[tuple[str, int, Callable[[Any], Any] | None, bool]] = []
+        self.processed: list[tuple[str, int, Callable[[Any], Any] | None, int]] = []
         for index, column in enumerate(columns):
             try:
                 prop = mapper.get_property_by_column(column)
@@ -64,11 +82,11 @@ class _MapperPlan:
                 continue
             coltype = type_codes.get(column.name) if type_codes is not None else None
             process = column.type._cached_result_processor(dialect, coltype)
-            is_json = _is_json(column.type, dialect)
-            if process is None and not is_json:
+            json_kind = _json_kind(column.type, dialect)
+            if process is None and not json_kind:
                 plain.append((prop.key, index))
             else:
-                self.processed.append((prop.key, index, process, is_json))
+                self.processed.append((prop.key, index, process, json_kind))
         self.plain_keys = tuple(key for key, _ in plain)
         self.plain_values = itemgetter(*(index for _, index in plain)) if len(plain) > 1 else None
         self.plain_one = plain[0] if len(plain) == 1 else None
@@ -97,16 +115,15 @@ class RowLoader:
         self._plans: dict[Mapper[Any], _MapperPlan] = {}
         self._deserialize: Callable[[str], Any] = getattr(dialect, "_json_deserializer", None) or json.loads
         pk_columns = list(mapper.primary_key)
-        pk_index = [self._columns.index(c) for c in pk_columns if c in self._columns]
+        where = {id(c): n for n, c in enumerate(self._columns)}  # by identity: == makes SQL
+        pk_index = [where[id(c)] for c in pk_columns if id(c) in where]
         self._pk = itemgetter(*pk_index) if len(pk_index) > 1 else None
         self._pk_single = pk_index[0] if len(pk_index) == 1 else None
         self._identity_key = mapper.identity_key_from_primary_key
         #: The class part of the identity key (the mapper's base), as the ORM builds it.
         self._identity_class = mapper.identity_key_from_primary_key([None])[0]
         discriminator = polymorphic_column(mapper)
-        self._discriminator = (
-            self._columns.index(discriminator) if discriminator is not None and discriminator in self._columns else None
-        )
+        self._discriminator = where.get(id(discriminator)) if discriminator is not None else None
         self._polymorphic_map: dict[Any, Mapper[Any]] = dict(mapper.polymorphic_map)
 
     def use_type_codes(self, type_codes: Mapping[str, Any]) -> None:
@@ -148,10 +165,10 @@ class RowLoader:
             values.update(zip(plan.plain_keys, plan.plain_values(row), strict=True))
         elif plan.plain_one is not None:
             values[plan.plain_one[0]] = row[plan.plain_one[1]]
-        for key, index, process, is_json in plan.processed:
+        for key, index, process, json_kind in plan.processed:
             value = row[index]
-            if is_json and value is not None:
-                value = self._deserialize(value)
+            if json_kind and value is not None:
+                value = self._deserialize(value) if json_kind == 1 else _parse_items(value, self._deserialize)
             if process is not None:
                 value = process(value)
             values[key] = value

@@ -140,8 +140,9 @@ class Producer:
         )
         self._next_due = driver.compile(q.next_run_after(claims, queues=config.queues))
         columns = list(qt.table.c)
-        self._pk_index = columns.index(qt.pk)
-        self._attempt_index = columns.index(qt.c.attempts)
+        where = {id(c): n for n, c in enumerate(columns)}  # by identity: == makes SQL
+        self._pk_index = where[id(qt.pk)]
+        self._attempt_index = where[id(qt.c.attempts)]
         self._loader = RowLoader(model, columns, driver.dialect)
         self._lease = float(config.lease)
         self._gate = Semaphore(CONCURRENT_CLAIMS)
