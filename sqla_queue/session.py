@@ -31,7 +31,7 @@ from ._rules import (
 )
 from .driver import notify_with_commit
 from .errors import EnqueueError, NotAQueueModel
-from .model import QueueTable, queue_table
+from .model import QueueTable, notify_channel, queue_table
 from .sql import delay_from_insert
 
 __all__ = ["AsyncQueueSession", "QueueSession", "enqueue", "notify_on_commit"]
@@ -352,13 +352,17 @@ def _before_commit(session: Session) -> None:
     pending = session.info.get(_NOTIFY_KEY) if nested else session.info.pop(_NOTIFY_KEY, None)
     if not pending:
         return
-    by_bind: dict[Any, tuple[Any, set[tuple[str, str]]]] = {}
-    for table, channel, queue in pending:
+    by_bind: dict[Any, tuple[Any, set[tuple[Any, str]]]] = {}
+    for table, _channel, queue in pending:
         bind = session.get_bind(clause=table)
         if bind.dialect.name == "postgresql":
-            by_bind.setdefault(bind, (table, set()))[1].add((channel, queue))
-    for table, pairs in by_bind.values():
+            by_bind.setdefault(bind, (table, set()))[1].add((table, queue))
+    for table, jobs in by_bind.values():
         conn = session.connection(bind_arguments={"clause": table})
+        # The channel of the schema the connection's schema_translate_map puts each
+        # table in: the one its workers listen on.
+        translate = conn.get_execution_options().get("schema_translate_map")
+        pairs = {(notify_channel(t, translate), queue) for t, queue in jobs}
         if notify_with_commit(conn, pairs):
             continue  # sent in the COMMIT's own round trip
         # One statement per database, whatever the number of jobs; on the connection,

@@ -37,9 +37,9 @@ from ._rules import (
     table_rules,
     validate_options,
 )
-from .driver import compile_statement
+from .driver import SchemaMapKey, compile_statement, schema_map_key
 from .errors import EnqueueError
-from .model import QueueTable, queue_table
+from .model import QueueTable, notify_channel, queue_table
 from .session import _resolve_session
 from .sql import delay_from_insert
 
@@ -136,10 +136,14 @@ def enqueue_values(
     if conn is None:
         # The dialect without a connection: a bad value begins nothing on the session.
         resolved = _resolved_session(session)
-        plan = _checked_plan(target, resolved.get_bind(**target.bind_arguments).dialect, row, delay_by)
+        bind = resolved.get_bind(**target.bind_arguments)
+        plan = _checked_plan(target, bind.dialect, row, delay_by, _schemas(bind.get_execution_options()))
         conn = resolved.connection(bind_arguments=target.bind_arguments)
+        schemas = _schemas(conn.get_execution_options())
+        if schemas != plan.schemas:  # the session's connection has a map of its own
+            plan = _checked_plan(target, conn.dialect, row, delay_by, schemas)
     else:
-        plan = _checked_plan(target, conn.dialect, row, delay_by)
+        plan = _checked_plan(target, conn.dialect, row, delay_by, _schemas(conn.get_execution_options()))
     if plan.direct:
         if not conn.in_transaction():
             # What Connection.execute would do first (autobegin): then commit() on a
@@ -185,7 +189,7 @@ async def _enqueue_values_async(
         conn = session.sync_connection
         if conn is None:
             raise InvalidRequestError("the AsyncConnection is not started: `async with engine.connect() as conn`")
-        plan = _checked_plan(target, conn.dialect, row, delay_by)
+        plan = _checked_plan(target, conn.dialect, row, delay_by, _schemas(conn.get_execution_options()))
         if not conn.in_transaction():
             # As AsyncConnection.execute would (autobegin), in a greenlet: begin events
             # may do I/O. Then commit() commits the job, and close() rolls it back.
@@ -194,9 +198,13 @@ async def _enqueue_values_async(
         resolved = _resolve_session(session)
         sync = resolved.sync_session
         # The dialect without a connection: a bad value begins nothing on the session.
-        plan = _checked_plan(target, sync.get_bind(**target.bind_arguments).dialect, row, delay_by)
+        bind = sync.get_bind(**target.bind_arguments)
+        plan = _checked_plan(target, bind.dialect, row, delay_by, _schemas(bind.get_execution_options()))
         conn = (await resolved.connection(bind_arguments=target.bind_arguments)).sync_connection
         assert conn is not None
+        schemas = _schemas(conn.get_execution_options())
+        if schemas != plan.schemas:  # the session's connection has a map of its own
+            plan = _checked_plan(target, conn.dialect, row, delay_by, schemas)
     if plan.direct_async and not conn.invalidated:
         pooled = conn.connection
         driver: Any = pooled.driver_connection
@@ -216,13 +224,15 @@ def _execute(conn: Connection, plan: _Plan, row: Mapping[str, Any], delay_by: fl
     return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
 
 
-def _checked_plan(target: _Target, dialect: Dialect, row: Mapping[str, Any], delay_by: float | None) -> _Plan:
+def _checked_plan(
+    target: _Target, dialect: Dialect, row: Mapping[str, Any], delay_by: float | None, schemas: SchemaMapKey = None
+) -> _Plan:
     """The plan of this call's shape (made on the first call of it), once ``row`` meets
-    its checks."""
-    key = (target.table, dialect, delay_by is not None, *row)
+    its checks. ``schemas``: the ``schema_translate_map`` the statement renders."""
+    key = (target.table, dialect, schemas, delay_by is not None, *row)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan(target.table, target.channel, frozenset(row), delay_by is not None, dialect)
+        plan = _plan(target.table, frozenset(row), delay_by is not None, dialect, schemas)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -267,7 +277,13 @@ def _resolved_session(session: Session | scoped_session[Any]) -> Session:
 class _Plan:
     """The INSERT for one set of given columns, how to check them and fill the others."""
 
-    def __init__(self, table: Table, channel: str, keys: frozenset[str], delayed: bool, dialect: Dialect) -> None:
+    def __init__(
+        self, table: Table, keys: frozenset[str], delayed: bool, dialect: Dialect, schemas: SchemaMapKey = None
+    ) -> None:
+        #: The ``schema_translate_map`` rendered into the SQL (frozen).
+        self.schemas = schemas
+        translate = dict(schemas) if schemas else None
+        channel = notify_channel(table, translate)
         unknown = sorted(keys - set(table.c.keys()))
         if unknown:
             raise EnqueueError(f"{table.name} has no column {', '.join(map(repr, unknown))}")
@@ -315,7 +331,7 @@ class _Plan:
         #: the round trip.
         self.direct = dialect.driver == "psycopg" and not dialect.is_async
         self.direct_async = dialect.driver == "psycopg" and dialect.is_async
-        compiled = compile_statement(self.statement, dialect)
+        compiled = compile_statement(self.statement, dialect, translate)
         self.sql = compiled.sql
         #: The SQLAlchemy-level values of the scalar defaults (for ``Connection.execute``).
         self.scalars = scalars
@@ -394,5 +410,10 @@ def _no_context(fn: Callable[..., Any]) -> Callable[[], Any]:
 
 
 @lru_cache(maxsize=256)
-def _plan(table: Table, channel: str, keys: frozenset[str], delayed: bool, dialect: Dialect) -> _Plan:
-    return _Plan(table, channel, keys, delayed, dialect)
+def _plan(table: Table, keys: frozenset[str], delayed: bool, dialect: Dialect, schemas: SchemaMapKey) -> _Plan:
+    return _Plan(table, keys, delayed, dialect, schemas)
+
+
+def _schemas(options: Mapping[str, Any]) -> SchemaMapKey:
+    """The ``schema_translate_map`` of a connection's or an engine's execution options."""
+    return schema_map_key(options.get("schema_translate_map"))

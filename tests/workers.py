@@ -120,8 +120,11 @@ def engine_with(url: Any, **connect_args: Any) -> Engine:
 
 def async_engine_like(engine: Engine) -> AsyncEngine:
     """An asyncio engine on the same URL, with the same ``connect_args`` when the engine
-    came from :func:`engine_with`."""
-    return create_async_engine(engine.url, connect_args=_CONNECT_ARGS.get(engine, {}))
+    came from :func:`engine_with`, and the same execution options (a
+    ``schema_translate_map``, say)."""
+    made = create_async_engine(engine.url, connect_args=_CONNECT_ARGS.get(engine, {}))
+    options = engine.get_execution_options()
+    return made.execution_options(**options) if options else made
 
 
 class Runtimes:

@@ -1,0 +1,150 @@
+"""``schema_translate_map``: one model, a table per tenant schema.
+
+Two schemas made here, each with its own ``tasks`` table; an engine with
+``execution_options(schema_translate_map={None: "tenant_a"})``. Every enqueue path must
+write to ``tenant_a.tasks`` and wake the listeners of that table's channel, and a worker
+on that engine (both runtimes) must claim, heartbeat, sweep and complete there only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, func, insert, text
+from sqlalchemy.orm import Session
+
+from sqla_queue import QueueSession, WorkerStartError, enqueue_values
+from sqla_queue.model import notify_channel
+
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, wait_for
+from .models import Task
+from .workers import FAST, TASKS
+
+TENANTS = ("tenant_a", "tenant_b")
+
+
+def tenant(engine: Engine, name: str) -> Engine:
+    return engine.execution_options(schema_translate_map={None: name})
+
+
+@pytest.fixture
+def tenants(engine: Engine) -> Iterator[Engine]:
+    """The test database's engine, with a ``tasks`` table in each tenant's schema."""
+    for name in TENANTS:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
+            conn.execute(text(f"CREATE SCHEMA {name}"))
+        TASKS.create(tenant(engine, name))
+    yield engine
+    with engine.begin() as conn:
+        for name in TENANTS:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
+
+
+def rows_in(engine: Engine, schema: str | None) -> list[Any]:
+    table = f"{schema}.tasks" if schema else "tasks"
+    with engine.connect() as conn:
+        return list(conn.execute(text(f"SELECT id, status, queue, attempts, task FROM {table} ORDER BY id")))
+
+
+def channel(schema: str | None) -> str:
+    return notify_channel(TASKS, {None: schema} if schema else None)
+
+
+def test_channels_follow_the_translated_schema() -> None:
+    assert len({channel(None), channel("tenant_a"), channel("tenant_b")}) == 3
+    assert channel("tenant_a") == notify_channel(TASKS.to_metadata(TASKS.metadata.__class__(), schema="tenant_a"))
+
+
+def test_every_enqueue_path_writes_to_the_tenant_and_wakes_its_workers(
+    tenants: Engine, server: Server, listener: psycopg.Connection[Any]
+) -> None:
+    a = tenant(tenants, "tenant_a")
+    for name in (SENTINEL_CHANNEL, channel(None), channel("tenant_a"), channel("tenant_b")):
+        listener.execute(f'LISTEN "{name}"')
+    with QueueSession(a) as session:
+        session.enqueue(Task(task="work", payload={}), queue="orm")
+        session.commit()
+    with QueueSession(a) as session:
+        session.enqueue_many(Task, [{"task": "work", "payload": {}}] * 2, queue="copy", method="copy")
+        session.enqueue_many(Task, [{"task": "work", "payload": {}}] * 2, queue="insert", method="insert")
+        session.commit()
+    with QueueSession(a) as session:
+        enqueue_values(session, Task, {"task": "work", "payload": {}}, queue="values")
+        session.commit()
+    with a.connect() as conn:
+        enqueue_values(conn, Task, {"task": "work", "payload": {}}, queue="values_conn")
+        conn.commit()
+    # A Session whose connection carries the map (the engine has none).
+    with QueueSession(tenants) as session:
+        session.connection(execution_options={"schema_translate_map": {None: "tenant_a"}})
+        enqueue_values(session, Task, {"task": "work", "payload": {}}, queue="values_option")
+        session.commit()
+    got = notifications_until_sentinel(listener, server.conninfo)
+    assert {c for c, _ in got} == {channel("tenant_a")}, got
+    assert {p for _, p in got} == {"orm", "copy", "insert", "values", "values_conn", "values_option"}
+    queues = sorted(r.queue for r in rows_in(tenants, "tenant_a"))
+    assert queues == ["copy", "copy", "insert", "insert", "orm", "values", "values_conn", "values_option"]
+    assert rows_in(tenants, None) == [] and rows_in(tenants, "tenant_b") == []
+    # The plans cached for the first tenant do not leak to the second.
+    b = tenant(tenants, "tenant_b")
+    with b.connect() as conn:
+        enqueue_values(conn, Task, {"task": "work", "payload": {}}, queue="values_conn")
+        conn.commit()
+    assert [r.queue for r in rows_in(tenants, "tenant_b")] == ["values_conn"]
+
+
+def test_a_worker_claims_beats_sweeps_and_completes_in_its_tenant_only(
+    tenants: Engine, make_worker: Any
+) -> None:
+    a = tenant(tenants, "tenant_a")
+
+    def jobs(engine: Engine, n: int, **payload: Any) -> list[int]:
+        with QueueSession(engine) as session:
+            made = [session.enqueue(Task(task="work", payload=dict(payload)), queue="q") for _ in range(n)]
+            session.commit()
+            return [j.id for j in made]
+
+    with Session(tenants) as session:  # the same ids in every schema: public, tenant_b
+        session.add_all(Task(task="work", payload={}, queue="q") for _ in range(3))
+        session.commit()
+    jobs(tenant(tenants, "tenant_b"), 3)
+    ids = jobs(a, 3)
+    long_id = jobs(a, 1, sleep=2.5)[0]  # outlives its lease: only heartbeats keep it
+    with a.begin() as conn:
+        swept_id = conn.scalar(
+            insert(TASKS)
+            .values(task="work", payload={}, queue="q", status="running", attempts=1, lease_owner="dead",
+                    lease_expires_at=func.now() - text("interval '1 second'"))
+            .returning(TASKS.c.id)
+        )
+    worker = make_worker(a, Task, _tasks(), lease=1.0, heartbeat_interval=0.2, backoff=FAST,
+                         poll_interval=0.5, sweep_interval=0.2, queues=("q", "r"))
+    worker.start()
+    try:
+        wait_for(lambda: all(r.status == "done" for r in rows_in(tenants, "tenant_a")), timeout=40,
+                 what="every tenant_a job done")
+        assert worker.stats.lost == 0 and worker.stats.heartbeats > 0
+    finally:
+        worker.stop(grace=1)
+    done = {r.id: r for r in rows_in(tenants, "tenant_a")}
+    assert set(done) == {*ids, long_id, swept_id}
+    assert done[long_id].attempts == 1 and done[swept_id].attempts == 2
+    assert {(r.status, r.attempts) for r in rows_in(tenants, None)} == {("pending", 0)}
+    assert {(r.status, r.attempts) for r in rows_in(tenants, "tenant_b")} == {("pending", 0)}
+
+
+def test_the_start_up_check_looks_in_the_translated_schema(tenants: Engine, make_worker: Any) -> None:
+    worker = make_worker(tenant(tenants, "tenant_c"), Task, _tasks())
+    with pytest.raises(WorkerStartError, match=r"tenant_c\.tasks"):
+        worker.start()
+    worker.stop()
+
+
+def _tasks() -> Any:
+    from .worker_app import tasks
+
+    return tasks
