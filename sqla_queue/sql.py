@@ -42,6 +42,7 @@ from sqlalchemy import (
     false,
     func,
     insert,
+    inspect,
     literal,
     literal_column,
     not_,
@@ -209,6 +210,23 @@ def _queue_filter(qt: QueueTable, queues: Sequence[str] | None) -> list[ColumnEl
     return [qt.c.queue == any_(_queue_array(qt, names))]
 
 
+def _kind_filter(qt: QueueTable) -> list[ColumnElement[bool]]:
+    """A single-table-inheritance subclass's own rows: its polymorphic identity and its
+    subclasses' (as the ORM's ``select(SubClass)`` would). Nothing for a base or a plain
+    model: they take every row of the table."""
+    cls = qt.mapped_class
+    mapper: Any = inspect(cls) if cls is not None else None
+    if mapper is None or mapper.polymorphic_on is None or mapper.inherits is None:
+        return []
+    on: ColumnElement[Any] = mapper.polymorphic_on
+    identities = list(
+        dict.fromkeys(m.polymorphic_identity for m in mapper.self_and_descendants if m.polymorphic_identity is not None)
+    )
+    if len(identities) == 1:
+        return [on == identities[0]]
+    return [on == any_(bindparam("identities", identities, type_=ARRAY(on.type), unique=True))]
+
+
 def claim(
     model: QueueModel,
     *,
@@ -273,6 +291,7 @@ def _claim(
         _status(qt, PENDING),
         c.run_after <= func.now(),
         c.isolated if isolated else not_(c.isolated),
+        *_kind_filter(qt),
     ]
     names = _queue_names(queues)
     order = (c.priority.desc(), c.run_after, qt.pk)
@@ -313,7 +332,21 @@ def _claim(
             lease_expires_at=lease_expires_at,
             attempts=c.attempts + 1,
         )
-        .returning(*qt.table.c)
+        .returning(*(_loadable_run_after(qt) if col is c.run_after else col for col in qt.table.c))
+    )
+
+
+#: The widest timestamps Python's ``datetime`` holds in any time zone (a day inside).
+_FIRST_LOADABLE: Final = literal_column("timestamptz '0001-01-02 00:00:00+00'", DateTime(timezone=True))
+_LAST_LOADABLE: Final = literal_column("timestamptz '9999-12-30 00:00:00+00'", DateTime(timezone=True))
+
+
+def _loadable_run_after(qt: QueueTable) -> ColumnElement[datetime]:
+    """The claimed row's ``run_after`` within Python's datetime range: a job scheduled
+    at ``'-infinity'`` (or before year 1) is due, and must load and run, not fail as a
+    row no driver can read. The row itself keeps its value."""
+    return func.least(func.greatest(qt.c.run_after, _FIRST_LOADABLE), _LAST_LOADABLE, type_=qt.c.run_after.type).label(
+        qt.c.run_after.name
     )
 
 
@@ -324,7 +357,8 @@ def isolated_waiting(model: QueueModel, *, queues: Sequence[str] | None = None) 
     found = (
         select(qt.pk)
         .where(
-            _status(qt, PENDING), c.isolated, c.run_after <= func.now(), *_queue_filter(qt, queues)
+            _status(qt, PENDING), c.isolated, c.run_after <= func.now(), *_queue_filter(qt, queues),
+            *_kind_filter(qt),
         )
         .limit(1)
     )
@@ -949,8 +983,10 @@ def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) ->
         .where(
             _status(qt, PENDING),
             c.run_after > now - seconds_interval(RECENTLY_DUE_SECONDS),
+            func.isfinite(c.run_after),  # 'infinity' never falls due (and cannot be subtracted)
             or_(c.run_after > now, not_(c.isolated)),
             *_queue_filter(qt, queues),
+            *_kind_filter(qt),
         )
         .order_by(c.run_after)
         .limit(1)

@@ -111,3 +111,25 @@ class FragileJob(Base, JobMixin):
 
 def all_tables() -> list[Any]:
     return list(Base.metadata.sorted_tables)
+
+
+class PolyJob(Base, JobMixin):
+    """Single-table inheritance: one queue table, a subclass (and handler) per kind."""
+
+    __tablename__ = "poly_jobs"
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "base"}  # noqa: RUF012 - SQLAlchemy's own
+
+    kind: Mapped[str] = mapped_column(String(20))
+    note: Mapped[str] = mapped_column(String(50), default="")
+
+
+class PolyJobA(PolyJob):
+    __mapper_args__ = {"polymorphic_identity": "a"}  # noqa: RUF012 - SQLAlchemy's own
+
+
+class PolyJobA1(PolyJobA):
+    __mapper_args__ = {"polymorphic_identity": "a1"}  # noqa: RUF012 - SQLAlchemy's own
+
+
+class PolyJobB(PolyJob):
+    __mapper_args__ = {"polymorphic_identity": "b"}  # noqa: RUF012 - SQLAlchemy's own
