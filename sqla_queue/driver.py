@@ -429,7 +429,8 @@ class Driver:
 
     @staticmethod
     def is_connection_error(exc: BaseException) -> bool:
-        """A lost connection or server, as opposed to an error of the statement."""
+        """A lost connection or server, as opposed to an error of the statement: for the
+        worker's own statements (a handler's exception is judged by its connection's state)."""
         if isinstance(exc, sa_exc.DBAPIError):
             if exc.connection_invalidated:
                 return True

@@ -46,14 +46,14 @@ class Heartbeat(Service):
 
     def tick(self) -> None:
         self._check_health()
-        tokens = self.ledger.tokens()
-        if tokens or not self.ledger.healthy:  # recover only on a beat that reached the table
-            lost = self._beat(tokens)
-            for token in lost:
-                if self.ledger.mark_lost(token) is not None:
+        held = self.ledger.live()
+        if held or not self.ledger.healthy:  # recover only on a beat that reached the table
+            lost = self._beat([h.token for h in held])
+            for h in held:
+                if h.token in lost and self.ledger.mark_lost(h) is not None:
                     self.stats.add("lost")
                     log.warning("job %s attempt %d: lease lost (re-claimed or swept); its result "
-                                "will not be recorded", token.job_id, token.attempt)
+                                "will not be recorded", h.token.job_id, h.token.attempt)
         self._last_ok = time.monotonic()
         if not self.ledger.healthy:
             log.info("heartbeat: the database answers again; claiming resumes")

@@ -35,6 +35,8 @@ class Held:
     finishing: bool = False
     #: The lease is known lost (or the job handed back): its outcome must not be recorded.
     lost: bool = False
+    #: Losses of the worker's connection in a row under this job's handler, before this run.
+    losses: int = 0
 
 
 class Ledger:
@@ -102,21 +104,23 @@ class Ledger:
         with self._lock:
             return [t for t, h in self._held.items() if not h.lost]
 
-    def held(self) -> list[Held]:
+    def live(self) -> list[Held]:
+        """The held jobs whose lease still matters: not lost."""
         with self._lock:
-            return list(self._held.values())
+            return [h for h in self._held.values() if not h.lost]
 
     # -- lost leases -------------------------------------------------------------------
 
-    def mark_lost(self, token: ClaimToken) -> Held | None:
+    def mark_lost(self, held: Held) -> Held | None:
         """Mark a held job lost, unless its outcome is already being recorded (then the
-        recording statement decides); returns it if this call marked it."""
+        recording statement decides) or it is no longer held; returns it if this call
+        marked it. By the object, not the token: a job handed back with its attempt
+        refunded and claimed again has the same token, and the new claim is not lost."""
         with self._lock:
-            h = self._held.get(token)
-            if h is None or h.finishing or h.lost:
+            if self._held.get(held.token) is not held or held.finishing or held.lost:
                 return None
-            h.lost = True
-            return h
+            held.lost = True
+            return held
 
     def lose(self, held: Iterable[Held]) -> list[Held]:
         """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them."""
