@@ -75,6 +75,8 @@ class ClaimRequest:
     #: The same claim behind a completion, as one statement (its values: the claim's and
     #: the completion's); see :meth:`DbConnection.complete_then_claim`.
     after_completion: Statement | None = None
+    #: Its mark among the claims in flight (see :meth:`~sqla_queue.worker.ledger.Ledger.claim_began`).
+    in_flight: int = 0
 
 
 @dataclass(frozen=True)

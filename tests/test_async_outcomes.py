@@ -1,4 +1,5 @@
-"""The asyncio worker: a handler's cancellation is that handler's failure.
+"""The asyncio worker: a handler's cancellation is that handler's failure, and a handler
+that blocks the event loop costs no other job its lease.
 
 Async handlers run inside their executor's task, so anything that cancels "the current
 task" cancels the executor's. Only the worker's own stop (or the loop shutting down) may
@@ -12,18 +13,19 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
-from sqla_queue import AsyncWorker, Tasks
+from sqla_queue import AsyncWorker, Backoff, Tasks, Worker
 
-from .helpers import wait_for
-from .models import Task
-from .test_async_worker import OPTIONS, all_done, run, started, until
-from .workers import add, job
+from .helpers import Server, wait_for
+from .models import Effect, Task
+from .test_async_worker import OPTIONS, all_done, run, started, tasks_noop, until
+from .workers import add, effects, job
 
 #: How the handlers below cancel themselves, by payload ``how``.
 CANCELS = ["cancel_and_await", "cancel_and_return", "watchdog", "timeout_expires", "raise_cancelled"]
@@ -196,3 +198,111 @@ def test_the_loop_shutting_down_still_ends_an_executor_inside_a_handler(engine: 
         if made:
             made[0].heartbeat.stop(5)  # its own thread: not the loop's to end
     assert runs[endless] == 1
+
+
+# -- a blocked loop ---------------------------------------------------------------------------------
+
+SLOW_CLAIM = """
+CREATE FUNCTION sqla_queue_test_slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.payload ->> 'slow_claim' IS NOT NULL THEN
+        PERFORM pg_sleep((NEW.payload ->> 'slow_claim')::float8);
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER sqla_queue_test_slow_claim BEFORE UPDATE ON tasks FOR EACH ROW
+    WHEN (OLD.status = 'pending' AND NEW.status = 'running')
+    EXECUTE FUNCTION sqla_queue_test_slow_claim();
+"""
+
+
+@pytest.fixture
+def slow_claims(engine: Engine) -> Iterator[None]:
+    """A claim of a job whose payload has ``slow_claim`` takes that many seconds on the
+    server (a trigger of this test's, dropped after it): its answer arrives when the test
+    wants it to."""
+    with engine.begin() as conn:
+        conn.execute(text(SLOW_CLAIM))
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER IF EXISTS sqla_queue_test_slow_claim ON tasks"))
+            conn.execute(text("DROP FUNCTION IF EXISTS sqla_queue_test_slow_claim()"))
+
+
+def _claim_sleeping(engine: Engine, app: str) -> bool:
+    """A backend of this test's worker is inside a claim, sleeping in the trigger."""
+    with engine.connect() as conn:
+        return bool(
+            conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = :app AND wait_event = 'PgSleep'"
+                ),
+                {"app": app},
+            )
+        )
+
+
+def test_a_claim_answered_while_a_handler_blocks_the_loop_keeps_its_lease(
+    engine: Engine, Sessions: Any, server: Server, slow_claims: None
+) -> None:
+    """One handler blocks the event loop for two leases just as another executor's claim
+    is committing: the claim's rows wait unread in the socket, their tokens not yet in the
+    ledger. The heartbeat (its own thread) must keep their leases all the same, or
+    another worker's sweeper hands the job on and its handler runs twice."""
+    lease, beat = 2.0, 0.5
+    app = f"sqla_queue_blocked_{time.monotonic_ns()}"
+    runs: Counter[int] = Counter()
+    claim_in_flight = threading.Event()
+    tasks = Tasks()
+
+    @tasks.task
+    async def blocker(job: Any) -> None:
+        runs[job.id] += 1
+        while not claim_in_flight.is_set():
+            await asyncio.sleep(0.01)
+        time.sleep(lease * 2)  # no await: the loop is stuck here
+
+    @tasks.task
+    async def effect(job: Any, session: AsyncSession) -> None:
+        runs[job.id] += 1
+        session.add(Effect(job_id=job.id, worker="async", note=f"attempt {job.attempts}"))
+
+    (blocking,) = add(Sessions, "blocker", priority=10)
+
+    async def main(async_engine: AsyncEngine) -> AsyncWorker:
+        worker = AsyncWorker(async_engine, Task, tasks, concurrency=2, batch_size=1, lease=lease,
+                             heartbeat_interval=beat, backoff=Backoff(base=60), poll_interval=0.5,
+                             sweep_interval=0.2)
+        async with started(worker, grace=1):
+            await until(lambda: runs[blocking] == 1, what="the blocking handler to start")
+            (slow,) = add(Sessions, "effect", slow_claim=1.0)
+            await until(lambda: _claim_sleeping(engine, app), what="the other executor's claim")
+            claim_in_flight.set()
+            await until(all_done(engine, [blocking, slow]), timeout=30, what="both jobs")
+            assert worker.stats.lost == 0, worker.stats
+        return worker
+
+    # Another worker's sweeper would hand the claimed job on if its lease ran out.
+    sweeper = Worker(engine, Task, tasks_noop(), sweep_interval=0.1, poll_interval=60, queues=["nothing"])
+    sweeper.start()
+
+    async def tagged() -> None:
+        async_engine = create_async_engine(server.url, connect_args={"application_name": app})
+        try:
+            await main(async_engine)
+        finally:
+            await async_engine.dispose()
+
+    try:
+        asyncio.run(tagged())
+    finally:
+        sweeper.stop(grace=0)
+    slow_id = next(i for i in runs if i != blocking)
+    assert sweeper.stats.swept == 0
+    assert runs == Counter({blocking: 1, slow_id: 1}), "a job ran twice"
+    assert Counter(e.job_id for e in effects(engine)) == Counter({slow_id: 1})
+    assert job(engine, slow_id).attempts == 1
+

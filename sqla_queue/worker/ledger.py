@@ -8,6 +8,7 @@ found lost; shutdown waits for it to empty. Pure logic: no database, no threads 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable
@@ -49,6 +50,9 @@ class Ledger:
         self._isolated_taken = False
         #: False after no heartbeat succeeded for a whole lease: claim nothing until one does.
         self._healthy = True
+        #: Claims sent whose rows are not in the ledger yet: mark -> when it began (monotonic).
+        self._claims: dict[int, float] = {}
+        self._marks = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -108,6 +112,32 @@ class Ledger:
         """The held jobs whose lease still matters: not lost."""
         with self._lock:
             return [h for h in self._held.values() if not h.lost]
+
+    # -- claims in flight --------------------------------------------------------------
+
+    def claim_began(self) -> int:
+        """A claim is about to be sent; returns its mark, for :meth:`claim_ended`.
+
+        Until it ended (its rows are in the ledger, or it failed), the rows it took are
+        this worker's without being in the ledger: their answer may sit unread while
+        the event loop is blocked. The heartbeat keeps their leases meanwhile."""
+        mark = next(self._marks)
+        with self._lock:
+            self._claims[mark] = time.monotonic()
+        return mark
+
+    def claim_ended(self, mark: int) -> None:
+        with self._lock:
+            self._claims.pop(mark, None)
+
+    def claims_since(self) -> float | None:
+        """When the oldest claim in flight began (monotonic), or None."""
+        with self._lock:
+            return min(self._claims.values()) if self._claims else None
+
+    def held(self) -> list[Held]:
+        with self._lock:
+            return list(self._held.values())
 
     # -- lost leases -------------------------------------------------------------------
 
