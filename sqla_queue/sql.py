@@ -877,6 +877,17 @@ def owned_tokens(model: QueueModel) -> Select[Any]:
     return select(qt.pk, qt.c.attempts).select_from(qt.table).join(tokens, _token_fence(qt, tokens))
 
 
+def token_states(model: QueueModel) -> Select[Any]:
+    """``(pk, attempts, status, lease_owner, isolated, last_error)`` of the jobs
+    ``IDS_PARAM``, read without locking: what a worker reads when a statement's answer
+    was lost with its connection, to tell whether that statement had landed."""
+    qt = queue_table(model)
+    c = qt.c
+    return select(qt.pk, c.attempts, c.status, c.lease_owner, c.isolated, c.last_error).where(
+        qt.pk == any_(bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type)))
+    )
+
+
 #: How far back :func:`next_run_after` looks for a job that fell due just now.
 RECENTLY_DUE_SECONDS: Final = 1.0
 

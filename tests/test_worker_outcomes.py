@@ -1,23 +1,26 @@
-"""How a handler's run is classified: whose connection was lost.
+"""How a handler's run is classified and recorded: whose connection was lost, and a
+completion whose answer was lost with its connection.
 
 Both runtimes (the ``runtime`` fixture). Real PostgreSQL throughout: connections are cut
-by ``pg_terminate_backend`` (only backends of this test's ``application_name``).
+by ``pg_terminate_backend`` (only backends of this test's ``application_name``) or by a
+small TCP proxy of the test's own between the worker and the server.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import URL, Engine, text
 from sqlalchemy.orm import Session
 
 from sqla_queue import Backoff, Tasks
@@ -199,3 +202,162 @@ def test_a_handler_that_kills_its_own_connection_every_time_ends_dead_lettered_w
     row = job(engine, job_id)
     assert row.attempts == 3 and row.last_error.startswith("connection lost"), row.last_error
     assert (worker.stats.released, worker.stats.retried, worker.stats.failed) == (FREE_HAND_BACKS, 2, 1)
+
+
+# -- a completion whose answer was lost ------------------------------------------------------
+
+#: ReadyForQuery at the end of what the server sent: the statement ran and committed.
+_READY = re.compile(rb"Z\x00\x00\x00\x05[ITE]\Z")
+
+
+class AnswerDroppingProxy:
+    """A TCP proxy to the test server. Armed, it forwards the next statement whose text
+    contains ``marker``, withholds the server's whole answer to it (up to ReadyForQuery,
+    so the statement has committed) and then drops that client's connection."""
+
+    def __init__(self, url: URL, marker: bytes) -> None:
+        self.url = url
+        self.marker = marker
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        self._threads = [threading.Thread(target=self._accept, daemon=True, name="test-proxy")]
+        self._threads[0].start()
+
+    def _upstream(self) -> socket.socket:
+        host = self.url.host or self.url.query.get("host")
+        assert isinstance(host, str)
+        port = self.url.port or 5432
+        if host.startswith("/"):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(f"{host}/.s.PGSQL.{port}")
+            return sock
+        return socket.create_connection((host, port))
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = self._upstream()
+            self._sockets += [client, upstream]
+            doomed: list[bool] = []
+            for target in (self._forward_up, self._forward_down):
+                thread = threading.Thread(target=target, args=(client, upstream, doomed), daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def _forward_up(self, client: socket.socket, upstream: socket.socket, doomed: list[bool]) -> None:
+        try:
+            while data := client.recv(65536):
+                if self.armed.is_set() and self.marker in data:
+                    self.armed.clear()
+                    doomed.append(True)
+                upstream.sendall(data)
+        except OSError:
+            pass
+        _close(upstream)
+
+    def _forward_down(self, client: socket.socket, upstream: socket.socket, doomed: list[bool]) -> None:
+        withheld = b""
+        try:
+            while data := upstream.recv(65536):
+                if not doomed:
+                    client.sendall(data)
+                    continue
+                withheld += data
+                if _READY.search(withheld):
+                    self.fired.set()
+                    break
+        except OSError:
+            pass
+        _close(client)
+        _close(upstream)
+
+    def url_through(self) -> URL:
+        return self.url.set(host="127.0.0.1", port=self.port, query={})
+
+    def close(self) -> None:
+        self._closed = True
+        _close(self._listener)
+        for sock in self._sockets:
+            _close(sock)
+        for thread in self._threads:
+            thread.join(5)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+@pytest.fixture
+def proxy_for(server: Server) -> Iterator[Callable[[bytes], AnswerDroppingProxy]]:
+    made: list[AnswerDroppingProxy] = []
+
+    def make(marker: bytes) -> AnswerDroppingProxy:
+        proxy = AnswerDroppingProxy(server.url, marker)
+        made.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in made:
+        proxy.close()
+
+
+@pytest.mark.parametrize(
+    ("outcome", "marker", "status"),
+    [
+        ("done", b"'done'", "done"),  # the completion (with the next claim, or alone)
+        ("retry", b"tokens.sqla_queue_delays", "pending"),  # a failed attempt's retry
+    ],
+)
+def test_an_outcome_whose_answer_was_lost_is_counted_as_recorded_not_lost(
+    engine: Engine, Sessions: Any, make_worker: Any, proxy_for: Callable[[bytes], AnswerDroppingProxy],
+    outcome: str, marker: bytes, status: str,
+) -> None:
+    """The statement recording an outcome commits, but its answer never reaches the
+    worker: the connection drops first. The worker retries it on a new connection,
+    which moves nothing (the job is already recorded); it must recognise its own earlier
+    success and count the job ``done`` (or ``retried``), not ``lost``."""
+    proxy = proxy_for(marker)
+    # No prepared statements: every execution carries its text, which the proxy looks for.
+    worker_engine = engine_with(proxy.url_through(), sslmode="disable", prepare_threshold=None)
+    entered, release = threading.Event(), threading.Event()
+    tasks = Tasks()
+
+    @tasks.task
+    def held_up(job: Any) -> None:
+        entered.set()
+        while not release.is_set():
+            sleep(0.01)
+        if outcome == "retry":
+            raise RuntimeError("this attempt fails")
+
+    worker = make_worker(worker_engine, Task, tasks, backoff=MINUTE, concurrency=1, poll_interval=0.5,
+                         sweep_interval=0.2)
+    worker.start()
+    try:
+        (job_id,) = add(Sessions, "held_up")
+        wait_for(entered.is_set, what="the handler to start")
+        proxy.armed.set()
+        release.set()
+        wait_for(proxy.fired.is_set, what="the proxy to drop an answer")
+        wait_for(lambda: job(engine, job_id).status == status, what=f"the job {status}")
+        wait_for(lambda: not worker.held(), what="the worker to settle the job")
+        stats = worker.stats
+        if outcome == "done":
+            assert (stats.done, stats.lost) == (1, 0), stats
+        else:
+            assert (stats.retried, stats.lost) == (1, 0), stats
+    finally:
+        release.set()
+        worker.stop(grace=1)
+        worker_engine.dispose()
