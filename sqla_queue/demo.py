@@ -275,7 +275,7 @@ class Tour:
         rows = [
             ("jobs", f"{self.total:,}", "orders, COPY-loaded images, webhooks, bad e-mails"),
             ("done", f"{done:,}", ""),
-            ("retried, then done", f"{retried:,}", "webhooks that failed once"),
+            ("retried, then done", f"{retried:,}", "webhooks whose endpoint was down once: retried after the backoff"),
             ("dead-lettered", f"{failed:,}", dead_note),
             ("recovered after the kill", f"{recovered:,}", "their lease expired; re-run alone, elsewhere"),
             ("orders confirmed twice", f"{twice}", f"{unconfirmed} unconfirmed; confirmations are transactional"),

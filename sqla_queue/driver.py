@@ -75,6 +75,8 @@ class ClaimRequest:
     #: The same claim behind a completion, as one statement (its values: the claim's and
     #: the completion's); see :meth:`DbConnection.complete_then_claim`.
     after_completion: Statement | None = None
+    #: Its mark among the claims in flight (see :meth:`~sqla_queue.worker.ledger.Ledger.claim_began`).
+    in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -454,7 +456,8 @@ class Driver:
 
     @staticmethod
     def is_connection_error(exc: BaseException) -> bool:
-        """A lost connection or server, as opposed to an error of the statement."""
+        """A lost connection or server, as opposed to an error of the statement: for the
+        worker's own statements (a handler's exception is judged by its connection's state)."""
         if isinstance(exc, sa_exc.DBAPIError):
             if exc.connection_invalidated:
                 return True

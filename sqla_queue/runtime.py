@@ -16,6 +16,7 @@ import contextvars
 import inspect
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -61,6 +62,10 @@ class _ThreadWaiter:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+async def _until(future: asyncio.Future[None]) -> None:
+    await future
 
 
 class _GreenletWaiter:
@@ -306,7 +311,11 @@ class AsyncRuntime:
     ``async def`` handlers are awaited in the executor's own task (no task per job), so
     shutdown cancels that task while it awaits a handler; the handler's exceptions,
     ``KeyboardInterrupt`` and ``SystemExit`` included, are thrown back into the executor's
-    greenlet, never let out into the loop. Plain handlers run in a thread pool of
+    greenlet, never let out into the loop. A handler may cancel that task too (its own
+    ``current_task().cancel()``, a watchdog, ``asyncio.timeout``): such a cancellation is
+    the handler's failure, taken back once the handler is over, so only the worker's own
+    stop (:meth:`interrupt`) or the loop cancelling every task ends an executor.
+    Plain handlers run in a thread pool of
     ``threads`` threads, except those that must stay on the loop (``on_loop``: a
     synchronous transactional handler, whose session awaits on this loop underneath, as
     with ``AsyncSession.run_sync``).
@@ -319,13 +328,23 @@ class AsyncRuntime:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         #: Executor tasks awaiting a handler right now: what interrupt() cancels.
         self._in_handler: set[asyncio.Task[Any]] = set()
+        #: Tasks interrupt() cancelled: their cancellation is the worker's, not a handler's.
+        self._interrupted: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        #: A task that only waits, on the services' loop: cancelled along with every other
+        #: task when the loop shuts down (``asyncio.run()`` ending without ``stop()``).
+        self._guard: asyncio.Task[None] | None = None
+        self._guard_release: asyncio.Future[None] | None = None
         self._kinds: dict[Any, bool] = {}
 
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
         if own_thread:  # a loop of its own, on a thread of its own
             return _on_thread(lambda: asyncio.run(greenlet_spawn(target, *args)), name)
         strand = Strand(name)
-        task = asyncio.get_running_loop().create_task(greenlet_spawn(target, *args), name=name)
+        loop = asyncio.get_running_loop()
+        if self._guard is None:
+            self._guard_release = release = loop.create_future()
+            self._guard = loop.create_task(_until(release), name="sqla_queue-guard")
+        task = loop.create_task(greenlet_spawn(target, *args), name=name)
         task.add_done_callback(lambda _: strand.finished())
         strand.is_current = lambda: _current_task() is task
         return strand
@@ -356,14 +375,33 @@ class AsyncRuntime:
         return self._await(awaitable)
 
     def _await(self, awaitable: Any) -> Any:
-        """Await a handler (or the thread running one) so that interrupt() can cut it short."""
+        """Await a handler (or the thread running one) so that interrupt() can cut it short.
+
+        A cancellation of this task that the handler caused (its own ``cancel()``, a
+        watchdog's, an ``asyncio.timeout`` that expired) is the handler's: once the
+        handler is over, a cancellation it requested but never awaited is taken here,
+        and the task's count of cancellation requests goes back to what it was, so the
+        executor goes on as if nothing happened (``asyncio.timeout`` and task groups in
+        later handlers rely on that count)."""
         task = asyncio.current_task()
         assert task is not None
         self._in_handler.add(task)
+        before = task.cancelling()
         try:
             return await_only(awaitable)
         finally:
             self._in_handler.discard(task)
+            if task.cancelling() > before and not self.cancelled():
+                self._take_back_cancel(task, before)
+
+    def _take_back_cancel(self, task: asyncio.Task[Any], before: int) -> None:
+        try:
+            await_only(asyncio.sleep(0))  # a cancellation requested but not delivered lands here
+        except asyncio.CancelledError:
+            if self.cancelled():
+                raise  # the worker's stop came meanwhile
+        while task.cancelling() > before:
+            task.uncancel()
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -375,13 +413,29 @@ class AsyncRuntime:
         their executors end with them, their jobs already handed back. A plain handler's
         thread cannot be stopped: its executor stops waiting for it, and it ends alone."""
         for task in list(self._in_handler):
-            task.get_loop().call_soon_threadsafe(task.cancel)
+            task.get_loop().call_soon_threadsafe(self._interrupt, task)
+
+    def _interrupt(self, task: asyncio.Task[Any]) -> None:
+        self._interrupted.add(task)
+        task.cancel("sqla_queue: the worker is stopping")
 
     def cancelled(self) -> bool:
+        """The worker's own stop cancelled this task, or the loop is cancelling every
+        task (it is shutting down); a cancellation a handler caused is neither."""
         task = _current_task()
-        return task is not None and task.cancelling() > 0
+        if task is None:
+            return False
+        if task in self._interrupted:
+            return True
+        guard = self._guard
+        return guard is not None and guard.get_loop() is task.get_loop() and (
+            guard.cancelling() > 0 or guard.cancelled()
+        )
 
     def close(self) -> None:
+        release, self._guard_release = self._guard_release, None
+        if release is not None:
+            release.get_loop().call_soon_threadsafe(_resolve, release)
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -782,6 +782,8 @@ ERRORS_PARAM: Final = "sqla_queue_errors"
 DELAYS_PARAM: Final = "sqla_queue_delays"
 #: The last column of :func:`complete_many_if_owner_then_claim`: true on a completed token's row.
 DONE_FLAG_COLUMN: Final = "sqla_queue_done"
+#: :func:`extend_unlocked_leases_if_owner`'s window (seconds back from now), or NULL.
+SINCE_PARAM: Final = "sqla_queue_since_seconds"
 
 
 def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
@@ -930,13 +932,21 @@ def release_many_if_owner(model: QueueModel, *, refund_attempt: bool) -> Returni
     )
 
 
-def extend_unlocked_leases_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+def extend_unlocked_leases_if_owner(model: QueueModel) -> CompoundSelect[Any]:
     """The heartbeat: push the leases of the tokens forward, skipping rows locked by
     another transaction (a handler updating its own job row) instead of waiting for them:
     ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM, LEASE_PARAM}``. Returns ``(pk, attempts)``;
-    a token missing from the result is locked or lost: ask :func:`owned_tokens`."""
+    a token missing from the result is locked or lost: ask :func:`owned_tokens`.
+
+    ``SINCE_PARAM`` (seconds, optional): also extend every other job running under the
+    owner whose lease was set (``lease_expires_at - LEASE_PARAM``) no more than that long
+    ago: the jobs of a claim sent that long ago whose answer has not been read yet (an
+    event loop blocked by a handler), whose tokens the caller cannot know. Served by the
+    partial index on running leases, a range of recent leases, not a scan; NULL (the
+    default) adds nothing. The two updates touch disjoint rows, in one statement."""
     qt = queue_table(model)
     tokens = _token_table(qt)
+    name = qt.pk.name
     lockable = (
         select(qt.pk)
         .select_from(qt.table.join(tokens, qt.pk == tokens.c.pk))
@@ -945,12 +955,34 @@ def extend_unlocked_leases_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
         .subquery("lockable")
     )
     lease = bindparam(LEASE_PARAM, type_=Float())
-    return (
+    extended = _clock() + seconds_interval(lease)
+    known = (
         qt.table.update()
-        .where(qt.pk == lockable.c[qt.pk.name], _status(qt, RUNNING))
-        .values(lease_expires_at=_clock() + seconds_interval(lease))
+        .where(qt.pk == lockable.c[name], _status(qt, RUNNING))
+        .values(lease_expires_at=extended)
         .returning(qt.pk, qt.c.attempts)
+        .cte("sqla_queue_known")
     )
+    since = bindparam(SINCE_PARAM, None, type_=Float())
+    recent = (
+        select(qt.pk)
+        .where(
+            _status(qt, RUNNING),
+            qt.c.lease_owner == bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
+            qt.c.lease_expires_at >= func.now() + seconds_interval(lease) - seconds_interval(since),
+            ~select(known.c[name]).where(known.c[name] == qt.pk).exists(),
+        )
+        .with_for_update(skip_locked=True)
+        .subquery("recent")
+    )
+    fresh = (
+        qt.table.update()
+        .where(qt.pk == recent.c[name], _status(qt, RUNNING))
+        .values(lease_expires_at=extended)
+        .returning(qt.pk, qt.c.attempts)
+        .cte("sqla_queue_fresh")
+    )
+    return union_all(select(*known.c), select(*fresh.c))
 
 
 def owned_tokens(model: QueueModel) -> Select[Any]:
@@ -959,6 +991,17 @@ def owned_tokens(model: QueueModel) -> Select[Any]:
     qt = queue_table(model)
     tokens = _token_table(qt)
     return select(qt.pk, qt.c.attempts).select_from(qt.table).join(tokens, _token_fence(qt, tokens))
+
+
+def token_states(model: QueueModel) -> Select[Any]:
+    """``(pk, attempts, status, lease_owner, isolated, last_error)`` of the jobs
+    ``IDS_PARAM``, read without locking: what a worker reads when a statement's answer
+    was lost with its connection, to tell whether that statement had landed."""
+    qt = queue_table(model)
+    c = qt.c
+    return select(qt.pk, c.attempts, c.status, c.lease_owner, c.isolated, c.last_error).where(
+        qt.pk == any_(bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type)))
+    )
 
 
 #: How far back :func:`next_run_after` looks for a job that fell due just now.

@@ -360,7 +360,7 @@ def test_every_worker_connection_uses_the_engine_options(
             return [pid for pid, q in tagged().items() if q.startswith(prefix)]
 
         wait_for(lambda: with_query("LISTEN"), what="the listener's connection, tagged")
-        wait_for(lambda: with_query("UPDATE tasks SET lease_expires_at"), what="the heartbeat's, tagged")
+        wait_for(lambda: with_query("WITH sqla_queue_known AS"), what="the heartbeat's, tagged")
         # listener, heartbeat, sweeper and one connection per executor: all made by app_engine
         assert len(tagged()) >= 3 + worker.config.concurrency
     finally:

@@ -4,7 +4,10 @@ Outcomes are recorded in batches, one fenced statement per kind (built once by
 :mod:`sqla_queue.sql`, tokens as arrays), on the executor's own connection. A statement
 that moves fewer tokens than it was given tells which leases were lost meanwhile. One
 retry policy covers the database: connection errors are retried (the statements are
-fenced, so a repeat cannot do harm) until the lease would have lapsed anyway; any other
+fenced, so a repeat cannot do harm) until the lease would have lapsed anyway; when an
+earlier try may have landed (its answer lost with its connection), the rows the repeat
+did not move are read, and those in the state it would have left them in count as
+recorded, not lost; any other
 error falls back to recording each job alone with a minimal error text, and a job that
 still cannot be recorded is let go, so its lease expires and the sweeper returns it.
 """
@@ -53,6 +56,7 @@ class Completer:
         self._fail = driver.compile(q.fail_many_if_owner(qt.table))
         self._release = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=True))
         self._hand_back = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=False))
+        self._states = driver.compile(q.token_states(qt.table))
 
     def record(
         self,
@@ -118,8 +122,8 @@ class Completer:
             return conn.complete_then_claim(claim, params, *indexes)
 
         try:
-            (rows, claimed), sent = cast(
-                "tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]], float]",
+            (rows, claimed), sent, retried = cast(
+                "tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]], float, bool]",
                 self._with_retries(connect, run),
             )
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
@@ -128,6 +132,8 @@ class Completer:
                 o.held.finishing = False
             self._record_kind(connect, Kind.DONE, outcomes)
             return None
+        if retried:
+            rows = self._landed(connect, Kind.DONE, outcomes, rows, refund=False)
         self._settle(Kind.DONE, outcomes, rows, sent)
         return claimed
 
@@ -151,7 +157,7 @@ class Completer:
         if not outcomes:
             return
         try:
-            rows, sent = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
+            rows, sent, retried = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
         except Exception as exc:  # noqa: BLE001 - fall back to one job at a time
             if len(outcomes) > 1 or kind in (Kind.RETRY, Kind.FAIL):
                 log.warning("recording %d %s outcome(s) failed (%s); one at a time", len(outcomes), kind.value, exc)
@@ -162,6 +168,8 @@ class Completer:
                       outcomes[0].held.token.job_id, kind.value, exc)
             self.ledger.lose([o.held for o in outcomes])
             return
+        if retried:
+            rows = self._landed(connect, kind, outcomes, rows, refund)
         self._settle(kind, outcomes, rows, sent)
 
     def _record_alone(self, connect: Callable[[], DbConnection], outcome: Outcome, refund: bool) -> None:
@@ -175,10 +183,12 @@ class Completer:
                 return self._run(conn, c.kind, [c], refund)
 
             try:
-                rows, sent = self._with_retries(connect, run)
+                rows, sent, retried = self._with_retries(connect, run)
             except Exception as exc:  # noqa: BLE001
                 log.warning("job %s: recording %s failed: %s", outcome.held.token.job_id, candidate.kind.value, exc)
                 continue
+            if retried:
+                rows = self._landed(connect, candidate.kind, [candidate], rows, refund)
             self._settle(candidate.kind, [candidate], rows, sent)
             return
         log.error("job %s: no outcome could be recorded; its lease will expire", outcome.held.token.job_id)
@@ -204,15 +214,16 @@ class Completer:
 
     def _with_retries(
         self, connect: Callable[[], DbConnection], work: Callable[[DbConnection], Any]
-    ) -> tuple[Any, float]:
-        """``work``'s result and when its successful try began. Connection errors are
-        retried until about a lease has passed; the rest raise."""
+    ) -> tuple[Any, float, bool]:
+        """``work``'s result, when its successful try began, and whether an earlier try
+        failed (it may have landed all the same). Connection errors are retried until
+        about a lease has passed; the rest raise."""
         give_up = time.monotonic() + self.config.lease
         failures = 0
         while True:
             try:
                 began = time.monotonic()
-                return work(connect()), began
+                return work(connect()), began, failures > 0
             except Exception as exc:
                 if not self.driver.is_connection_error(exc) or time.monotonic() >= give_up:
                     raise
@@ -220,6 +231,37 @@ class Completer:
                 delay = min(0.05 * 2**failures, self.config.reconnect_backoff)
                 log.warning("recording outcomes: %s; retrying in %.2fs", type(exc).__name__, delay)
                 sleep(delay)
+
+    def _landed(
+        self,
+        connect: Callable[[], DbConnection],
+        kind: Kind,
+        outcomes: list[Outcome],
+        rows: list[Any],
+        refund: bool,
+    ) -> list[Any]:
+        """``rows`` of a statement that went through on a retry, plus a row for each
+        outcome it did not move that an earlier try had recorded (that answer was lost
+        with its connection): the job is in the state ``kind`` leaves it in, by this
+        owner and attempt. The rest stay missed: lost."""
+        moved = {(row[0], row[1]) for row in rows}
+        missed = [o for o in outcomes if o.held.token not in moved]
+        if not missed:
+            return rows
+        params = tokens_params(self.owner, [o.held.token for o in missed])
+        try:
+            states, _, _ = self._with_retries(connect, lambda conn: conn.execute(self._states, params))
+        except Exception as exc:  # noqa: BLE001 - count them lost, as the fence said
+            log.warning("could not read back %d outcome(s) after a retry (%s)", len(missed), exc)
+            return rows
+        by_pk = {state[0]: state for state in states}
+        found = list(rows)
+        for o in missed:
+            state = by_pk.get(o.held.token.job_id)
+            status = None if state is None else _landed_as(kind, o, state, self.owner, refund)
+            if status is not None:
+                found.append((o.held.token.job_id, o.held.token.attempt, status))
+        return found
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -262,6 +304,30 @@ class Completer:
             self.stats.add("lost", len(newly))
         for h in newly:
             log.warning("job %s attempt %d: %s; its result was not recorded", h.token.job_id, h.token.attempt, why)
+
+
+def _landed_as(kind: Kind, outcome: Outcome, state: tuple[Any, ...], owner: str, refund: bool) -> str | None:
+    """The status ``outcome``'s statement left the job in, if ``state`` (a row of
+    :func:`~sqla_queue.sql.token_states`) is what it left; None if someone else moved it
+    (a sweep, another worker)."""
+    _, attempts, status, lease_owner, isolated, last_error = state
+    attempt = outcome.held.token.attempt
+    ours = lease_owner == owner and attempts == attempt  # a dead letter keeps its owner
+    if kind is Kind.DONE:
+        return "done" if status == "done" and ours else None
+    if kind is Kind.FAIL:
+        return "failed" if status == "failed" and ours else None
+    released = status == "pending" and lease_owner is None
+    if kind is Kind.RETRY:
+        if status == "failed" and ours:
+            return "failed"
+        # Back to pending with this error: a sweep writes its own and marks the job isolated.
+        return "pending" if released and attempts == attempt and not isolated and last_error == outcome.error else None
+    if kind is Kind.RELEASE:
+        swept = (last_error or "").startswith(f"lease expired: worker {owner} did not finish attempt {attempt} ")
+        left = attempt - 1 if refund else attempt
+        return "pending" if released and attempts == left and not swept else None
+    return None
 
 
 def _first(text: str) -> str:

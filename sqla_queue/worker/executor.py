@@ -48,6 +48,13 @@ log = logging.getLogger("sqla_queue.worker")
 BATCH_TARGET_SECONDS = 0.05
 #: The longest delay a retry can ask for (about ten years).
 MAX_DELAY_SECONDS = 10 * 365 * 86400.0
+#: Losses of the worker's own connection in a row, under the same job's handler, that hand
+#: the job back at once with its attempt refunded; past them, each loss is the job's own
+#: failure (an attempt and the backoff): a handler that kills its connection every time
+#: must not run forever.
+FREE_HAND_BACKS = 2
+#: Jobs whose losses in a row are remembered at most (the oldest are forgotten first).
+MAX_REMEMBERED_LOSSES = 10_000
 
 
 class Lane:
@@ -96,10 +103,14 @@ class Executor:
         self.job_context = job_context
         self.runtime = driver.runtime
         self._complete_one = q.complete_template(qt.table, single=True)
+        #: Job id -> losses of the worker's connection in a row under its handler.
+        self._losses: dict[Any, int] = {}
 
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
             return Outcome(held, Kind.FAIL, held.load_error)
+        if self._losses:  # a run that ends any other way ends the streak
+            held.losses = self._losses.pop(held.token.job_id, 0)
         try:
             handler = self._resolve(held.job)
             if self.job_context is not None:
@@ -153,7 +164,14 @@ class Executor:
             f"Worker runs plain functions and cannot await it (sqla_queue.AsyncWorker can)",
         )
 
-    def failure(self, held: Held, exc: BaseException) -> Outcome:
+    def failure(self, held: Held, exc: BaseException, conn: DbConnection | None = None) -> Outcome:
+        """What a handler's exception comes to. ``conn``: the worker's connection the
+        handler's transaction ran on (None for a plain handler, which never uses it).
+
+        Only the state of that connection says the worker lost it, never the exception's
+        class: a ``ConnectionError`` or ``OperationalError`` of the handler's own (an
+        upstream that is down, another database) is the job's failure, with the backoff.
+        """
         limit = self.config.max_error_length
         if isinstance(exc, LeaseLost):
             return Outcome(held, Kind.LOST)
@@ -168,14 +186,28 @@ class Executor:
             log.error("job %s: the handler raised %s; the job will be retried",
                       held.token.job_id, type(exc).__name__)
         error = describe_error(exc, limit)
-        if self.driver.is_connection_error(exc):
-            # Not the job's fault: hand it back at once, no backoff.
-            return Outcome(held, Kind.RETRY, storable(f"connection lost: {error}", limit), 0.0)
+        if conn is not None and (conn.broken or conn.sa.invalidated):
+            losses = held.losses + 1
+            self._remember_loss(held.token.job_id, losses)
+            if losses <= FREE_HAND_BACKS:
+                # Not the job's fault: back to pending at once, the attempt refunded (the
+                # release is fenced by owner and attempt, on a new connection).
+                log.warning("job %s attempt %d: the worker's connection was lost under its handler; "
+                            "handed back without spending the attempt", held.token.job_id, held.token.attempt)
+                return Outcome(held, Kind.RELEASE, storable(f"connection lost: {error}", limit))
+            error = storable(f"connection lost ({losses} times in a row under this job): {error}", limit)
         try:
             delay = min(self.config.backoff.delay(held.token.attempt).total_seconds(), MAX_DELAY_SECONDS)
         except (OverflowError, ValueError):
             delay = min(self.config.backoff.cap, MAX_DELAY_SECONDS)
         return Outcome(held, Kind.RETRY, error, delay)
+
+    def _remember_loss(self, job_id: Any, losses: int) -> None:
+        remembered = self._losses
+        remembered[job_id] = losses
+        while len(remembered) > MAX_REMEMBERED_LOSSES:
+            with suppress(StopIteration, KeyError, RuntimeError):
+                del remembered[next(iter(remembered))]
 
     def _transactional(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
         """The handler's writes and the fenced completion commit in one transaction.
@@ -205,7 +237,7 @@ class Executor:
             except BaseException as exc:
                 if self.runtime.cancelled():
                     raise
-                return self.failure(held, exc)
+                return self.failure(held, exc, conn)
             if not self.ledger.finishing([held]):
                 return Outcome(held, Kind.LOST)
             params = {q.OWNER_PARAM: self.owner, q.JOB_PARAM: held.token.job_id,

@@ -3,9 +3,13 @@
 One statement per beat extends every token (arrays: any number of jobs). It skips rows
 another transaction has locked (a handler updating its own job row) instead of waiting
 for them, and asks which of the skipped tokens are still owned, so only a job that is
-really gone is reported lost. Each beat runs under a deadline: a hung connection is cut
-and replaced. If no beat succeeded for a whole lease, the sweeper may already have handed
-the jobs to others: the worker stops claiming and treats what it holds as lost.
+really gone is reported lost. While a claim is in flight, the same statement also
+extends the worker's jobs whose lease was set since that claim began: the rows of a
+claim whose answer waits unread (an event loop blocked by a handler) are the worker's
+before their tokens reach the ledger, and must not lapse meanwhile. Each beat runs
+under a deadline: a hung connection is cut and replaced. If no beat succeeded for a
+whole lease, the sweeper may already have handed the jobs to others: the worker stops
+claiming and treats what it holds as lost.
 """
 
 from __future__ import annotations
@@ -46,26 +50,33 @@ class Heartbeat(Service):
 
     def tick(self) -> None:
         self._check_health()
-        tokens = self.ledger.tokens()
-        if tokens or not self.ledger.healthy:  # recover only on a beat that reached the table
-            lost = self._beat(tokens)
-            for token in lost:
-                if self.ledger.mark_lost(token) is not None:
+        held = self.ledger.live()
+        since = self.ledger.claims_since()
+        if held or since is not None or not self.ledger.healthy:  # recover only on a beat that reached the table
+            lost = self._beat([h.token for h in held], since)
+            for h in held:
+                if h.token in lost and self.ledger.mark_lost(h) is not None:
                     self.stats.add("lost")
                     log.warning("job %s attempt %d: lease lost (re-claimed or swept); its result "
-                                "will not be recorded", token.job_id, token.attempt)
+                                "will not be recorded", h.token.job_id, h.token.attempt)
         self._last_ok = time.monotonic()
         if not self.ledger.healthy:
             log.info("heartbeat: the database answers again; claiming resumes")
             self.ledger.set_healthy(True)
         self.stats.add("heartbeats")
 
-    def _beat(self, tokens: list[q.ClaimToken]) -> set[q.ClaimToken]:
+    def _beat(self, tokens: list[q.ClaimToken], since: float | None) -> set[q.ClaimToken]:
         conn = self._conn
         if conn is None or conn.broken:
             self.close()
             self._conn = conn = self.driver.connect("sqla_queue heartbeat")
         values = {**tokens_params(self.owner, tokens), q.LEASE_PARAM: float(self.config.lease)}
+        if since is not None:
+            # The claim's leases were set on the server after it was sent; half a beat
+            # of margin covers the two connections' latencies. No more: a lease one beat
+            # set is out of the next one's window unless a claim then in flight is older
+            # than half a beat, so a job the worker let go still lapses.
+            values[q.SINCE_PARAM] = time.monotonic() - since + self.interval / 2
         with self.driver.deadline(conn, self.interval):
             extended = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._extend, values)}
             missing = [t for t in tokens if t not in extended]

@@ -8,6 +8,7 @@ found lost; shutdown waits for it to empty. Pure logic: no database, no threads 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable
@@ -35,6 +36,8 @@ class Held:
     finishing: bool = False
     #: The lease is known lost (or the job handed back): its outcome must not be recorded.
     lost: bool = False
+    #: Losses of the worker's connection in a row under this job's handler, before this run.
+    losses: int = 0
 
 
 class Ledger:
@@ -47,6 +50,9 @@ class Ledger:
         self._isolated_taken = False
         #: False after no heartbeat succeeded for a whole lease: claim nothing until one does.
         self._healthy = True
+        #: Claims sent whose rows are not in the ledger yet: mark -> when it began (monotonic).
+        self._claims: dict[int, float] = {}
+        self._marks = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -102,21 +108,49 @@ class Ledger:
         with self._lock:
             return [t for t, h in self._held.items() if not h.lost]
 
+    def live(self) -> list[Held]:
+        """The held jobs whose lease still matters: not lost."""
+        with self._lock:
+            return [h for h in self._held.values() if not h.lost]
+
+    # -- claims in flight --------------------------------------------------------------
+
+    def claim_began(self) -> int:
+        """A claim is about to be sent; returns its mark, for :meth:`claim_ended`.
+
+        Until it ended (its rows are in the ledger, or it failed), the rows it took are
+        this worker's without being in the ledger: their answer may sit unread while
+        the event loop is blocked. The heartbeat keeps their leases meanwhile."""
+        mark = next(self._marks)
+        with self._lock:
+            self._claims[mark] = time.monotonic()
+        return mark
+
+    def claim_ended(self, mark: int) -> None:
+        with self._lock:
+            self._claims.pop(mark, None)
+
+    def claims_since(self) -> float | None:
+        """When the oldest claim in flight began (monotonic), or None."""
+        with self._lock:
+            return min(self._claims.values()) if self._claims else None
+
     def held(self) -> list[Held]:
         with self._lock:
             return list(self._held.values())
 
     # -- lost leases -------------------------------------------------------------------
 
-    def mark_lost(self, token: ClaimToken) -> Held | None:
+    def mark_lost(self, held: Held) -> Held | None:
         """Mark a held job lost, unless its outcome is already being recorded (then the
-        recording statement decides); returns it if this call marked it."""
+        recording statement decides) or it is no longer held; returns it if this call
+        marked it. By the object, not the token: a job handed back with its attempt
+        refunded and claimed again has the same token, and the new claim is not lost."""
         with self._lock:
-            h = self._held.get(token)
-            if h is None or h.finishing or h.lost:
+            if self._held.get(held.token) is not held or held.finishing or held.lost:
                 return None
-            h.lost = True
-            return h
+            held.lost = True
+            return held
 
     def lose(self, held: Iterable[Held]) -> list[Held]:
         """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them."""

@@ -20,7 +20,8 @@ class Kind(enum.Enum):
     RETRY = "retry"
     #: Dead-letter now.
     FAIL = "fail"
-    #: Never started (shutdown): back to ``pending`` with the attempt refunded.
+    #: Back to ``pending`` at once with the attempt refunded: never started (shutdown), or
+    #: the worker's own connection was lost under the handler's transaction.
     RELEASE = "release"
     #: The lease was lost: someone else owns the job now; record nothing.
     LOST = "lost"

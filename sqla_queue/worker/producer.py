@@ -164,20 +164,25 @@ class Producer:
             return None
         if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
             return ClaimRequest(
-                self._claim_isolated, self._values(1), isolated=True, after_completion=self._isolated_after_completion
+                self._claim_isolated, self._values(1), isolated=True, after_completion=self._isolated_after_completion,
+                in_flight=self.ledger.claim_began(),
             )
-        return ClaimRequest(self._claim, self._values(limit), after_completion=self._after_completion)
+        return ClaimRequest(self._claim, self._values(limit), after_completion=self._after_completion,
+                            in_flight=self.ledger.claim_began())
 
     def accept(self, request: ClaimRequest, rows: list[tuple[Any, ...] | RowError]) -> list[Held]:
         """The held jobs of a claim's rows, added to the ledger."""
-        if request.isolated:
-            if not rows:
-                self.ledger.give_back_isolated_slot()
-                self._isolated_after = time.monotonic() + self.config.poll_interval
-            else:
-                log.info("job %s: its last lease expired; running it alone", _token_of(rows[0], self))
-        held = [self._held(row, request.isolated) for row in rows]
-        self.ledger.add(held)
+        try:
+            if request.isolated:
+                if not rows:
+                    self.ledger.give_back_isolated_slot()
+                    self._isolated_after = time.monotonic() + self.config.poll_interval
+                else:
+                    log.info("job %s: its last lease expired; running it alone", _token_of(rows[0], self))
+            held = [self._held(row, request.isolated) for row in rows]
+            self.ledger.add(held)
+        finally:
+            self.ledger.claim_ended(request.in_flight)
         return held
 
     def claim(self, conn: DbConnection, limit: int) -> list[Held]:
@@ -197,6 +202,7 @@ class Producer:
 
     def unclaimed(self, request: ClaimRequest) -> None:
         """``request`` did not run (or its rows were not read): free what it reserved."""
+        self.ledger.claim_ended(request.in_flight)
         if request.isolated:
             self.ledger.give_back_isolated_slot()
 
