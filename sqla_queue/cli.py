@@ -14,7 +14,9 @@ import inspect
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -489,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "worker":
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+            # Inherited (a background job of a non-interactive shell): SIGINT must still
+            # stop the worker, also while it imports its target and starts.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             check_overrides(_overrides(args))
         except (TypeError, ValueError) as exc:
@@ -499,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"sqla-queue: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the worker's own signal handling took over
+        print("sqla-queue: interrupted", file=sys.stderr)
+        return 130
     except (OperationalError, ProgrammingError, SqlaQueueError) as exc:
         print(f"sqla-queue: error: {_first_line(exc)}", file=sys.stderr)
         return 1

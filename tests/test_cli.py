@@ -538,3 +538,39 @@ def test_alembic_init_prints_what_it_created_and_the_next_step(
     assert (tmp_path / folder / "env.py").is_file() and (tmp_path / config).is_file()
     if existing_ini:
         assert (tmp_path / config).read_text().startswith("[alembic]\nscript_location")  # left alone
+
+
+#: Runs the command after it with SIGINT ignored, as a shell starts a background job.
+SIGINT_IGNORED = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
+def test_sigint_stops_a_worker_started_with_sigint_ignored(tmp_path: Path) -> None:
+    """A background job of a non-interactive shell inherits SIGINT ignored: the worker
+    restores it at once, so SIGINT stops it even while it still imports its target."""
+    started = tmp_path / "importing"
+    (tmp_path / "slow_app.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(started)!r}).write_text('')\n"
+        "time.sleep(60)  # a slow import: the worker has not installed its handlers yet\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with subprocess.Popen(
+        [*SIGINT_IGNORED, sys.executable, "-m", "sqla_queue", "worker", "slow_app:make_worker"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:
+        try:
+            wait_for(lambda: started.exists() or proc.poll() is not None, what="the target's import")
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("SIGINT did not stop the worker") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130, err
+    assert err == "sqla-queue: interrupted\n" and out == ""
