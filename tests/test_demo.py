@@ -20,13 +20,18 @@ from .helpers import Server, wait_for
 REPO = Path(__file__).resolve().parent.parent
 
 
-def postmasters() -> set[int]:
-    """PostgreSQL servers on this machine started from a temporary embedded data dir."""
+def postmasters(marker: str) -> set[int]:
+    """Embedded PostgreSQL servers the demo carrying ``marker`` started (a server inherits
+    its starter's environment): not those other programs on this machine start meanwhile."""
     found = set()
     for proc in psutil.process_iter(["name", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if proc.info["name"] == "postgres" and "sqla_queue_pg_" in cmdline and " -D " in f" {cmdline} ":
-            found.add(proc.pid)
+            try:
+                if proc.environ().get("SQLA_QUEUE_TEST_MARKER") == marker:
+                    found.add(proc.pid)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                pass
     return found
 
 
@@ -129,7 +134,6 @@ def test_demo_runs_the_whole_tour(server: Server, demo_tmp: Path) -> None:
 def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path, sigint: str) -> None:
     """Also when the demo starts with SIGINT ignored (a background job of a script, or a
     test run that is one): it restores Ctrl-C for itself."""
-    before = postmasters()
     env, marker = demo_env(demo_tmp)
     log = tmp_path / "demo.out"
     wrapper = SIGINT_IGNORED if sigint == "ignored" else []
@@ -143,7 +147,7 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path, sigint
             wait_for(lambda: "== enqueue" in log.read_text() or demo.poll() is not None, timeout=60)
             assert demo.poll() is None, log.read_text()
             assert marked(marker), "the marker should find the demo's processes"
-            assert postmasters() - before, "the demo should have started an embedded server"
+            assert postmasters(marker), "the demo should have started an embedded server"
             demo.send_signal(signal.SIGINT)
             try:
                 code = demo.wait(60)
@@ -162,6 +166,6 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path, sigint
     output = log.read_text()
     assert "interrupted; cleaned up" in output
     assert output.startswith("== starting an embedded PostgreSQL"), output  # no warning first
-    wait_for(lambda: not (postmasters() - before), timeout=30, what="the embedded server to stop")
+    wait_for(lambda: not postmasters(marker), timeout=30, what="the embedded server to stop")
     assert marked(marker) == []  # nothing the demo started is left running
     assert leftovers(demo_tmp) == []  # the server's data dir, its lock file and the workers' log are gone
