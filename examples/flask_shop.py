@@ -132,28 +132,29 @@ def take_from_stock(order: ShopOrder) -> None:
 
 def tour(database_url: str) -> None:
     """Place a few orders through the HTTP API, run the worker, show what happened."""
-    outbox = Path(tempfile.mkdtemp(prefix="shop_outbox_"))
-    os.environ["SHOP_OUTBOX"] = str(outbox)
-    app = create_app(database_url)
-    with app.app_context():
-        db.create_all()
-        try:
-            db.session.add(Product(id=1, name="teapot", stock=5))
-            db.session.commit()
-            client = app.test_client()
-            for email, quantity in [("ada@example.com", 2), ("bob@example.com", 2),
-                                    ("eve@undeliverable.example", 1), ("cy@example.com", 3)]:
-                response = client.post("/orders", json={"product_id": 1, "quantity": quantity, "email": email})
-                print(f"order by {email:<28} x{quantity}: HTTP {response.status_code}")
-            queue.make_worker().run(install_signal_handlers=False, until_idle=True)
-            jobs = db.session.scalars(db.select(ConfirmationEmail).order_by(ConfirmationEmail.id)).all()
-            for job in jobs:
-                print(f"e-mail to {job.to:<28} {job.status:<7} after {job.attempts} attempt(s)"
-                      + (f"  last error: {job.last_error.splitlines()[0]}" if job.status == "failed" else ""))
-            print(f"outbox: {sorted(p.name for p in outbox.iterdir())}")
-        finally:
-            db.session.close()
-            db.drop_all()
+    with tempfile.TemporaryDirectory(prefix="shop_outbox_") as outbox_dir:  # removed afterwards
+        outbox = Path(outbox_dir)
+        os.environ["SHOP_OUTBOX"] = str(outbox)
+        app = create_app(database_url)
+        with app.app_context():
+            db.create_all()
+            try:
+                db.session.add(Product(id=1, name="teapot", stock=5))
+                db.session.commit()
+                client = app.test_client()
+                for email, quantity in [("ada@example.com", 2), ("bob@example.com", 2),
+                                        ("eve@undeliverable.example", 1), ("cy@example.com", 3)]:
+                    response = client.post("/orders", json={"product_id": 1, "quantity": quantity, "email": email})
+                    print(f"order by {email:<28} x{quantity}: HTTP {response.status_code}")
+                queue.make_worker().run(install_signal_handlers=False, until_idle=True)
+                jobs = db.session.scalars(db.select(ConfirmationEmail).order_by(ConfirmationEmail.id)).all()
+                for job in jobs:
+                    print(f"e-mail to {job.to:<28} {job.status:<7} after {job.attempts} attempt(s)"
+                          + (f"  last error: {job.last_error.splitlines()[0]}" if job.status == "failed" else ""))
+                print(f"outbox: {sorted(p.name for p in outbox.iterdir())}")
+            finally:
+                db.session.close()
+                db.drop_all()
 
 
 if __name__ == "__main__":

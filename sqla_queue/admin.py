@@ -10,11 +10,39 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from . import sql as q
+from .driver import WorkerStartError
+from .model import queue_table, table_problem
 
-__all__ = ["format_stats", "prune", "requeue", "sweep"]
+__all__ = ["check_table", "format_stats", "prune", "requeue", "sweep"]
+
+_COLUMNS = text(
+    "SELECT a.attname FROM pg_attribute a "
+    "WHERE a.attrelid = to_regclass(:name) AND a.attnum > 0 AND NOT a.attisdropped"
+)
+
+
+def check_table(engine: Engine, model: Any) -> None:
+    """Raise :class:`~sqla_queue.WorkerStartError`, in the worker's words, when ``model``'s
+    table is missing from the database or lacks the queue columns.
+
+    Run before a command, it turns the database's "relation ... does not exist" into what
+    to do about it: create the table, or migrate it.
+    """
+    table = queue_table(model).table
+    with engine.connect() as conn:
+        schema = table.schema
+        translate = conn.get_execution_options().get("schema_translate_map")
+        if translate and schema in translate:
+            schema = translate[schema]
+        quote = conn.dialect.identifier_preparer.quote
+        name = f"{quote(schema)}.{quote(table.name)}" if schema else quote(table.name)
+        columns = list(conn.scalars(_COLUMNS, {"name": name}))
+    problem = table_problem(f"{schema}.{table.name}" if schema else table.name, columns)
+    if problem is not None:
+        raise WorkerStartError(problem)
 
 
 def sweep(engine: Engine, model: Any, *, limit: int = 1000) -> tuple[int, int]:

@@ -19,6 +19,8 @@ the index is built: on a queue table that means no enqueue, claim or completion 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import re
@@ -612,16 +614,25 @@ def init(
     *,
     config_file: str | os.PathLike[str] = "alembic.ini",
     package: bool = False,
-) -> None:
+    quiet: bool = False,
+) -> list[Path]:
     """``alembic init`` with the sqla_queue template: ``env.py`` runs one transaction per
     migration and installs :data:`process_revision_directives`.
 
-    Writes ``config_file`` too unless it exists. Raises ``alembic.util.CommandError`` when
-    ``directory`` exists and is not empty.
+    Writes ``config_file`` too unless it exists. Returns what it created: the files and
+    folders inside ``directory``, then ``config_file`` if it was written. ``quiet``: without
+    Alembic's line per file. Raises ``alembic.util.CommandError`` when ``directory`` exists
+    and is not empty.
     """
-    command.init(
-        _TemplateConfig(os.fspath(config_file)),
-        os.fspath(directory),
-        template=TEMPLATE_NAME,
-        package=package,
-    )
+    config = Path(config_file)
+    had_config = config.exists()
+    # Alembic prints some of its lines whatever its "quiet" option says.
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        command.init(
+            _TemplateConfig(os.fspath(config_file)),
+            os.fspath(directory),
+            template=TEMPLATE_NAME,
+            package=package,
+        )
+    created = sorted(Path(directory).iterdir(), key=lambda path: (path.is_dir(), path.name))
+    return created if had_config else [*created, config]

@@ -14,9 +14,12 @@ import inspect
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
 
 from sqlalchemy import URL, Engine
@@ -48,16 +51,32 @@ def _add_alembic_commands(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def _alembic_init(args: argparse.Namespace) -> int:
+    """What was created and what to do next; not Alembic's line per file, nor the INFO
+    lines of its plugin set-up (shown with ``--log-level DEBUG``)."""
+    if args.log_level > logging.DEBUG:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
     # Imported here: the other commands need not load Alembic.
     from alembic.util import CommandError as AlembicError
 
     from .alembic import init
 
     try:
-        init(args.directory, config_file=args.config, package=args.package)
+        created = init(args.directory, config_file=args.config, package=args.package, quiet=True)
     except AlembicError as exc:
         raise CommandError(str(exc)) from None
-    print(f"Then set target_metadata in {os.path.join(args.directory, 'env.py')}.")
+    folder = args.directory.rstrip("/" + os.sep) or args.directory
+    config = Path(args.config).resolve()
+    inside = [path.name + ("/" if path.is_dir() else "") for path in created if path.resolve() != config]
+    wrote_config = len(inside) < len(created)
+    print(f"Created {folder}/ ({', '.join(inside)})" + (f" and {args.config}." if wrote_config else "."))
+    if not wrote_config:
+        print(f"Kept the existing {args.config}: its script_location must name {folder}.")
+    print(
+        f"Next: set target_metadata in {os.path.join(folder, 'env.py')} and sqlalchemy.url in "
+        f"{args.config}, then run\n"
+        f'  alembic revision --autogenerate -m "queue table"\n'
+        f"  alembic upgrade head"
+    )
     return 0
 
 
@@ -284,15 +303,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_database(engine: Any, model: Any) -> None:
-    """Connect and read the queue table's columns once: a wrong URL or an unmigrated table
-    then fails at start with the database's own message, not later in a retry loop."""
-    from sqlalchemy import select
-
-    from .model import queue_table
-
-    table = queue_table(model).table
-    with engine.connect() as conn:
-        conn.execute(select(*table.c).limit(0))
+    """Connect and check the queue table once: a wrong URL fails at start with the
+    database's own message (``OperationalError``), a missing or unmigrated table with
+    the worker's :class:`~sqla_queue.WorkerStartError`, not later in a retry loop."""
+    admin.check_table(engine, model)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -304,10 +318,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker = worker.with_options(**overrides)
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None
+    # Either worker checks the database and its table as it starts (WorkerStartError).
     if isinstance(worker, AsyncWorker):
         asyncio.run(_run_async(worker, until_idle=args.until_idle))
         return 0
-    check_database(worker.engine, worker.model)
     worker.run(until_idle=args.until_idle)
     return 0
 
@@ -333,16 +347,21 @@ def _on_admin_target(args: argparse.Namespace, command: Callable[[Engine, Any], 
     from sqlalchemy.util import greenlet_spawn
 
     engine, model = _engine_and_model(args)
+
+    def checked(engine: Engine, model: Any) -> T:
+        admin.check_table(engine, model)  # the worker's words for a missing or unmigrated table
+        return command(engine, model)
+
     if not isinstance(engine, AsyncEngine):
         try:
-            return command(engine, model)
+            return checked(engine, model)
         finally:
             engine.dispose()
     async_engine = engine
 
     async def run() -> T:
         try:
-            return cast("T", await greenlet_spawn(command, async_engine.sync_engine, model))
+            return cast("T", await greenlet_spawn(checked, async_engine.sync_engine, model))
         finally:
             await async_engine.dispose()
 
@@ -472,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "worker":
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+            # Inherited (a background job of a non-interactive shell): SIGINT must still
+            # stop the worker, also while it imports its target and starts.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             check_overrides(_overrides(args))
         except (TypeError, ValueError) as exc:
@@ -482,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"sqla-queue: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the worker's own signal handling took over
+        print("sqla-queue: interrupted", file=sys.stderr)
+        return 130
     except (OperationalError, ProgrammingError, SqlaQueueError) as exc:
         print(f"sqla-queue: error: {_first_line(exc)}", file=sys.stderr)
         return 1

@@ -331,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=5000, help="image jobs to bulk-load (default 5000)")
     parser.add_argument("--worker-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        # Inherited (a background job of a non-interactive shell): Ctrl-C must still stop
+        # the tour and clean up.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.worker_process:
         make_worker(create_engine(os.environ["SQLA_QUEUE_DEMO_URL"])).run()
         return 0

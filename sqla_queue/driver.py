@@ -32,7 +32,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util.concurrency import await_only
 
 from .errors import SqlaQueueError
-from .model import REQUIRED_COLUMNS, notify_channel, translated_schema
+from .model import REQUIRED_COLUMNS, notify_channel, table_problem, translated_schema
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 
 __all__ = [
@@ -501,17 +501,9 @@ class Driver:
             name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
-        if not rows:
-            raise WorkerStartError(
-                f"table {name!r} does not exist in that database: create it (metadata.create_all "
-                f"or a migration) before starting the worker"
-            )
-        missing = sorted(set(REQUIRED_COLUMNS) - {r[0] for r in rows})
-        if missing:
-            raise WorkerStartError(
-                f"table {name!r} lacks the queue columns {', '.join(missing)}: migrate it "
-                f"(the model uses JobMixin, the table does not yet)"
-            )
+        problem = table_problem(name, [r[0] for r in rows])
+        if problem is not None:
+            raise WorkerStartError(problem)
         return types
 
 

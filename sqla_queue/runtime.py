@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import inspect
+import logging
+import queue
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from sqlalchemy.util.concurrency import await_only, greenlet_spawn, in_greenlet
 
@@ -34,6 +37,11 @@ __all__ = [
     "is_async_callable",
     "sleep",
 ]
+
+log = logging.getLogger("sqla_queue.worker")
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 # -- primitives for threads and greenlets --------------------------------------------------
@@ -277,11 +285,14 @@ class ThreadRuntime:
 
     name = "thread"
 
+    def __init__(self) -> None:
+        self._running = _Running()
+
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
         return _on_thread(target, name, *args)
 
     def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
-        return fn(*args)
+        return self._running.run(fn, *args)
 
     def is_async(self, fn: Callable[..., Any]) -> bool:
         return False  # the thread Worker refuses async handlers when it is built
@@ -302,7 +313,7 @@ class ThreadRuntime:
         return False
 
     def close(self) -> None:
-        pass
+        self._running.report()
 
 
 class AsyncRuntime:
@@ -315,8 +326,8 @@ class AsyncRuntime:
     ``current_task().cancel()``, a watchdog, ``asyncio.timeout``): such a cancellation is
     the handler's failure, taken back once the handler is over, so only the worker's own
     stop (:meth:`interrupt`) or the loop cancelling every task ends an executor.
-    Plain handlers run in a thread pool of
-    ``threads`` threads, except those that must stay on the loop (``on_loop``: a
+    Plain handlers run in a pool of ``threads`` daemon threads, except those that must
+    stay on the loop (``on_loop``: a
     synchronous transactional handler, whose session awaits on this loop underneath, as
     with ``AsyncSession.run_sync``).
     """
@@ -325,7 +336,7 @@ class AsyncRuntime:
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: _DaemonThreadPool | None = None
         #: Executor tasks awaiting a handler right now: what interrupt() cancels.
         self._in_handler: set[asyncio.Task[Any]] = set()
         #: Tasks interrupt() cancelled: their cancellation is the worker's, not a handler's.
@@ -403,9 +414,9 @@ class AsyncRuntime:
         while task.cancelling() > before:
             task.uncancel()
 
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _executor(self) -> _DaemonThreadPool:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="sqla_queue-sync")
+            self._pool = _DaemonThreadPool(self._threads, "sqla_queue-sync")
         return self._pool
 
     def interrupt(self) -> None:
@@ -438,7 +449,118 @@ class AsyncRuntime:
             release.get_loop().call_soon_threadsafe(_resolve, release)
         pool, self._pool = self._pool, None
         if pool is not None:
+            pool.running.report()
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Running:
+    """The plain handlers running right now, by thread: what a stopped worker names when
+    one of them outlived its stop."""
+
+    def __init__(self) -> None:
+        self._by_thread: dict[threading.Thread, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        me = threading.current_thread()
+        self._by_thread[me] = (fn, args)
+        try:
+            return fn(*args)
+        finally:
+            del self._by_thread[me]
+
+    def report(self) -> None:
+        for thread, (fn, args) in list(self._by_thread.items()):
+            if isinstance(getattr(fn, "__self__", None), contextvars.Context) and args:
+                fn, args = args[0], args[1:]  # Context.run(handler, job)
+            job = getattr(args[0], "id", "?") if args else "?"
+            log.warning(
+                "handler %s (job %s) is still running in thread %s after the worker stopped: a "
+                "thread cannot be interrupted; its job was handed back, and the process can exit "
+                "without waiting for it",
+                _name_of(fn), job, thread.name,
+            )
+
+
+def _name_of(fn: Any) -> str:
+    target = getattr(fn, "func", fn)  # functools.partial
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    module = getattr(target, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+_Work = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class _DaemonThreadPool(concurrent.futures.Executor):
+    """A ``ThreadPoolExecutor`` of at most ``size`` daemon threads, for plain handlers.
+
+    ``ThreadPoolExecutor`` joins its threads at interpreter exit, so one plain handler
+    stuck past the shutdown grace would keep the process from ever exiting (``sqla-queue
+    worker`` and a user's own ``asyncio.run(worker.run())`` alike). Daemon threads do
+    not, as the thread Worker's executors do not: a handler still running then ends with
+    the process, its job already handed back.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = size
+        self._name = name
+        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._shut = False
+        self.running = _Running()
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot run a handler: the worker stopped")
+            self._work.put((future, fn, args, kwargs))
+            if self._idle:
+                self._idle -= 1  # a waiting thread takes it
+            elif len(self._threads) < self._size:
+                thread = threading.Thread(
+                    target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = self.running.run(functools.partial(fn, **kwargs) if kwargs else fn, *args)
+                except BaseException as exc:  # noqa: BLE001 - the awaiting task gets it, as from ThreadPoolExecutor
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del future
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shut = True
+            if cancel_futures:
+                while True:
+                    try:
+                        item = self._work.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item[0].cancel()
+            for _ in self._threads:
+                self._work.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
 
 def _on_thread(target: Callable[..., None], name: str, *args: Any) -> Strand:

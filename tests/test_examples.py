@@ -12,8 +12,11 @@ from .helpers import Server
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, server: Server, *args: str) -> str:
+def run_example(name: str, server: Server, *args: str, tmp: Path | None = None) -> str:
+    """The example's output; with ``tmp``, its TMPDIR, to see what it leaves there."""
     env = {**os.environ, "DATABASE_URL": server.url.render_as_string(hide_password=False)}
+    if tmp is not None:
+        env.update(TMPDIR=str(tmp))
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
         env=env,
@@ -31,12 +34,13 @@ def test_plain_sqlalchemy_example(server: Server) -> None:
     assert "3 invoices rendered, highest priority first: invoice ids [2, 1, 3]" in out
 
 
-def test_flask_shop_example(server: Server) -> None:
-    out = run_example("flask_shop.py", server)
+def test_flask_shop_example(server: Server, tmp_path: Path) -> None:
+    out = run_example("flask_shop.py", server, tmp=tmp_path)
     assert "order by cy@example.com               x3: HTTP 409" in out  # out of stock: nothing kept
     assert "e-mail to ada@example.com              done    after 1 attempt(s)" in out
     assert "e-mail to eve@undeliverable.example    failed  after 3 attempt(s)" in out
     assert "outbox: ['order-1.eml', 'order-2.eml']" in out
+    assert list(tmp_path.iterdir()) == []  # the outbox folder is gone with the tour
 
 
 def test_fastapi_shop_example(server: Server) -> None:

@@ -7,9 +7,13 @@ so "completed twice" shows up as two rows for one job.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, func, select, text
@@ -195,3 +199,67 @@ def test_second_signal_stops_at_once(engine: Engine, worker_processes: Start, tm
     assert (row.status, row.lease_owner) == ("pending", None)
     with engine.connect() as conn:
         assert conn.scalar(select(func.count()).select_from(Effect)) == 0
+
+
+def test_sigterm_exits_after_the_grace_while_a_plain_handler_is_stuck(
+    engine: Engine, worker_processes: Start, tmp_path: Any
+) -> None:
+    """A plain handler that never returns (on the asyncio runtime: in its thread pool)
+    cannot be stopped, but it must not keep the process alive: the worker hands the job
+    back after the grace, names the handler still running, and the process exits."""
+    started = tmp_path / "started"
+    (job_id,) = add(engine, "stuck", started=str(started))
+    worker = worker_processes("--shutdown-grace", "0.5s", *FAST)
+    wait_for(started.exists, what="the job to start")
+    worker.signal(signal.SIGTERM)
+    try:
+        code = worker.wait(15)  # the grace, the hand-back and the joins take about 3 s
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the worker did not exit after SIGTERM:\n{worker.log()}") from None
+    assert code == 0, worker.log()
+    (row,) = rows(engine, [job_id])
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
+    assert f"job {job_id}" in worker.log() and "tests.worker_app.stuck" in worker.log()
+
+
+def test_asyncio_run_of_a_worker_returns_and_exits_while_a_plain_handler_is_stuck(
+    engine: Engine, tmp_path: Any
+) -> None:
+    """The user's own ``asyncio.run(worker.run())``, no command line: it returns after the
+    grace, and the interpreter then exits, the stuck thread pool thread notwithstanding."""
+    started = tmp_path / "started"
+    (job_id,) = add(engine, "stuck", started=str(started))
+    script = (
+        "import asyncio, logging\n"
+        "from tests.worker_app import make_worker\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "worker = make_worker().with_options(shutdown_grace=0.5)\n"
+        "async def main():\n"
+        "    await worker.run()\n"
+        "    await worker.engine.dispose()\n"
+        "asyncio.run(main())\n"
+        "print('asyncio.run returned', flush=True)\n"
+    )
+    env = {**os.environ, "SQLA_QUEUE_TEST_RUNTIME": "asyncio"}
+    repo = Path(__file__).resolve().parent.parent
+    with subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", "-c", script],
+        cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    ) as proc:
+        try:
+            wait_for(lambda: started.exists() or proc.poll() is not None, what="the job to start")
+            assert proc.poll() is None, proc.communicate()[0]
+            proc.send_signal(signal.SIGTERM)
+            try:
+                out, _ = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # faulthandler: the threads' stacks
+                out, _ = proc.communicate(timeout=15)
+                raise AssertionError(f"asyncio.run(worker.run()) did not exit after SIGTERM:\n{out}") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, out
+    assert "asyncio.run returned" in out and "tests.worker_app.stuck (job" in out
+    (row,) = rows(engine, [job_id])
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)

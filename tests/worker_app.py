@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,18 @@ def record(job: Any, session: Session) -> None:
 def work(job: Any) -> None:
     """Not transactional: just takes its time."""
     _pause(job)
+
+
+#: Never set: what a handler stuck for good waits on.
+_never = threading.Event()
+
+
+@tasks.task
+def stuck(job: Any) -> None:
+    """A plain handler that never returns (a call without a timeout, a deadlock); the
+    asyncio worker runs it in its thread pool too."""
+    Path(job.payload["started"]).write_text(str(os.getpid()))
+    _never.wait()
 
 
 @tasks.task
@@ -97,6 +110,9 @@ async def work_async(job: Any) -> None:
 async def crash_async(job: Any) -> None:
     await asyncio.sleep(float(job.payload.get("sleep", 0)))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+async_tasks.task(name="stuck")(stuck)
 
 
 @async_tasks.task(name="flaky")
