@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 import psycopg
 from psycopg import sql as pgsql
 from sqlalchemy import JSON, Column, Connection, Table, insert, select
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.orm import attributes as orm_attributes
@@ -55,6 +54,7 @@ from ._rules import (
     table_rules,
     validate_options,
 )
+from .driver import reraise_as_sqlalchemy
 from .errors import BulkRowError, EnqueueError
 from .model import DEFAULT_QUEUE, QueueTable, queue_table
 from .session import _resolve_session, notify_on_commit
@@ -635,11 +635,10 @@ def _copy_rows(
                         current = shape
                     stream.write([values for _, values in run])
                 written += len(batch)
-    except psycopg.Error as exc:
+    except BaseException as exc:
         text = statement.as_string(driver) if statement is not None else "COPY"
-        raise sa_exc.DBAPIError.instance(
-            text, None, exc, psycopg.Error, dialect=conn.dialect
-        ) from exc
+        reraise_as_sqlalchemy(conn, exc, text, None)
+        raise
     return written
 
 

@@ -37,7 +37,7 @@ from ._rules import (
     table_rules,
     validate_options,
 )
-from .driver import compile_statement
+from .driver import compile_statement, reraise_as_sqlalchemy
 from .errors import EnqueueError
 from .model import QueueTable, queue_table
 from .session import _resolve_session
@@ -110,7 +110,10 @@ def enqueue_values(
     :class:`~sqla_queue.EnqueueError` (or :class:`~sqla_queue.InvalidPayload`) and leaves
     the transaction untouched. Columns not given get their Python defaults (scalars and
     callables) or server defaults. The NOTIFY is sent by the INSERT itself: PostgreSQL
-    delivers it on commit, once per table and queue per transaction.
+    delivers it on commit, once per table and queue per transaction. An error of the
+    database is raised as ``Connection.execute()`` raises it (SQLAlchemy's
+    ``IntegrityError``, …), and the transaction then needs a rollback, as after any failed
+    statement.
 
     With an ``AsyncSession``, an ``async_scoped_session`` or an ``AsyncConnection`` this
     returns a coroutine: ``job_id = await enqueue_values(async_session, Model, values)``.
@@ -152,8 +155,13 @@ def enqueue_values(
             cursor = info.get(_CURSOR)
             if cursor is None or cursor.connection is not raw or cursor.closed:
                 cursor = info[_CURSOR] = raw.cursor()
-            cursor.execute(plan.sql, plan.driver_params(row, delay_by))
-            return cursor.fetchone()[0]
+            params = plan.driver_params(row, delay_by)
+            try:
+                cursor.execute(plan.sql, params)
+                return cursor.fetchone()[0]
+            except BaseException as exc:
+                reraise_as_sqlalchemy(conn, exc, plan.sql, params)
+                raise
     return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
 
 
@@ -205,8 +213,14 @@ async def _enqueue_values_async(
             cursor = info.get(_ASYNC_CURSOR)
             if cursor is None or cursor.connection is not driver or cursor.closed:
                 cursor = info[_ASYNC_CURSOR] = driver.cursor()
-            await cursor.execute(plan.sql, plan.driver_params(row, delay_by))
-            return (await cursor.fetchone())[0]
+            params = plan.driver_params(row, delay_by)
+            try:
+                await cursor.execute(plan.sql, params)
+                return (await cursor.fetchone())[0]
+            except BaseException as exc:
+                # SQLAlchemy's handling may close the connection: I/O, in a greenlet.
+                await greenlet_spawn(reraise_as_sqlalchemy, conn, exc, plan.sql, params)
+                raise
     # Another async driver, or a connection to revalidate: SQLAlchemy's own way, in a
     # greenlet as AsyncConnection.execute runs it.
     return await greenlet_spawn(_execute, conn, plan, row, delay_by)

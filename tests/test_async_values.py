@@ -14,8 +14,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, insert, select, text
-from sqlalchemy.exc import InvalidRequestError
+from sqlalchemy import Engine, func, insert, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import (
 from sqla_queue import AsyncQueueSession, EnqueueError, enqueue, enqueue_values, queue_table
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
-from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
 from .models import EmailJob, Order, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
@@ -260,20 +260,98 @@ async def _refused(
     await target.commit()
 
 
-def test_a_statement_the_database_refuses_aborts_the_transaction_like_any_other(run: Run, engine: Engine) -> None:
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+@pytest.mark.parametrize(
+    ("values", "orig"),
+    [
+        pytest.param({"order_id": 10**9}, psycopg.errors.ForeignKeyViolation, id="foreign-key"),
+        pytest.param({"recipient": ""}, psycopg.errors.CheckViolation, id="check"),
+    ],
+)
+def test_a_statement_the_database_refuses_raises_what_enqueue_raises(
+    run: Run, engine: Engine, kind: str, values: dict[str, Any], orig: type[Exception]
+) -> None:
+    """SQLAlchemy's ``IntegrityError`` (``.orig`` psycopg's), as from ``enqueue()``'s
+    flush; the transaction is aborted as by any failed statement, and works again after
+    ``rollback()``."""
+
     async def body(async_engine: AsyncEngine) -> None:
         async with AsyncSession(async_engine) as session:
-            session.add(Order(customer="lost"))
-            await session.flush()
-            with pytest.raises(psycopg.errors.ForeignKeyViolation):
-                await enqueue_values(session, EmailJob, {"order_id": 10**9})
+            enqueue(session, EmailJob(**values))
+            with pytest.raises(DBAPIError) as by_enqueue:
+                await session.flush()
             await session.rollback()
-            await enqueue_values(session, EmailJob, {"recipient": "next@example.com"})
-            await session.commit()
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            target: Any = session if kind == "AsyncSession" else conn
+            await target.execute(insert(ORDERS).values(customer="lost"))
+            with pytest.raises(DBAPIError) as by_values:
+                await enqueue_values(target, EmailJob, values)
+            assert type(by_values.value) is type(by_enqueue.value) is IntegrityError
+            assert type(by_values.value.orig) is type(by_enqueue.value.orig) is orig
+            with pytest.raises(DBAPIError, match="current transaction is aborted"):
+                await target.execute(select(1))
+            await target.rollback()
+            await enqueue_values(target, EmailJob, {"recipient": "next@example.com"})
+            await target.commit()
 
     run(body)
     assert rows(engine, ORDERS) == []
     assert [r.recipient for r in rows(engine, EMAILS)] == ["next@example.com"]
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_lost_connection_is_invalidated_as_sqlalchemy_does(
+    run: Run, engine: Engine, server: Server, kind: str
+) -> None:
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            target: Any = session if kind == "AsyncSession" else conn
+            await enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+            pid = (await target.execute(select(func.pg_backend_pid()))).scalar_one()
+            await asyncio.to_thread(terminate_backend, server.conninfo, pid)
+            with pytest.raises(OperationalError) as raised:
+                await enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+            assert raised.value.connection_invalidated
+            assert isinstance(raised.value.orig, psycopg.OperationalError)
+            await target.rollback()
+            await enqueue_values(target, EmailJob, {"recipient": "after@example.com"})
+            await target.commit()
+
+    run(body)
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+def test_a_cancelled_call_invalidates_the_connection_as_sqlalchemy_does(run: Run, engine: Engine) -> None:
+    """Cancelled while the INSERT waits for a lock: the cancellation propagates and the
+    connection, its protocol state unknown, is invalidated as SQLAlchemy invalidates it
+    when a statement of its own is cancelled; after ``rollback()`` the session works on a
+    new connection, and the cancelled job was never written."""
+
+    async def body(async_engine: AsyncEngine) -> None:
+        async with async_engine.connect() as locker:
+            await locker.execute(text("LOCK TABLE email_jobs IN SHARE MODE"))  # blocks INSERTs
+            async with AsyncSession(async_engine) as session:
+                await session.execute(insert(ORDERS).values(customer="lost"))
+                pid = (await session.execute(select(func.pg_backend_pid()))).scalar_one()
+                pending = asyncio.ensure_future(enqueue_values(session, EmailJob, {"recipient": "cancelled"}))
+                deadline = asyncio.get_running_loop().time() + 20
+                waiting = text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid")
+                while not (await locker.execute(waiting, {"pid": pid})).scalar():
+                    assert asyncio.get_running_loop().time() < deadline, "the INSERT never waited for the lock"
+                    await asyncio.sleep(0.02)
+                pending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pending
+                connection = await session.connection()
+                assert connection.invalidated
+                await session.rollback()
+                await locker.rollback()  # the lock is gone: the next INSERT goes through
+                await enqueue_values(session, EmailJob, {"recipient": "after@example.com"})
+                await session.commit()
+
+    run(body)
+    assert rows(engine, ORDERS) == []
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
 
 
 def test_another_async_driver_goes_through_sqlalchemy(run: Run, engine: Engine, listening: Any, server: Server) -> None:

@@ -696,3 +696,29 @@ def test_a_one_row_load_with_a_database_error_leaves_the_transaction_usable(
             session.enqueue_many(EmailJob, [{"order_id": 987654}], method=method)
         session.commit()
     assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_database_error_goes_through_the_engines_error_hooks(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    """COPY runs on the psycopg connection, beside SQLAlchemy's execution: its errors are
+    still SQLAlchemy's (``.orig`` psycopg's), seen by ``handle_error`` hooks as on the
+    INSERT path, and the SAVEPOINT keeps the transaction usable."""
+    handled: list[Exception] = []
+    listener = event.listens_for(engine, "handle_error")(lambda context: handled.append(context.original_exception))
+    try:
+        with Sessions() as session:
+            session.add(Order(customer="kept"))
+            session.flush()
+            with pytest.raises(IntegrityError) as raised:
+                session.enqueue_many(EmailJob, [{"recipient": "ok"}, {"order_id": 987654}], method=method)
+            assert isinstance(raised.value.orig, psycopg.errors.ForeignKeyViolation)
+            assert handled == [raised.value.orig]
+            session.enqueue_many(EmailJob, [{"recipient": "again"}] * 2, method=method)
+            session.commit()
+    finally:
+        event.remove(engine, "handle_error", listener)
+    assert count(engine, Order) == 1
+    with engine.connect() as conn:
+        assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]

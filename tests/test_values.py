@@ -4,20 +4,22 @@ transaction, with the same checks, and one wake-up sent with the COMMIT."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, event, func, insert, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queue_table
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
-from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of
-from .models import EmailJob, Order, Task
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
+from .models import EmailJob, Order, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -187,19 +189,76 @@ def test_commit_as_you_go_and_a_replaced_dbapi_connection(engine: Engine) -> Non
     assert [r.recipient for r in rows(engine, EMAILS)] == ["before@example.com", "after@example.com"]
 
 
-def test_a_statement_the_database_refuses_aborts_the_transaction_like_any_other(engine: Engine) -> None:
-    """A value only the database can refuse (a foreign key) fails the INSERT there: the
-    transaction is aborted as by any failed statement, and nothing of it is committed."""
+SAME_ID = uuid.UUID(int=7)
+#: Values only the database refuses: (model, values of each call, the last one refused,
+#: psycopg's error). The same SQLAlchemy class as ``enqueue()``'s flush must come out.
+REFUSED = [
+    pytest.param(EmailJob, [{"order_id": 10**9}], psycopg.errors.ForeignKeyViolation, id="foreign-key"),
+    pytest.param(EmailJob, [{"recipient": ""}], psycopg.errors.CheckViolation, id="check"),
+    pytest.param(UuidJob, [{"id": SAME_ID}, {"id": SAME_ID}], psycopg.errors.UniqueViolation, id="unique"),
+]
+
+
+@pytest.mark.parametrize("form", ["Session", "Connection"])
+@pytest.mark.parametrize(("model", "calls", "orig"), REFUSED)
+def test_a_statement_the_database_refuses_raises_what_enqueue_raises(
+    engine: Engine, form: str, model: Any, calls: list[dict[str, Any]], orig: type[Exception]
+) -> None:
+    """A value only the database can refuse fails the INSERT there, with SQLAlchemy's
+    exception (``.orig`` psycopg's), through the engine's ``handle_error`` hooks, as from
+    ``enqueue()``'s flush. The transaction is aborted as by any failed statement; after
+    ``rollback()`` the session or connection works again."""
     with Session(engine) as session:
-        session.add(Order(customer="lost"))
-        session.flush()
-        with pytest.raises(psycopg.errors.ForeignKeyViolation):
-            enqueue_values(session, EmailJob, {"order_id": 10**9})
+        *before, last = calls
+        for values in before:
+            enqueue(session, model(**values))
+        enqueue(session, model(**last))
+        with pytest.raises(DBAPIError) as by_enqueue:
+            session.flush()
         session.rollback()
-        enqueue_values(session, EmailJob, {"recipient": "next@example.com"})
-        session.commit()
+
+    handled: list[Exception] = []
+    listener = event.listens_for(engine, "handle_error")(lambda context: handled.append(context.original_exception))
+    try:
+        with Session(engine) as session, engine.connect() as conn:
+            target: Any = session if form == "Session" else conn
+            target.execute(insert(table_of(Order)).values(customer="lost"))
+            for values in before:
+                enqueue_values(target, model, values)
+            with pytest.raises(DBAPIError) as by_values:
+                enqueue_values(target, model, last)
+            assert type(by_values.value) is type(by_enqueue.value) is IntegrityError
+            assert type(by_values.value.orig) is type(by_enqueue.value.orig) is orig
+            assert handled == [by_values.value.orig]
+            assert "INSERT INTO" in str(by_values.value)  # the statement, as SQLAlchemy shows it
+            with pytest.raises(DBAPIError, match="current transaction is aborted"):
+                target.execute(select(1))  # PostgreSQL's aborted transaction, as after enqueue()
+            target.rollback()
+            enqueue_values(target, EmailJob, {"recipient": "next@example.com"})
+            target.commit()
+    finally:
+        event.remove(engine, "handle_error", listener)
     assert rows(engine, table_of(Order)) == []
     assert [r.recipient for r in rows(engine, EMAILS)] == ["next@example.com"]
+
+
+@pytest.mark.parametrize("form", ["Session", "Connection"])
+def test_a_lost_connection_is_invalidated_as_sqlalchemy_does(engine: Engine, server: Server, form: str) -> None:
+    """The server ends the connection between two calls: the second raises SQLAlchemy's
+    ``OperationalError`` with ``connection_invalidated``, and after ``rollback()`` the
+    session or connection carries on with a new connection."""
+    with Session(engine) as session, engine.connect() as conn:
+        target: Any = session if form == "Session" else conn
+        enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+        terminate_backend(server.conninfo, target.execute(select(func.pg_backend_pid())).scalar_one())
+        with pytest.raises(OperationalError) as raised:
+            enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+        assert raised.value.connection_invalidated
+        assert isinstance(raised.value.orig, psycopg.OperationalError)
+        target.rollback()
+        enqueue_values(target, EmailJob, {"recipient": "after@example.com"})
+        target.commit()
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
 
 
 def test_an_async_session_through_run_sync(engine: Engine, server: Server) -> None:
