@@ -180,8 +180,10 @@ def enqueue_many(
     ``method``: ``"auto"`` uses COPY on psycopg 3 (sync or async) with PostgreSQL for
     loads of at least :data:`COPY_MIN_ROWS` rows (judged from the first batch), and
     batched INSERTs otherwise; ``"copy"`` insists on COPY (``EnqueueError`` where it is
-    impossible: other drivers, or a column whose Python default is a SQL expression, a
-    sequence or a context-sensitive function, which only an INSERT can evaluate);
+    impossible: other drivers, a column whose Python default is a SQL expression, a
+    sequence or a context-sensitive function, which only an INSERT can evaluate, or a
+    column whose type has a ``bind_expression``, such as ``pgp_sym_encrypt()``, which
+    only an INSERT applies; ``"auto"`` uses INSERTs for those tables);
     ``"insert"`` never uses it. ``delay`` costs one ``SELECT clock_timestamp() + …``.
 
     Pending ORM objects in the session are flushed first when autoflush is on, so rows
@@ -371,7 +373,19 @@ def _copy_impossible(dialect: Dialect, table: Table) -> str | None:
             f"column(s) {', '.join(sql_defaults)} of {table.fullname} have defaults that only "
             "an INSERT can evaluate (SQL expressions, sequences or context-sensitive functions)"
         )
+    expressions = [c.key for c in table.c if _has_bind_expression(c, dialect)]
+    if expressions:
+        return (
+            f"column(s) {', '.join(expressions)} of {table.fullname} have a type whose "
+            "bind_expression wraps the value in SQL (pgp_sym_encrypt(), …), which only an "
+            "INSERT applies: COPY would store the value as given"
+        )
     return None
+
+
+def _has_bind_expression(column: Column[Any], dialect: Dialect) -> bool:
+    """The column's type puts SQL around its bound value (``TypeDecorator.bind_expression``)."""
+    return bool(column.type.dialect_impl(dialect)._has_bind_expression)
 
 
 class _RowPlan:
@@ -424,6 +438,8 @@ class _RowPlan:
             if isinstance(column.type, JSON):
                 self.json[key] = (serializer, bool(getattr(impl, "none_as_null", False)))
                 continue
+            if _has_bind_expression(column, dialect):
+                continue  # bound inside the expression, as its type says: left to the INSERT
             processor = impl.bind_processor(dialect)
             if processor is not None:
                 self.processors[key] = processor

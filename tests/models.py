@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import CheckConstraint, ForeignKey, Index, String, TypeDecorator, Uuid
+from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDecorator, Uuid, func
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
@@ -111,3 +111,26 @@ class FragileJob(Base, JobMixin):
 
 def all_tables() -> list[Any]:
     return list(Base.metadata.sorted_tables)
+
+
+class Encoded(TypeDecorator[str]):
+    """A type whose stored value only SQL produces, as in SQLAlchemy's ``pgp_sym_encrypt``
+    example (``bind_expression`` and ``column_expression``), with built-in functions: the
+    INSERT stores the text base64-encoded, SELECTs of the column decode it."""
+
+    impl = Text
+    cache_ok = True
+
+    def bind_expression(self, bindvalue: Any) -> Any:
+        return func.encode(func.convert_to(bindvalue, "UTF8"), "base64")
+
+    def column_expression(self, col: Any) -> Any:
+        return func.convert_from(func.decode(col, "base64"), "UTF8")
+
+
+class EncodedJob(Base, JobMixin):
+    """A queue table with a column whose stored value only SQL can produce."""
+
+    __tablename__ = "encoded_jobs"
+
+    secret: Mapped[str | None] = mapped_column(Encoded())

@@ -8,6 +8,7 @@ belong to one event loop), through psycopg 3's async driver, against real Postgr
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -28,7 +29,7 @@ from sqla_queue import AsyncQueueSession, EnqueueError, enqueue, enqueue_values,
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
-from .models import EmailJob, Order, Task
+from .models import EmailJob, EncodedJob, Order, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -352,6 +353,22 @@ def test_a_cancelled_call_invalidates_the_connection_as_sqlalchemy_does(run: Run
     run(body)
     assert rows(engine, ORDERS) == []
     assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+def test_a_type_with_a_bind_expression_is_applied(run: Run, engine: Engine) -> None:
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            await enqueue_values(session, EncodedJob, {"secret": "by a session"})
+            await session.commit()
+            await enqueue_values(conn, EncodedJob, {"secret": "on a connection"})
+            await conn.commit()
+
+    run(body)
+    written = ["by a session", "on a connection"]
+    with engine.connect() as conn:
+        stored = conn.scalars(text("SELECT secret FROM encoded_jobs ORDER BY id")).all()
+        assert conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all() == written
+    assert stored == [base64.b64encode(s.encode()).decode() for s in written]
 
 
 def test_another_async_driver_goes_through_sqlalchemy(run: Run, engine: Engine, listening: Any, server: Server) -> None:

@@ -4,6 +4,7 @@ transaction, with the same checks, and one wake-up sent with the COMMIT."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -19,7 +20,7 @@ from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queu
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
-from .models import EmailJob, Order, Task, UuidJob
+from .models import EmailJob, EncodedJob, Order, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -259,6 +260,25 @@ def test_a_lost_connection_is_invalidated_as_sqlalchemy_does(engine: Engine, ser
         enqueue_values(target, EmailJob, {"recipient": "after@example.com"})
         target.commit()
     assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+def test_a_type_with_a_bind_expression_is_applied_as_by_enqueue(engine: Engine) -> None:
+    """The statement compiled once holds the type's ``bind_expression`` (SQL around the
+    value): the row stores what ``enqueue()`` stores, and reads back through the type."""
+    with Session(engine) as session, engine.connect() as conn:
+        enqueue(session, EncodedJob(secret="by enqueue"))
+        session.flush()
+        enqueue_values(session, EncodedJob, {"secret": "by enqueue_values"})
+        enqueue_values(session, EncodedJob, {"secret": None})
+        session.commit()
+        enqueue_values(conn, EncodedJob, {"secret": "on a connection"})
+        conn.commit()
+    written = ["by enqueue", "by enqueue_values", None, "on a connection"]
+    with engine.connect() as conn:
+        stored = conn.scalars(text("SELECT secret FROM encoded_jobs ORDER BY id")).all()
+        read = conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all()
+    assert stored == [None if s is None else base64.b64encode(s.encode()).decode() for s in written]
+    assert read == written
 
 
 def test_an_async_session_through_run_sync(engine: Engine, server: Server) -> None:
