@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any, Final
 
-from sqlalchemy import JSON, String, Table
+from sqlalchemy import JSON, Column, String, Table
 
 from .errors import EnqueueError, InvalidPayload
 from .model import JobStatus
@@ -36,6 +36,7 @@ __all__ = [
     "delay_seconds",
     "dialect_json_serializer",
     "managed_violation",
+    "python_default",
     "table_rules",
     "validate_options",
 ]
@@ -241,6 +242,32 @@ def _json_text_problem(text: str) -> str | None:
     if high_end >= 0:
         return "a lone surrogate (\\ud800-\\udfff)"
     return None
+
+
+# -- Python-side defaults -----------------------------------------------------------------
+
+
+def python_default(column: Column[Any]) -> tuple[str, Any]:
+    """How ``column``'s Python-side default is filled, outside SQLAlchemy's execution:
+    ("none" | "scalar" | "callable" | "context" | "sql", value).
+
+    SQLAlchemy wraps a callable that takes no argument to take the execution context
+    (``__wrapped__`` is the original): "callable", the original. One that takes the context
+    itself (``default=lambda ctx: …``) is "context": only SQLAlchemy's execution of an
+    INSERT can evaluate it (``ctx.get_current_parameters()``). SQL expressions and
+    sequences are "sql", for the INSERT too.
+    """
+    default: Any = column.default
+    if default is None:
+        return "none", None
+    if default.is_scalar:
+        return "scalar", default.arg
+    if default.is_callable:
+        wrapped = getattr(default.arg, "__wrapped__", None)
+        if wrapped is not None:
+            return "callable", wrapped
+        return "context", default.arg
+    return "sql", None
 
 
 # -- per table ----------------------------------------------------------------------------

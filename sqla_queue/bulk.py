@@ -51,6 +51,7 @@ from ._rules import (
     check_task_name,
     dialect_json_serializer,
     managed_violation,
+    python_default,
     table_rules,
     validate_options,
 )
@@ -341,33 +342,13 @@ async def _take(iterator: AsyncIterator[Any], size: int) -> list[Any]:
     return chunk
 
 
-def _python_default(column: Column[Any]) -> tuple[str, Any]:
-    """How to fill ``column`` client-side: ("none"|"scalar"|"callable"|"sql", value).
-
-    COPY bypasses SQLAlchemy, so its Python-side defaults are evaluated here. Callables
-    that take no argument are wrapped by SQLAlchemy (``__wrapped__`` is the original);
-    those wanting an execution context, and SQL-expression or sequence defaults, can
-    only be evaluated by a real INSERT ("sql").
-    """
-    default: Any = column.default
-    if default is None:
-        return "none", None
-    if default.is_scalar:
-        return "scalar", default.arg
-    if default.is_callable:
-        wrapped = getattr(default.arg, "__wrapped__", None)
-        if wrapped is not None:
-            return "callable", wrapped
-    return "sql", None
-
-
 def _copy_impossible(dialect: Dialect, table: Table) -> str | None:
     """Why COPY cannot write to ``table`` through ``dialect``, or None if it can."""
     if dialect.name != "postgresql":
         return f"COPY needs PostgreSQL, the session's database is {dialect.name}"
     if dialect.driver != "psycopg":
         return f"COPY needs the psycopg 3 driver, the session uses {dialect.driver}"
-    sql_defaults = [c.key for c in table.c if _python_default(c)[0] == "sql"]
+    sql_defaults = [c.key for c in table.c if python_default(c)[0] in ("sql", "context")]
     if sql_defaults:
         return (
             f"column(s) {', '.join(sql_defaults)} of {table.fullname} have defaults that only "
@@ -404,7 +385,7 @@ class _RowPlan:
         self.options = list(options.items())
         self.defaults: list[tuple[str, bool, Any]] = []
         for key, column in self.columns.items():
-            kind, value = _python_default(column)
+            kind, value = python_default(column)
             if kind in ("scalar", "callable"):
                 self.defaults.append((key, kind == "callable", value))
         queue_default = getattr(table.c.queue.default, "arg", None)

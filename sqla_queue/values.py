@@ -22,11 +22,12 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, Final, overload
 
-from sqlalchemy import Connection, Select, String, Table, bindparam, func, insert, literal, literal_column, select
+from sqlalchemy import Connection, String, Table, bindparam, func, insert, literal, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import ColumnElement, False_, True_
 from sqlalchemy.util import greenlet_spawn
 
@@ -34,6 +35,7 @@ from ._rules import (
     check_json,
     dialect_json_serializer,
     managed_violation,
+    python_default,
     table_rules,
     validate_options,
 )
@@ -109,9 +111,10 @@ def enqueue_values(
     checks are the same too, and happen before anything is sent: a wrong value raises
     :class:`~sqla_queue.EnqueueError` (or :class:`~sqla_queue.InvalidPayload`) and leaves
     the transaction untouched. Columns not given get their Python defaults (scalars and
-    callables) or server defaults. The NOTIFY is sent by the INSERT itself: PostgreSQL
-    delivers it on commit, once per table and queue per transaction. An error of the
-    database is raised as ``Connection.execute()`` raises it (SQLAlchemy's
+    callables, and those taking SQLAlchemy's execution context, evaluated by SQLAlchemy's
+    execution of the INSERT) or server defaults. The NOTIFY is sent by the INSERT itself:
+    PostgreSQL delivers it on commit, once per table and queue per transaction. An error of
+    the database is raised as ``Connection.execute()`` raises it (SQLAlchemy's
     ``IntegrityError``, …), and the transaction then needs a rollback, as after any failed
     statement.
 
@@ -297,8 +300,14 @@ class _Plan:
         scalars: dict[str, Any] = {}
         #: Columns filled per row by a Python callable default.
         self.callables: list[tuple[str, Callable[[], Any]]] = []
+        #: A column left out has a default that takes SQLAlchemy's execution context
+        #: (``default=lambda ctx: ctx.get_current_parameters()…``): only SQLAlchemy's
+        #: execution of the INSERT can evaluate it, so the plan leaves every default to it.
+        contextual = any(
+            python_default(column)[0] == "context" for column in table.c if column.key not in keys
+        )
         for column in table.c:
-            if column.key in keys or column.default is None:
+            if contextual or column.key in keys or column.default is None:
                 continue
             default: Any = column.default
             if getattr(default, "is_sequence", False) or getattr(default, "is_identity", False):
@@ -320,15 +329,22 @@ class _Plan:
         # The wake-up rides in the INSERT itself: WITH job AS (INSERT … RETURNING) SELECT
         # pk, pg_notify(channel, job.queue). PostgreSQL delivers it only on commit, once per
         # queue per transaction, and an autocommit insert takes a single round trip.
-        job = insert(table).values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
-        self.statement: Select[Any] = select(
-            job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
-        )
+        self.statement: Executable
+        if contextual:
+            # SQLAlchemy evaluates such defaults for a top-level INSERT only (the context's
+            # current parameters are its own): the wake-up rides in its RETURNING.
+            notify = func.pg_notify(literal(channel, String()), table.c.queue)
+            self.statement = insert(table).values(values).returning(pk, notify)
+        else:
+            job = insert(table).values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
+            self.statement = select(
+                job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
+            )
         #: On psycopg, the statement runs on the driver's cursor (sync, or awaited on the
         #: async one): SQLAlchemy's execution machinery would cost more Python time than
-        #: the round trip.
-        self.direct = dialect.driver == "psycopg" and not dialect.is_async
-        self.direct_async = dialect.driver == "psycopg" and dialect.is_async
+        #: the round trip. Not for a contextual default, which only that machinery evaluates.
+        self.direct = dialect.driver == "psycopg" and not dialect.is_async and not contextual
+        self.direct_async = dialect.driver == "psycopg" and dialect.is_async and not contextual
         compiled = compile_statement(self.statement, dialect)
         self.sql = compiled.sql
         #: The SQLAlchemy-level values of the scalar defaults (for ``Connection.execute``).

@@ -134,3 +134,18 @@ class EncodedJob(Base, JobMixin):
     __tablename__ = "encoded_jobs"
 
     secret: Mapped[str | None] = mapped_column(Encoded())
+
+
+def _routing(context: Any) -> str:
+    """A context-sensitive default: reads the INSERT's other values and its column."""
+    params = context.get_current_parameters()
+    return f"{context.current_column.key}:{params.get('customer')}"
+
+
+class RoutedJob(Base, JobMixin):
+    """A queue table with a column default that takes SQLAlchemy's execution context."""
+
+    __tablename__ = "routed_jobs"
+
+    customer: Mapped[str | None] = mapped_column(String(100))
+    routing: Mapped[str] = mapped_column(String(200), default=_routing)

@@ -29,7 +29,7 @@ from sqla_queue import AsyncQueueSession, EnqueueError, enqueue, enqueue_values,
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
-from .models import EmailJob, EncodedJob, Order, Task
+from .models import EmailJob, EncodedJob, Order, RoutedJob, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -353,6 +353,31 @@ def test_a_cancelled_call_invalidates_the_connection_as_sqlalchemy_does(run: Run
     run(body)
     assert rows(engine, ORDERS) == []
     assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_default_taking_the_execution_context_is_evaluated_as_by_enqueue(run: Run, engine: Engine, kind: str) -> None:
+    """As the sync call: SQLAlchemy's execution of the INSERT evaluates the default."""
+
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            enqueue(session, RoutedJob(customer="ada"), queue="orm")
+            await session.commit()
+            target: Any = session if kind == "AsyncSession" else conn
+            await enqueue_values(target, RoutedJob, {"customer": "ada"}, queue="values")
+            await enqueue_values(target, RoutedJob, {"customer": "bob", "routing": "own"}, queue="values")
+            await enqueue_values(target, RoutedJob, {"customer": "cy"}, queue="values", delay=60)
+            await target.commit()
+
+    run(body)
+    got = rows(engine, table_of(RoutedJob))
+    assert [(r.customer, r.routing, r.queue) for r in got] == [
+        ("ada", "routing:ada", "orm"),
+        ("ada", "routing:ada", "values"),
+        ("bob", "own", "values"),
+        ("cy", "routing:cy", "values"),
+    ]
+    assert got[-1].run_after - got[-1].created_at >= timedelta(seconds=59)
 
 
 def test_a_type_with_a_bind_expression_is_applied(run: Run, engine: Engine) -> None:

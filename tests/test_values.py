@@ -20,7 +20,7 @@ from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queu
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
-from .models import EmailJob, EncodedJob, Order, Task, UuidJob
+from .models import EmailJob, EncodedJob, Order, RoutedJob, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -279,6 +279,42 @@ def test_a_type_with_a_bind_expression_is_applied_as_by_enqueue(engine: Engine) 
         read = conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all()
     assert stored == [None if s is None else base64.b64encode(s.encode()).decode() for s in written]
     assert read == written
+
+
+def test_a_default_taking_the_execution_context_is_evaluated_as_by_enqueue(
+    engine: Engine, listening: Any, server: Server
+) -> None:
+    """``default=lambda ctx: …`` is evaluated by SQLAlchemy's execution of the INSERT,
+    with the row's other values in ``ctx.get_current_parameters()`` and the column in
+    ``ctx.current_column``, as when ``enqueue()`` flushes; the wake-up still rides along."""
+    routed_channel = queue_table(RoutedJob).channel
+    listening.execute(f'LISTEN "{routed_channel}"')
+    with Session(engine) as session:
+        enqueue(session, RoutedJob(customer="ada"), queue="orm")
+        session.flush()
+        enqueue_values(session, RoutedJob, {"customer": "ada"}, queue="values")
+        enqueue_values(session, RoutedJob, {"customer": "bob", "routing": "own"}, queue="values")
+        enqueue_values(session, RoutedJob, queue="values")
+        session.commit()
+    with engine.begin() as conn:
+        job_id = enqueue_values(conn, RoutedJob, {"customer": "cy"}, queue="conn", delay=60)
+    got = rows(engine, table_of(RoutedJob))
+    assert [(r.customer, r.routing, r.queue) for r in got] == [
+        ("ada", "routing:ada", "orm"),
+        ("ada", "routing:ada", "values"),
+        ("bob", "own", "values"),
+        (None, "routing:None", "values"),
+        ("cy", "routing:cy", "conn"),
+    ]
+    orm, by_values = got[0], got[1]
+    for column in ("status", "priority", "attempts", "max_attempts", "isolated"):
+        assert getattr(orm, column) == getattr(by_values, column), column
+    assert got[-1].id == job_id and got[-1].run_after - got[-1].created_at >= timedelta(seconds=59)
+    assert sorted(notifications_until_sentinel(listening, server.conninfo)) == [
+        (routed_channel, "conn"),
+        (routed_channel, "orm"),
+        (routed_channel, "values"),
+    ]
 
 
 def test_an_async_session_through_run_sync(engine: Engine, server: Server) -> None:
