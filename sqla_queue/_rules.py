@@ -19,12 +19,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Final
 
 from sqlalchemy import JSON, Column, String, Table
+from sqlalchemy.orm import Mapper
 
 from .errors import EnqueueError, InvalidPayload
 from .model import JobStatus
 
 __all__ = [
     "MAX_DELAY_SECONDS",
+    "Polymorphic",
     "TableRules",
     "check_json",
     "check_max_attempts",
@@ -36,6 +38,7 @@ __all__ = [
     "delay_seconds",
     "dialect_json_serializer",
     "managed_violation",
+    "polymorphic_rule",
     "python_default",
     "table_rules",
     "validate_options",
@@ -242,6 +245,81 @@ def _json_text_problem(text: str) -> str | None:
     if high_end >= 0:
         return "a lone surrogate (\\ud800-\\udfff)"
     return None
+
+
+# -- single-table inheritance -------------------------------------------------------------
+
+
+class Polymorphic:
+    """The discriminator (``polymorphic_on``) column of a model mapped with single-table
+    inheritance: the value the ORM writes for the model, and the values it may hold."""
+
+    __slots__ = ("abstract", "accepted", "attr", "identity", "key", "model")
+
+    def __init__(self, mapper: Mapper[Any], column: Column[Any]) -> None:
+        self.model = mapper.class_.__qualname__
+        #: Column key, and the attribute mapping it.
+        self.key = column.key
+        self.attr = mapper.get_property_by_column(column).key
+        #: What the ORM sets on a new instance of the model (None: nothing).
+        self.identity = mapper.polymorphic_identity
+        #: ``polymorphic_abstract``: the ORM makes no instance of the model itself.
+        self.abstract = bool(mapper.polymorphic_abstract)
+        #: The model's identity and those of its subclasses in the same table: what the
+        #: ORM can load as the model (as ``Mapper._acceptable_polymorphic_identities``).
+        self.accepted = frozenset(
+            m.polymorphic_identity
+            for m in mapper.self_and_descendants
+            if m.persist_selectable is mapper.persist_selectable and m.polymorphic_identity is not None
+        )
+
+    def resolve(self, value: Any) -> Any:
+        """The discriminator to write for a row giving ``value`` (None: unset), or
+        :class:`EnqueueError` for the identity of another model."""
+        if value is None:
+            if self.abstract:
+                raise EnqueueError(
+                    f"{self.model} is polymorphic_abstract: enqueue one of its subclasses, "
+                    f"or set {self.key}"
+                )
+            return self.identity
+        try:
+            accepted = value in self.accepted
+        except TypeError:  # unhashable
+            accepted = False
+        if not accepted:
+            known = ", ".join(sorted(map(repr, self.accepted))) or "none"
+            raise EnqueueError(
+                f"{self.key}={value!r} is not a polymorphic identity of {self.model} "
+                f"or its subclasses ({known})"
+            )
+        return value
+
+    def fill(self, values: dict[str, Any]) -> None:
+        """Set the discriminator of ``values`` (by column key) as the ORM would, or refuse it."""
+        identity = self.resolve(values.get(self.key))
+        if identity is not None:
+            values[self.key] = identity
+
+
+_polymorphic: dict[Mapper[Any], Polymorphic | None] = {}
+
+
+def polymorphic_rule(mapper: Mapper[Any] | None, table: Table) -> Polymorphic | None:
+    """The (cached) :class:`Polymorphic` rule of ``mapper``, if its ``polymorphic_on`` is
+    a column of ``table``; None for a Table, or a mapping without one."""
+    if mapper is None:
+        return None
+    try:
+        return _polymorphic[mapper]
+    except KeyError:
+        pass
+    column = mapper.polymorphic_on
+    rule = None
+    if isinstance(column, Column) and table.c.contains_column(column):
+        rule = Polymorphic(mapper, column)
+    _polymorphic[mapper] = rule
+    return rule
 
 
 # -- Python-side defaults -----------------------------------------------------------------

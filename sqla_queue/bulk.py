@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import JSON, Column, Connection, Table, insert, select
+from sqlalchemy import JSON, Column, Connection, Table, insert, inspect, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.orm import attributes as orm_attributes
@@ -51,6 +51,7 @@ from ._rules import (
     check_task_name,
     dialect_json_serializer,
     managed_violation,
+    polymorphic_rule,
     python_default,
     table_rules,
     validate_options,
@@ -163,7 +164,9 @@ def enqueue_many(
     the column itself**: a row's own value wins (unlike ``enqueue()``, where the option
     overrides the job, because here the options are the defaults of a batch of rows).
     Columns neither the row nor an option sets get the column's Python default (as an ORM
-    insert would) or else the server default, so a row matches what ``enqueue()`` writes.
+    insert would) or else the server default, so a row matches what ``enqueue()`` writes;
+    with a subclass of a single-table inheritance model, the discriminator column gets the
+    subclass's polymorphic identity (a row naming another model's identity is refused).
 
     Every row is checked before its batch is written: unknown columns, columns the queue
     manages (status, attempts, leases, finished_at), JSON columns that JSON cannot store,
@@ -382,6 +385,9 @@ class _RowPlan:
         self.order = {key: n for n, key in enumerate(self.columns)}
         self.pk_key = qt.pk.key
         self.is_task_table = qt.is_task_table
+        mapper = inspect(qt.mapped_class) if qt.mapped_class is not None else None
+        #: The discriminator of single-table inheritance: the model's identity, as the ORM.
+        self.polymorphic = polymorphic_rule(mapper, table)
         self.options = list(options.items())
         self.defaults: list[tuple[str, bool, Any]] = []
         for key, column in self.columns.items():
@@ -460,6 +466,8 @@ class _RowPlan:
             values = self._instance_values(raw)
         if self.pk_key in values and values[self.pk_key] is None:
             del values[self.pk_key]  # as the ORM does: None means "generate it"
+        if self.polymorphic is not None:
+            self.polymorphic.fill(values)
         given = list(values)
         json_columns = self.json
         checks = self.rules.checks

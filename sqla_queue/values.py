@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, Final, overload
 
-from sqlalchemy import Connection, String, Table, bindparam, func, insert, literal, literal_column, select
+from sqlalchemy import Connection, String, Table, bindparam, func, insert, inspect, literal, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
@@ -35,6 +35,7 @@ from ._rules import (
     check_json,
     dialect_json_serializer,
     managed_violation,
+    polymorphic_rule,
     python_default,
     table_rules,
     validate_options,
@@ -112,7 +113,8 @@ def enqueue_values(
     :class:`~sqla_queue.EnqueueError` (or :class:`~sqla_queue.InvalidPayload`) and leaves
     the transaction untouched. Columns not given get their Python defaults (scalars and
     callables, and those taking SQLAlchemy's execution context, evaluated by SQLAlchemy's
-    execution of the INSERT) or server defaults. The NOTIFY is sent by the INSERT itself:
+    execution of the INSERT) or server defaults; a subclass of a single-table inheritance
+    model writes its polymorphic identity. The NOTIFY is sent by the INSERT itself:
     PostgreSQL delivers it on commit, once per table and queue per transaction. An error of
     the database is raised as ``Connection.execute()`` raises it (SQLAlchemy's
     ``IntegrityError``, …), and the transaction then needs a rollback, as after any failed
@@ -139,6 +141,8 @@ def enqueue_values(
             queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
         )
         row.update(options)
+    if target.polymorphic is not None:
+        target.polymorphic.fill(row)
     if conn is None:
         # The dialect without a connection: a bad value begins nothing on the session.
         resolved = _resolved_session(session)
@@ -192,6 +196,8 @@ async def _enqueue_values_async(
             queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
         )
         row.update(options)
+    if target.polymorphic is not None:
+        target.polymorphic.fill(row)
     if isinstance(session, AsyncConnection):
         conn = session.sync_connection
         if conn is None:
@@ -250,7 +256,7 @@ def _checked_plan(target: _Target, dialect: Dialect, row: Mapping[str, Any], del
 class _Target:
     """What one model resolves to, once: its queue table, and how a Session finds its bind."""
 
-    __slots__ = ("bind_arguments", "channel", "table")
+    __slots__ = ("bind_arguments", "channel", "polymorphic", "table")
 
     def __init__(self, qt: QueueTable) -> None:
         self.table = qt.table
@@ -258,6 +264,9 @@ class _Target:
         self.bind_arguments: dict[str, Any] = (
             {"mapper": qt.mapped_class} if qt.mapped_class is not None else {"clause": qt.table}
         )
+        mapper = inspect(qt.mapped_class) if qt.mapped_class is not None else None
+        #: The discriminator of single-table inheritance: the model's identity, as the ORM.
+        self.polymorphic = polymorphic_rule(mapper, qt.table)
 
 
 _targets: dict[Any, _Target] = {}

@@ -149,3 +149,21 @@ class RoutedJob(Base, JobMixin):
 
     customer: Mapped[str | None] = mapped_column(String(100))
     routing: Mapped[str] = mapped_column(String(200), default=_routing)
+
+
+class InheritedJob(Base, JobMixin):
+    """A queue model mapped with single-table inheritance: ``kind`` says which class a row
+    is; the ORM writes the class's identity there."""
+
+    __tablename__ = "inherited_jobs"
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "base"}  # noqa: RUF012 - declarative
+
+    kind: Mapped[str] = mapped_column(String(20))
+
+
+class InheritedJobA(InheritedJob):
+    __mapper_args__ = {"polymorphic_identity": "a"}  # noqa: RUF012 - declarative
+
+
+class InheritedJobB(InheritedJob):
+    __mapper_args__ = {"polymorphic_identity": "b"}  # noqa: RUF012 - declarative

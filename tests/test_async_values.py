@@ -24,12 +24,13 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import Session
 
 from sqla_queue import AsyncQueueSession, EnqueueError, enqueue, enqueue_values, queue_table
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
-from .models import EmailJob, EncodedJob, Order, RoutedJob, Task
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, RoutedJob, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -378,6 +379,27 @@ def test_a_default_taking_the_execution_context_is_evaluated_as_by_enqueue(run: 
         ("cy", "routing:cy", "values"),
     ]
     assert got[-1].run_after - got[-1].created_at >= timedelta(seconds=59)
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_subclass_of_single_table_inheritance_writes_its_identity(run: Run, engine: Engine, kind: str) -> None:
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            target: Any = session if kind == "AsyncSession" else conn
+            await enqueue_values(target, InheritedJobA)
+            await enqueue_values(target, InheritedJobB, queue="b")
+            await enqueue_values(target, InheritedJob, {"kind": "b"})
+            with pytest.raises(EnqueueError, match="kind='b' is not a polymorphic identity of InheritedJobA"):
+                await enqueue_values(target, InheritedJobA, {"kind": "b"})
+            await target.commit()
+
+    run(body)
+    with Session(engine) as session:
+        assert [type(job) for job in session.scalars(select(InheritedJob).order_by(InheritedJob.id))] == [
+            InheritedJobA,
+            InheritedJobB,
+            InheritedJobB,
+        ]
 
 
 def test_a_type_with_a_bind_expression_is_applied(run: Run, engine: Engine) -> None:

@@ -34,7 +34,7 @@ from sqla_queue.bulk import COPY_MIN_ROWS
 
 from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
-from .models import EmailJob, EncodedJob, Order, ReportJob, Task, UuidJob
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, ReportJob, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -763,3 +763,38 @@ def test_copy_is_refused_for_a_type_with_a_bind_expression(
             session.enqueue_many(EncodedJob, [{"secret": "s"}] * 3, method="copy")
         session.commit()
     assert count(engine, EncodedJob) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_subclass_of_single_table_inheritance_writes_its_identity(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    """Rows of a subclass get its polymorphic identity, as ``enqueue()`` of an instance
+    writes it; rows of the base may name a subclass's; any other identity is refused."""
+    with Sessions() as session:
+        session.enqueue(InheritedJobA())
+        session.flush()
+        session.enqueue_many(InheritedJobA, [{}, {"kind": None}, InheritedJobA(), {"kind": "a"}], method=method)
+        session.enqueue_many(InheritedJobB, [{}, {}], method=method)
+        session.enqueue_many(InheritedJob, [{}, {"kind": "b"}, InheritedJobB(), InheritedJobA()], method=method)
+        refused: list[tuple[Any, list[Any], str]] = [
+            (InheritedJobA, [{}, {"kind": "b"}], "kind='b' is not a polymorphic identity of InheritedJobA"),
+            (InheritedJobA, [InheritedJobB()], "kind='b' is not a polymorphic identity of InheritedJobA"),
+            (InheritedJobB, [{"kind": "base"}], "kind='base' is not a polymorphic identity of InheritedJobB"),
+            (InheritedJob, [{}, {"kind": "c"}], "kind='c' is not a polymorphic identity of InheritedJob "),
+        ]
+        for model, rows, message in refused:
+            with pytest.raises(BulkRowError, match=f"^row {len(rows) - 1}: {message}"):
+                session.enqueue_many(model, rows, method=method)
+        session.commit()
+    with Session(engine) as session:
+        loaded = session.scalars(select(InheritedJob).order_by(InheritedJob.id)).all()
+        assert [type(job).__name__ for job in loaded] == [
+            "InheritedJobA",
+            *["InheritedJobA"] * 4,
+            *["InheritedJobB"] * 2,
+            "InheritedJob",
+            "InheritedJobB",
+            "InheritedJobB",
+            "InheritedJobA",
+        ]

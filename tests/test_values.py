@@ -20,7 +20,7 @@ from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queu
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
-from .models import EmailJob, EncodedJob, Order, RoutedJob, Task, UuidJob
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, RoutedJob, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -279,6 +279,42 @@ def test_a_type_with_a_bind_expression_is_applied_as_by_enqueue(engine: Engine) 
         read = conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all()
     assert stored == [None if s is None else base64.b64encode(s.encode()).decode() for s in written]
     assert read == written
+
+
+def test_a_subclass_of_single_table_inheritance_writes_its_identity(engine: Engine) -> None:
+    """The discriminator gets the model's polymorphic identity, as the ORM writes it, so
+    the ORM loads each row as the class it was enqueued as; an identity that is not the
+    model's or a subclass's is refused before anything is sent."""
+    with Session(engine) as session, engine.connect() as conn:
+        by_orm = enqueue(session, InheritedJobA())
+        session.flush()
+        ids = {
+            "a by enqueue": by_orm.id,
+            "a": enqueue_values(session, InheritedJobA),
+            "b": enqueue_values(session, InheritedJobB, {"kind": None}, queue="b"),
+            "base": enqueue_values(session, InheritedJob),
+            "b by the base": enqueue_values(session, InheritedJob, {"kind": "b"}),
+            "a on a connection": enqueue_values(conn, InheritedJobA, {"kind": "a"}),
+        }
+        for model, kind in [(InheritedJobA, "b"), (InheritedJobB, "base"), (InheritedJob, "c")]:
+            with pytest.raises(EnqueueError, match=f"kind='{kind}' is not a polymorphic identity of {model.__name__}"):
+                enqueue_values(session, model, {"kind": kind})
+            with pytest.raises(EnqueueError, match=f"kind='{kind}' is not a polymorphic identity"):
+                enqueue_values(conn, model, {"kind": kind})
+        session.commit()
+        conn.commit()
+    with Session(engine) as session:
+        loaded = {name: session.get(InheritedJob, job_id) for name, job_id in ids.items()}
+        kinds = session.scalars(select(InheritedJob.kind)).all()
+    assert {name: type(job) for name, job in loaded.items()} == {
+        "a by enqueue": InheritedJobA,
+        "a": InheritedJobA,
+        "b": InheritedJobB,
+        "base": InheritedJob,
+        "b by the base": InheritedJobB,
+        "a on a connection": InheritedJobA,
+    }
+    assert sorted(kinds) == ["a", "a", "a", "b", "b", "base"]
 
 
 def test_a_default_taking_the_execution_context_is_evaluated_as_by_enqueue(
