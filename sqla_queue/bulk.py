@@ -48,6 +48,7 @@ from sqlalchemy.util import await_only
 from ._rules import (
     MANAGED_KEYS,
     check_json,
+    check_row_size,
     check_task_name,
     dialect_json_serializer,
     managed_violation,
@@ -172,10 +173,12 @@ def enqueue_many(
     manages (status, attempts, leases, finished_at), JSON columns that JSON cannot store,
     a task table's missing task name, NULL in a NOT NULL column, bad queue/priority/
     max_attempts/run_after values, text longer than its column or holding NUL or a lone
-    surrogate (JSON too). These are the rules ``enqueue()`` applies. A bad row raises :class:`~sqla_queue.BulkRowError`
-    with its 0-based ``index``, and none of the call's rows remain: either nothing was
-    written yet, or (loads of more than ``batch_size`` rows) the earlier batches are
-    rolled back to a SAVEPOINT taken before them. A value the database rejects (a
+    surrogate (JSON too), JSON larger than jsonb stores (2**28 - 1 bytes), a row of text
+    and JSON past about 1 GiB. These are the rules ``enqueue()`` applies. A bad row
+    raises :class:`~sqla_queue.BulkRowError` with its 0-based ``index``, and none of the
+    call's rows remain: either nothing was written yet, or (loads of more than
+    ``batch_size`` rows) the earlier batches are rolled back to a SAVEPOINT taken before
+    them. A value the database rejects (a
     foreign key, a CHECK) raises SQLAlchemy's usual ``DBAPIError`` subclass, and the
     call's rows are rolled back to the same SAVEPOINT. Either way the caller's
     transaction stays usable: roll it back, or commit its other work. Bad options raise
@@ -472,6 +475,7 @@ class _RowPlan:
         json_columns = self.json
         checks = self.rules.checks
         generated, not_null = self.generated, self.not_null
+        texts: list[str] = []
         for key in given:
             value = values[key]
             if key in generated:
@@ -491,6 +495,8 @@ class _RowPlan:
                 check = checks.get(key)
                 if check is not None:
                     check(value, key)
+                    if isinstance(value, str):
+                        texts.append(value)
         if not values.keys().isdisjoint(MANAGED_KEYS):
             violation = managed_violation(values)
             if violation is not None:
@@ -510,11 +516,15 @@ class _RowPlan:
                 raise EnqueueError(
                     f"missing a value for NOT NULL column(s) {', '.join(sorted(missing))}"
                 )
+        jsons: list[str] = []
         for key, (serializer, none_as_null) in json_columns.items():
             if key in values:
                 encoded = self._json(key, values[key], serializer, none_as_null)
+                if encoded is not None:
+                    jsons.append(encoded)
                 if self.for_copy:
                     values[key] = encoded
+        check_row_size(texts, jsons, copy=self.for_copy)
         for key, processor in self.processors.items():
             value = values.get(key)
             if value is not None:

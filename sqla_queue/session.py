@@ -23,6 +23,7 @@ from sqlalchemy.sql.elements import ClauseElement
 
 from ._rules import (
     check_json,
+    check_row_size,
     check_task_name,
     dialect_json_serializer,
     managed_violation,
@@ -297,6 +298,8 @@ def _check_job_values(
     data = orm_attributes.instance_state(job).dict
     rules = table_rules(qt.table)
     serializer: Callable[[Any], Any] | None = None
+    texts: list[str] = []
+    jsons: list[str] = []
     try:
         if qt.is_task_table:
             check_task_name(options.get("task", data.get("task")))
@@ -312,9 +315,12 @@ def _check_job_values(
             if key in rules.json:
                 if value is not JSON.NULL:
                     serializer = serializer or _json_serializer(session, mapper)
-                    check_json(value, key, serializer)
+                    jsons.append(check_json(value, key, serializer))
             else:
                 rules.check(key, value)
+                if isinstance(value, str):
+                    texts.append(value)
+        check_row_size(texts, jsons)
         polymorphic = polymorphic_rule(mapper, qt.table)
         if polymorphic is not None:
             given = data.get(polymorphic.attr)

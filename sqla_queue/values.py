@@ -33,6 +33,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from ._rules import (
     check_json,
+    check_row_size,
     dialect_json_serializer,
     managed_violation,
     polymorphic_rule,
@@ -380,12 +381,15 @@ class _Plan:
         if violation is not None:
             key, value = violation
             raise EnqueueError(f"{key} is managed by the queue; do not set it (got {value!r})")
-        for key, serializer in self.json:
-            check_json(row[key], key, serializer)
+        jsons = [check_json(row[key], key, serializer) for key, serializer in self.json]
+        texts: list[str] = []
         for key, check in self.checks:
             value = row[key]
             if value is not None:
                 check(value, key)
+                if isinstance(value, str):
+                    texts.append(value)
+        check_row_size(texts, jsons)
 
     def params(self, row: Mapping[str, Any], delay: float | None) -> dict[str, Any]:
         """The parameters for ``Connection.execute`` (SQLAlchemy converts them)."""

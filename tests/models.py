@@ -151,6 +151,17 @@ class RoutedJob(Base, JobMixin):
     routing: Mapped[str] = mapped_column(String(200), default=_routing)
 
 
+class DocumentJob(Base, JobMixin):
+    """A queue table with unbounded text columns: one row of them can outgrow PostgreSQL."""
+
+    __tablename__ = "document_jobs"
+
+    subject: Mapped[str | None] = mapped_column(Text)
+    body: Mapped[str | None] = mapped_column(Text)
+    html: Mapped[str | None] = mapped_column(Text)
+    attachment: Mapped[str | None] = mapped_column(Text)
+
+
 class InheritedJob(Base, JobMixin):
     """A queue model mapped with single-table inheritance: ``kind`` says which class a row
     is; the ORM writes the class's identity there."""
