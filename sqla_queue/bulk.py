@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import JSON, Column, Connection, Table, insert, select
-from sqlalchemy import exc as sa_exc
+from sqlalchemy import JSON, Column, Connection, Table, insert, inspect, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.orm import attributes as orm_attributes
@@ -49,12 +48,16 @@ from sqlalchemy.util import await_only
 from ._rules import (
     MANAGED_KEYS,
     check_json,
+    check_row_size,
     check_task_name,
     dialect_json_serializer,
     managed_violation,
+    polymorphic_rule,
+    python_default,
     table_rules,
     validate_options,
 )
+from .driver import reraise_as_sqlalchemy
 from .errors import BulkRowError, EnqueueError
 from .model import DEFAULT_QUEUE, QueueTable, queue_table
 from .session import _resolve_session, notify_on_commit
@@ -162,16 +165,20 @@ def enqueue_many(
     the column itself**: a row's own value wins (unlike ``enqueue()``, where the option
     overrides the job, because here the options are the defaults of a batch of rows).
     Columns neither the row nor an option sets get the column's Python default (as an ORM
-    insert would) or else the server default, so a row matches what ``enqueue()`` writes.
+    insert would) or else the server default, so a row matches what ``enqueue()`` writes;
+    with a subclass of a single-table inheritance model, the discriminator column gets the
+    subclass's polymorphic identity (a row naming another model's identity is refused).
 
     Every row is checked before its batch is written: unknown columns, columns the queue
     manages (status, attempts, leases, finished_at), JSON columns that JSON cannot store,
     a task table's missing task name, NULL in a NOT NULL column, bad queue/priority/
     max_attempts/run_after values, text longer than its column or holding NUL or a lone
-    surrogate (JSON too). These are the rules ``enqueue()`` applies. A bad row raises :class:`~sqla_queue.BulkRowError`
-    with its 0-based ``index``, and none of the call's rows remain: either nothing was
-    written yet, or (loads of more than ``batch_size`` rows) the earlier batches are
-    rolled back to a SAVEPOINT taken before them. A value the database rejects (a
+    surrogate (JSON too), JSON larger than jsonb stores (2**28 - 1 bytes), a row of text
+    and JSON past about 1 GiB. These are the rules ``enqueue()`` applies. A bad row
+    raises :class:`~sqla_queue.BulkRowError` with its 0-based ``index``, and none of the
+    call's rows remain: either nothing was written yet, or (loads of more than
+    ``batch_size`` rows) the earlier batches are rolled back to a SAVEPOINT taken before
+    them. A value the database rejects (a
     foreign key, a CHECK) raises SQLAlchemy's usual ``DBAPIError`` subclass, and the
     call's rows are rolled back to the same SAVEPOINT. Either way the caller's
     transaction stays usable: roll it back, or commit its other work. Bad options raise
@@ -180,8 +187,10 @@ def enqueue_many(
     ``method``: ``"auto"`` uses COPY on psycopg 3 (sync or async) with PostgreSQL for
     loads of at least :data:`COPY_MIN_ROWS` rows (judged from the first batch), and
     batched INSERTs otherwise; ``"copy"`` insists on COPY (``EnqueueError`` where it is
-    impossible: other drivers, or a column whose Python default is a SQL expression, a
-    sequence or a context-sensitive function, which only an INSERT can evaluate);
+    impossible: other drivers, a column whose Python default is a SQL expression, a
+    sequence or a context-sensitive function, which only an INSERT can evaluate, or a
+    column whose type has a ``bind_expression``, such as ``pgp_sym_encrypt()``, which
+    only an INSERT applies; ``"auto"`` uses INSERTs for those tables);
     ``"insert"`` never uses it. ``delay`` costs one ``SELECT clock_timestamp() + …``.
 
     Pending ORM objects in the session are flushed first when autoflush is on, so rows
@@ -339,39 +348,31 @@ async def _take(iterator: AsyncIterator[Any], size: int) -> list[Any]:
     return chunk
 
 
-def _python_default(column: Column[Any]) -> tuple[str, Any]:
-    """How to fill ``column`` client-side: ("none"|"scalar"|"callable"|"sql", value).
-
-    COPY bypasses SQLAlchemy, so its Python-side defaults are evaluated here. Callables
-    that take no argument are wrapped by SQLAlchemy (``__wrapped__`` is the original);
-    those wanting an execution context, and SQL-expression or sequence defaults, can
-    only be evaluated by a real INSERT ("sql").
-    """
-    default: Any = column.default
-    if default is None:
-        return "none", None
-    if default.is_scalar:
-        return "scalar", default.arg
-    if default.is_callable:
-        wrapped = getattr(default.arg, "__wrapped__", None)
-        if wrapped is not None:
-            return "callable", wrapped
-    return "sql", None
-
-
 def _copy_impossible(dialect: Dialect, table: Table) -> str | None:
     """Why COPY cannot write to ``table`` through ``dialect``, or None if it can."""
     if dialect.name != "postgresql":
         return f"COPY needs PostgreSQL, the session's database is {dialect.name}"
     if dialect.driver != "psycopg":
         return f"COPY needs the psycopg 3 driver, the session uses {dialect.driver}"
-    sql_defaults = [c.key for c in table.c if _python_default(c)[0] == "sql"]
+    sql_defaults = [c.key for c in table.c if python_default(c)[0] in ("sql", "context")]
     if sql_defaults:
         return (
             f"column(s) {', '.join(sql_defaults)} of {table.fullname} have defaults that only "
             "an INSERT can evaluate (SQL expressions, sequences or context-sensitive functions)"
         )
+    expressions = [c.key for c in table.c if _has_bind_expression(c, dialect)]
+    if expressions:
+        return (
+            f"column(s) {', '.join(expressions)} of {table.fullname} have a type whose "
+            "bind_expression wraps the value in SQL (pgp_sym_encrypt(), …), which only an "
+            "INSERT applies: COPY would store the value as given"
+        )
     return None
+
+
+def _has_bind_expression(column: Column[Any], dialect: Dialect) -> bool:
+    """The column's type puts SQL around its bound value (``TypeDecorator.bind_expression``)."""
+    return bool(column.type.dialect_impl(dialect)._has_bind_expression)
 
 
 class _RowPlan:
@@ -387,10 +388,13 @@ class _RowPlan:
         self.order = {key: n for n, key in enumerate(self.columns)}
         self.pk_key = qt.pk.key
         self.is_task_table = qt.is_task_table
+        mapper = inspect(qt.mapped_class) if qt.mapped_class is not None else None
+        #: The discriminator of single-table inheritance: the model's identity, as the ORM.
+        self.polymorphic = polymorphic_rule(mapper, table)
         self.options = list(options.items())
         self.defaults: list[tuple[str, bool, Any]] = []
         for key, column in self.columns.items():
-            kind, value = _python_default(column)
+            kind, value = python_default(column)
             if kind in ("scalar", "callable"):
                 self.defaults.append((key, kind == "callable", value))
         queue_default = getattr(table.c.queue.default, "arg", None)
@@ -424,6 +428,8 @@ class _RowPlan:
             if isinstance(column.type, JSON):
                 self.json[key] = (serializer, bool(getattr(impl, "none_as_null", False)))
                 continue
+            if _has_bind_expression(column, dialect):
+                continue  # bound inside the expression, as its type says: left to the INSERT
             processor = impl.bind_processor(dialect)
             if processor is not None:
                 self.processors[key] = processor
@@ -463,10 +469,13 @@ class _RowPlan:
             values = self._instance_values(raw)
         if self.pk_key in values and values[self.pk_key] is None:
             del values[self.pk_key]  # as the ORM does: None means "generate it"
+        if self.polymorphic is not None:
+            self.polymorphic.fill(values)
         given = list(values)
         json_columns = self.json
         checks = self.rules.checks
         generated, not_null = self.generated, self.not_null
+        texts: list[str] = []
         for key in given:
             value = values[key]
             if key in generated:
@@ -486,6 +495,8 @@ class _RowPlan:
                 check = checks.get(key)
                 if check is not None:
                     check(value, key)
+                    if isinstance(value, str):
+                        texts.append(value)
         if not values.keys().isdisjoint(MANAGED_KEYS):
             violation = managed_violation(values)
             if violation is not None:
@@ -505,11 +516,15 @@ class _RowPlan:
                 raise EnqueueError(
                     f"missing a value for NOT NULL column(s) {', '.join(sorted(missing))}"
                 )
+        jsons: list[str] = []
         for key, (serializer, none_as_null) in json_columns.items():
             if key in values:
                 encoded = self._json(key, values[key], serializer, none_as_null)
+                if encoded is not None:
+                    jsons.append(encoded)
                 if self.for_copy:
                     values[key] = encoded
+        check_row_size(texts, jsons, copy=self.for_copy)
         for key, processor in self.processors.items():
             value = values.get(key)
             if value is not None:
@@ -635,11 +650,10 @@ def _copy_rows(
                         current = shape
                     stream.write([values for _, values in run])
                 written += len(batch)
-    except psycopg.Error as exc:
+    except BaseException as exc:
         text = statement.as_string(driver) if statement is not None else "COPY"
-        raise sa_exc.DBAPIError.instance(
-            text, None, exc, psycopg.Error, dialect=conn.dialect
-        ) from exc
+        reraise_as_sqlalchemy(conn, exc, text, None)
+        raise
     return written
 
 

@@ -624,6 +624,24 @@ def _notify_and_commit(pairs: tuple[tuple[str, str], ...]) -> bytes:
     return pgsql.SQL("{}; COMMIT").format(notifies).as_bytes(None)
 
 
+def reraise_as_sqlalchemy(conn: Connection, error: BaseException, statement: str, parameters: Any) -> None:
+    """Raise ``error``, from ``statement`` run on ``conn``'s psycopg connection directly,
+    as ``conn.execute()`` would have raised it; return if SQLAlchemy would let it pass.
+
+    A psycopg error becomes SQLAlchemy's class for it (``IntegrityError``,
+    ``OperationalError``, …, the psycopg error as ``.orig``), after the engine's
+    ``handle_error`` hooks; an error that means the connection is gone, or an exit
+    exception (``KeyboardInterrupt``, a cancellation) in the middle of the statement,
+    invalidates the connection as SQLAlchemy does, so ``rollback()`` then works and the
+    next use gets a new one. SQLAlchemy's own handler does all that, to stay exact.
+    """
+    if isinstance(error, psycopg.Error) or not isinstance(error, Exception):
+        try:
+            raise error  # the handler reads sys.exc_info(), which a new greenlet lacks
+        except BaseException as raised:  # noqa: BLE001 - handed to SQLAlchemy, which raises it
+            conn._handle_dbapi_exception(raised, statement, parameters, None, None)
+
+
 def _on_rollback(conn: Connection) -> None:
     with suppress(Exception):  # an invalidated connection has no info left to clear
         conn.info.pop(_ON_COMMIT_KEY, None)

@@ -23,9 +23,11 @@ from sqlalchemy.sql.elements import ClauseElement
 
 from ._rules import (
     check_json,
+    check_row_size,
     check_task_name,
     dialect_json_serializer,
     managed_violation,
+    polymorphic_rule,
     table_rules,
     validate_options,
 )
@@ -288,12 +290,16 @@ def _check_job_values(
     commit, taking the caller's transaction with it, fails here, naming the column.
 
     Unset and ``None`` values are left to the column defaults (the ORM omits them from
-    the INSERT) and SQL expressions to the database.
+    the INSERT) and SQL expressions to the database; a discriminator of single-table
+    inheritance set to None gets the model's identity, and one naming another model is
+    refused, as in ``enqueue_many()`` and ``enqueue_values()``.
     """
     mapper = object_mapper(job)
     data = orm_attributes.instance_state(job).dict
     rules = table_rules(qt.table)
     serializer: Callable[[Any], Any] | None = None
+    texts: list[str] = []
+    jsons: list[str] = []
     try:
         if qt.is_task_table:
             check_task_name(options.get("task", data.get("task")))
@@ -309,9 +315,18 @@ def _check_job_values(
             if key in rules.json:
                 if value is not JSON.NULL:
                     serializer = serializer or _json_serializer(session, mapper)
-                    check_json(value, key, serializer)
+                    jsons.append(check_json(value, key, serializer))
             else:
                 rules.check(key, value)
+                if isinstance(value, str):
+                    texts.append(value)
+        check_row_size(texts, jsons)
+        polymorphic = polymorphic_rule(mapper, qt.table)
+        if polymorphic is not None:
+            given = data.get(polymorphic.attr)
+            identity = polymorphic.resolve(given)
+            if given is None and identity is not None:
+                options[polymorphic.attr] = identity  # set on the job with the options
     except EnqueueError as exc:
         raise type(exc)(f"{_describe(job)}: {exc}") from exc.__cause__
 

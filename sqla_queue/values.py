@@ -22,22 +22,26 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any, Final, overload
 
-from sqlalchemy import Connection, Select, String, Table, bindparam, func, insert, literal, literal_column, select
+from sqlalchemy import Connection, String, Table, bindparam, func, insert, inspect, literal, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import ColumnElement, False_, True_
 from sqlalchemy.util import greenlet_spawn
 
 from ._rules import (
     check_json,
+    check_row_size,
     dialect_json_serializer,
     managed_violation,
+    polymorphic_rule,
+    python_default,
     table_rules,
     validate_options,
 )
-from .driver import SchemaMapKey, compile_statement, schema_map_key
+from .driver import SchemaMapKey, compile_statement, reraise_as_sqlalchemy, schema_map_key
 from .errors import EnqueueError
 from .model import QueueTable, notify_channel, queue_table
 from .session import _resolve_session
@@ -109,8 +113,13 @@ def enqueue_values(
     checks are the same too, and happen before anything is sent: a wrong value raises
     :class:`~sqla_queue.EnqueueError` (or :class:`~sqla_queue.InvalidPayload`) and leaves
     the transaction untouched. Columns not given get their Python defaults (scalars and
-    callables) or server defaults. The NOTIFY is sent by the INSERT itself: PostgreSQL
-    delivers it on commit, once per table and queue per transaction.
+    callables, and those taking SQLAlchemy's execution context, evaluated by SQLAlchemy's
+    execution of the INSERT) or server defaults; a subclass of a single-table inheritance
+    model writes its polymorphic identity. The NOTIFY is sent by the INSERT itself:
+    PostgreSQL delivers it on commit, once per table and queue per transaction. An error of
+    the database is raised as ``Connection.execute()`` raises it (SQLAlchemy's
+    ``IntegrityError``, …), and the transaction then needs a rollback, as after any failed
+    statement.
 
     With an ``AsyncSession``, an ``async_scoped_session`` or an ``AsyncConnection`` this
     returns a coroutine: ``job_id = await enqueue_values(async_session, Model, values)``.
@@ -133,6 +142,8 @@ def enqueue_values(
             queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
         )
         row.update(options)
+    if target.polymorphic is not None:
+        target.polymorphic.fill(row)
     if conn is None:
         # The dialect without a connection: a bad value begins nothing on the session.
         resolved = _resolved_session(session)
@@ -156,8 +167,13 @@ def enqueue_values(
             cursor = info.get(_CURSOR)
             if cursor is None or cursor.connection is not raw or cursor.closed:
                 cursor = info[_CURSOR] = raw.cursor()
-            cursor.execute(plan.sql, plan.driver_params(row, delay_by))
-            return cursor.fetchone()[0]
+            params = plan.driver_params(row, delay_by)
+            try:
+                cursor.execute(plan.sql, params)
+                return cursor.fetchone()[0]
+            except BaseException as exc:
+                reraise_as_sqlalchemy(conn, exc, plan.sql, params)
+                raise
     return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
 
 
@@ -185,6 +201,8 @@ async def _enqueue_values_async(
             queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
         )
         row.update(options)
+    if target.polymorphic is not None:
+        target.polymorphic.fill(row)
     if isinstance(session, AsyncConnection):
         conn = session.sync_connection
         if conn is None:
@@ -213,8 +231,14 @@ async def _enqueue_values_async(
             cursor = info.get(_ASYNC_CURSOR)
             if cursor is None or cursor.connection is not driver or cursor.closed:
                 cursor = info[_ASYNC_CURSOR] = driver.cursor()
-            await cursor.execute(plan.sql, plan.driver_params(row, delay_by))
-            return (await cursor.fetchone())[0]
+            params = plan.driver_params(row, delay_by)
+            try:
+                await cursor.execute(plan.sql, params)
+                return (await cursor.fetchone())[0]
+            except BaseException as exc:
+                # SQLAlchemy's handling may close the connection: I/O, in a greenlet.
+                await greenlet_spawn(reraise_as_sqlalchemy, conn, exc, plan.sql, params)
+                raise
     # Another async driver, or a connection to revalidate: SQLAlchemy's own way, in a
     # greenlet as AsyncConnection.execute runs it.
     return await greenlet_spawn(_execute, conn, plan, row, delay_by)
@@ -243,14 +267,16 @@ def _checked_plan(
 class _Target:
     """What one model resolves to, once: its queue table, and how a Session finds its bind."""
 
-    __slots__ = ("bind_arguments", "channel", "table")
+    __slots__ = ("bind_arguments", "polymorphic", "table")
 
     def __init__(self, qt: QueueTable) -> None:
         self.table = qt.table
-        self.channel = qt.channel
         self.bind_arguments: dict[str, Any] = (
             {"mapper": qt.mapped_class} if qt.mapped_class is not None else {"clause": qt.table}
         )
+        mapper = inspect(qt.mapped_class) if qt.mapped_class is not None else None
+        #: The discriminator of single-table inheritance: the model's identity, as the ORM.
+        self.polymorphic = polymorphic_rule(mapper, qt.table)
 
 
 _targets: dict[Any, _Target] = {}
@@ -299,8 +325,14 @@ class _Plan:
         scalars: dict[str, Any] = {}
         #: Columns filled per row by a Python callable default.
         self.callables: list[tuple[str, Callable[[], Any]]] = []
+        #: A column left out has a default that takes SQLAlchemy's execution context
+        #: (``default=lambda ctx: ctx.get_current_parameters()…``): only SQLAlchemy's
+        #: execution of the INSERT can evaluate it, so the plan leaves every default to it.
+        contextual = any(
+            python_default(column)[0] == "context" for column in table.c if column.key not in keys
+        )
         for column in table.c:
-            if column.key in keys or column.default is None:
+            if contextual or column.key in keys or column.default is None:
                 continue
             default: Any = column.default
             if getattr(default, "is_sequence", False) or getattr(default, "is_identity", False):
@@ -322,15 +354,22 @@ class _Plan:
         # The wake-up rides in the INSERT itself: WITH job AS (INSERT … RETURNING) SELECT
         # pk, pg_notify(channel, job.queue). PostgreSQL delivers it only on commit, once per
         # queue per transaction, and an autocommit insert takes a single round trip.
-        job = insert(table).values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
-        self.statement: Select[Any] = select(
-            job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
-        )
+        self.statement: Executable
+        if contextual:
+            # SQLAlchemy evaluates such defaults for a top-level INSERT only (the context's
+            # current parameters are its own): the wake-up rides in its RETURNING.
+            notify = func.pg_notify(literal(channel, String()), table.c.queue)
+            self.statement = insert(table).values(values).returning(pk, notify)
+        else:
+            job = insert(table).values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
+            self.statement = select(
+                job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
+            )
         #: On psycopg, the statement runs on the driver's cursor (sync, or awaited on the
         #: async one): SQLAlchemy's execution machinery would cost more Python time than
-        #: the round trip.
-        self.direct = dialect.driver == "psycopg" and not dialect.is_async
-        self.direct_async = dialect.driver == "psycopg" and dialect.is_async
+        #: the round trip. Not for a contextual default, which only that machinery evaluates.
+        self.direct = dialect.driver == "psycopg" and not dialect.is_async and not contextual
+        self.direct_async = dialect.driver == "psycopg" and dialect.is_async and not contextual
         compiled = compile_statement(self.statement, dialect, translate)
         self.sql = compiled.sql
         #: The SQLAlchemy-level values of the scalar defaults (for ``Connection.execute``).
@@ -357,12 +396,15 @@ class _Plan:
         if violation is not None:
             key, value = violation
             raise EnqueueError(f"{key} is managed by the queue; do not set it (got {value!r})")
-        for key, serializer in self.json:
-            check_json(row[key], key, serializer)
+        jsons = [check_json(row[key], key, serializer) for key, serializer in self.json]
+        texts: list[str] = []
         for key, check in self.checks:
             value = row[key]
             if value is not None:
                 check(value, key)
+                if isinstance(value, str):
+                    texts.append(value)
+        check_row_size(texts, jsons)
 
     def params(self, row: Mapping[str, Any], delay: float | None) -> dict[str, Any]:
         """The parameters for ``Connection.execute`` (SQLAlchemy converts them)."""

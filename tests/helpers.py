@@ -141,3 +141,16 @@ class WorkerProcess:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
+
+
+def terminate_backend(conninfo: str, pid: int) -> None:
+    """End the server process ``pid`` (another connection's) and wait until it is gone,
+    as when the server or the network drops that connection."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(
+            lambda: conn.execute("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0],  # type: ignore[index]
+            what=f"backend {pid} to end",
+        )

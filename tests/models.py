@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import CheckConstraint, ForeignKey, Index, String, TypeDecorator, Uuid
+from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDecorator, Uuid, func
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
@@ -133,3 +133,70 @@ class PolyJobA1(PolyJobA):
 
 class PolyJobB(PolyJob):
     __mapper_args__ = {"polymorphic_identity": "b"}  # noqa: RUF012 - SQLAlchemy's own
+
+
+class Encoded(TypeDecorator[str]):
+    """A type whose stored value only SQL produces, as in SQLAlchemy's ``pgp_sym_encrypt``
+    example (``bind_expression`` and ``column_expression``), with built-in functions: the
+    INSERT stores the text base64-encoded, SELECTs of the column decode it."""
+
+    impl = Text
+    cache_ok = True
+
+    def bind_expression(self, bindvalue: Any) -> Any:
+        return func.encode(func.convert_to(bindvalue, "UTF8"), "base64")
+
+    def column_expression(self, col: Any) -> Any:
+        return func.convert_from(func.decode(col, "base64"), "UTF8")
+
+
+class EncodedJob(Base, JobMixin):
+    """A queue table with a column whose stored value only SQL can produce."""
+
+    __tablename__ = "encoded_jobs"
+
+    secret: Mapped[str | None] = mapped_column(Encoded())
+
+
+def _routing(context: Any) -> str:
+    """A context-sensitive default: reads the INSERT's other values and its column."""
+    params = context.get_current_parameters()
+    return f"{context.current_column.key}:{params.get('customer')}"
+
+
+class RoutedJob(Base, JobMixin):
+    """A queue table with a column default that takes SQLAlchemy's execution context."""
+
+    __tablename__ = "routed_jobs"
+
+    customer: Mapped[str | None] = mapped_column(String(100))
+    routing: Mapped[str] = mapped_column(String(200), default=_routing)
+
+
+class DocumentJob(Base, JobMixin):
+    """A queue table with unbounded text columns: one row of them can outgrow PostgreSQL."""
+
+    __tablename__ = "document_jobs"
+
+    subject: Mapped[str | None] = mapped_column(Text)
+    body: Mapped[str | None] = mapped_column(Text)
+    html: Mapped[str | None] = mapped_column(Text)
+    attachment: Mapped[str | None] = mapped_column(Text)
+
+
+class InheritedJob(Base, JobMixin):
+    """A queue model mapped with single-table inheritance: ``kind`` says which class a row
+    is; the ORM writes the class's identity there."""
+
+    __tablename__ = "inherited_jobs"
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "base"}  # noqa: RUF012 - declarative
+
+    kind: Mapped[str] = mapped_column(String(20))
+
+
+class InheritedJobA(InheritedJob):
+    __mapper_args__ = {"polymorphic_identity": "a"}  # noqa: RUF012 - declarative
+
+
+class InheritedJobB(InheritedJob):
+    __mapper_args__ = {"polymorphic_identity": "b"}  # noqa: RUF012 - declarative

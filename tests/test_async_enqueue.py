@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, event, func, select
+from sqlalchemy import Engine, event, func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -37,7 +37,7 @@ from sqla_queue import (
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
-from .models import EmailJob, Order, Task
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobB, Order, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -527,3 +527,24 @@ def test_bad_arguments_are_type_errors(run: Run, engine: Engine) -> None:
                 await enqueue_many(object(), EmailJob, [{}])  # type: ignore[call-overload]
 
     run(body)
+
+
+def test_bind_expressions_and_inherited_models_as_the_sync_load(run: Run, engine: Engine) -> None:
+    """A type with a ``bind_expression`` takes INSERTs (COPY is refused when asked for);
+    a subclass of single-table inheritance writes its identity."""
+
+    async def body(db: Db) -> None:
+        async with db.Session() as session:
+            await session.enqueue_many(EncodedJob, [{"secret": "a"}, {"secret": "b"}], batch_size=1)
+            with pytest.raises(EnqueueError, match=r"secret of encoded_jobs .*bind_expression"):
+                await session.enqueue_many(EncodedJob, [{"secret": "c"}] * 2, method="copy")
+            await session.enqueue_many(InheritedJobB, arows([{}, {"kind": None}]))
+            with pytest.raises(BulkRowError, match=r"^row 0: kind='a' is not a polymorphic identity of InheritedJobB"):
+                await session.enqueue_many(InheritedJobB, [{"kind": "a"}])
+            await session.commit()
+
+    run(body)
+    with Session(engine) as session:
+        assert session.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all() == ["a", "b"]
+        assert session.scalars(text("SELECT secret FROM encoded_jobs ORDER BY id")).all() == ["YQ==", "Yg=="]
+        assert [type(job) for job in session.scalars(select(InheritedJob))] == [InheritedJobB, InheritedJobB]

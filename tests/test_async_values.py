@@ -8,14 +8,15 @@ belong to one event loop), through psycopg 3's async driver, against real Postgr
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, insert, select, text
-from sqlalchemy.exc import InvalidRequestError
+from sqlalchemy import Engine, func, insert, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError, InvalidRequestError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -23,12 +24,13 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import Session
 
 from sqla_queue import AsyncQueueSession, EnqueueError, enqueue, enqueue_values, queue_table
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
-from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of
-from .models import EmailJob, Order, Task
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, RoutedJob, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -260,20 +262,160 @@ async def _refused(
     await target.commit()
 
 
-def test_a_statement_the_database_refuses_aborts_the_transaction_like_any_other(run: Run, engine: Engine) -> None:
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+@pytest.mark.parametrize(
+    ("values", "orig"),
+    [
+        pytest.param({"order_id": 10**9}, psycopg.errors.ForeignKeyViolation, id="foreign-key"),
+        pytest.param({"recipient": ""}, psycopg.errors.CheckViolation, id="check"),
+    ],
+)
+def test_a_statement_the_database_refuses_raises_what_enqueue_raises(
+    run: Run, engine: Engine, kind: str, values: dict[str, Any], orig: type[Exception]
+) -> None:
+    """SQLAlchemy's ``IntegrityError`` (``.orig`` psycopg's), as from ``enqueue()``'s
+    flush; the transaction is aborted as by any failed statement, and works again after
+    ``rollback()``."""
+
     async def body(async_engine: AsyncEngine) -> None:
         async with AsyncSession(async_engine) as session:
-            session.add(Order(customer="lost"))
-            await session.flush()
-            with pytest.raises(psycopg.errors.ForeignKeyViolation):
-                await enqueue_values(session, EmailJob, {"order_id": 10**9})
+            enqueue(session, EmailJob(**values))
+            with pytest.raises(DBAPIError) as by_enqueue:
+                await session.flush()
             await session.rollback()
-            await enqueue_values(session, EmailJob, {"recipient": "next@example.com"})
-            await session.commit()
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            target: Any = session if kind == "AsyncSession" else conn
+            await target.execute(insert(ORDERS).values(customer="lost"))
+            with pytest.raises(DBAPIError) as by_values:
+                await enqueue_values(target, EmailJob, values)
+            assert type(by_values.value) is type(by_enqueue.value) is IntegrityError
+            assert type(by_values.value.orig) is type(by_enqueue.value.orig) is orig
+            with pytest.raises(DBAPIError, match="current transaction is aborted"):
+                await target.execute(select(1))
+            await target.rollback()
+            await enqueue_values(target, EmailJob, {"recipient": "next@example.com"})
+            await target.commit()
 
     run(body)
     assert rows(engine, ORDERS) == []
     assert [r.recipient for r in rows(engine, EMAILS)] == ["next@example.com"]
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_lost_connection_is_invalidated_as_sqlalchemy_does(
+    run: Run, engine: Engine, server: Server, kind: str
+) -> None:
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            target: Any = session if kind == "AsyncSession" else conn
+            await enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+            pid = (await target.execute(select(func.pg_backend_pid()))).scalar_one()
+            await asyncio.to_thread(terminate_backend, server.conninfo, pid)
+            with pytest.raises(OperationalError) as raised:
+                await enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+            assert raised.value.connection_invalidated
+            assert isinstance(raised.value.orig, psycopg.OperationalError)
+            await target.rollback()
+            await enqueue_values(target, EmailJob, {"recipient": "after@example.com"})
+            await target.commit()
+
+    run(body)
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+def test_a_cancelled_call_invalidates_the_connection_as_sqlalchemy_does(run: Run, engine: Engine) -> None:
+    """Cancelled while the INSERT waits for a lock: the cancellation propagates and the
+    connection, its protocol state unknown, is invalidated as SQLAlchemy invalidates it
+    when a statement of its own is cancelled; after ``rollback()`` the session works on a
+    new connection, and the cancelled job was never written."""
+
+    async def body(async_engine: AsyncEngine) -> None:
+        async with async_engine.connect() as locker:
+            await locker.execute(text("LOCK TABLE email_jobs IN SHARE MODE"))  # blocks INSERTs
+            async with AsyncSession(async_engine) as session:
+                await session.execute(insert(ORDERS).values(customer="lost"))
+                pid = (await session.execute(select(func.pg_backend_pid()))).scalar_one()
+                pending = asyncio.ensure_future(enqueue_values(session, EmailJob, {"recipient": "cancelled"}))
+                deadline = asyncio.get_running_loop().time() + 20
+                waiting = text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid")
+                while not (await locker.execute(waiting, {"pid": pid})).scalar():
+                    assert asyncio.get_running_loop().time() < deadline, "the INSERT never waited for the lock"
+                    await asyncio.sleep(0.02)
+                pending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pending
+                connection = await session.connection()
+                assert connection.invalidated
+                await session.rollback()
+                await locker.rollback()  # the lock is gone: the next INSERT goes through
+                await enqueue_values(session, EmailJob, {"recipient": "after@example.com"})
+                await session.commit()
+
+    run(body)
+    assert rows(engine, ORDERS) == []
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_default_taking_the_execution_context_is_evaluated_as_by_enqueue(run: Run, engine: Engine, kind: str) -> None:
+    """As the sync call: SQLAlchemy's execution of the INSERT evaluates the default."""
+
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            enqueue(session, RoutedJob(customer="ada"), queue="orm")
+            await session.commit()
+            target: Any = session if kind == "AsyncSession" else conn
+            await enqueue_values(target, RoutedJob, {"customer": "ada"}, queue="values")
+            await enqueue_values(target, RoutedJob, {"customer": "bob", "routing": "own"}, queue="values")
+            await enqueue_values(target, RoutedJob, {"customer": "cy"}, queue="values", delay=60)
+            await target.commit()
+
+    run(body)
+    got = rows(engine, table_of(RoutedJob))
+    assert [(r.customer, r.routing, r.queue) for r in got] == [
+        ("ada", "routing:ada", "orm"),
+        ("ada", "routing:ada", "values"),
+        ("bob", "own", "values"),
+        ("cy", "routing:cy", "values"),
+    ]
+    assert got[-1].run_after - got[-1].created_at >= timedelta(seconds=59)
+
+
+@pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
+def test_a_subclass_of_single_table_inheritance_writes_its_identity(run: Run, engine: Engine, kind: str) -> None:
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            target: Any = session if kind == "AsyncSession" else conn
+            await enqueue_values(target, InheritedJobA)
+            await enqueue_values(target, InheritedJobB, queue="b")
+            await enqueue_values(target, InheritedJob, {"kind": "b"})
+            with pytest.raises(EnqueueError, match="kind='b' is not a polymorphic identity of InheritedJobA"):
+                await enqueue_values(target, InheritedJobA, {"kind": "b"})
+            await target.commit()
+
+    run(body)
+    with Session(engine) as session:
+        assert [type(job) for job in session.scalars(select(InheritedJob).order_by(InheritedJob.id))] == [
+            InheritedJobA,
+            InheritedJobB,
+            InheritedJobB,
+        ]
+
+
+def test_a_type_with_a_bind_expression_is_applied(run: Run, engine: Engine) -> None:
+    async def body(async_engine: AsyncEngine) -> None:
+        async with AsyncSession(async_engine) as session, async_engine.connect() as conn:
+            await enqueue_values(session, EncodedJob, {"secret": "by a session"})
+            await session.commit()
+            await enqueue_values(conn, EncodedJob, {"secret": "on a connection"})
+            await conn.commit()
+
+    run(body)
+    written = ["by a session", "on a connection"]
+    with engine.connect() as conn:
+        stored = conn.scalars(text("SELECT secret FROM encoded_jobs ORDER BY id")).all()
+        assert conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all() == written
+    assert stored == [base64.b64encode(s.encode()).decode() for s in written]
 
 
 def test_another_async_driver_goes_through_sqlalchemy(run: Run, engine: Engine, listening: Any, server: Server) -> None:

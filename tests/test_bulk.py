@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -33,7 +34,7 @@ from sqla_queue.bulk import COPY_MIN_ROWS
 
 from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
-from .models import EmailJob, Order, ReportJob, Task, UuidJob
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, ReportJob, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -696,3 +697,104 @@ def test_a_one_row_load_with_a_database_error_leaves_the_transaction_usable(
             session.enqueue_many(EmailJob, [{"order_id": 987654}], method=method)
         session.commit()
     assert count(engine, Order) == 1 and count(engine, EmailJob) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_database_error_goes_through_the_engines_error_hooks(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    """COPY runs on the psycopg connection, beside SQLAlchemy's execution: its errors are
+    still SQLAlchemy's (``.orig`` psycopg's), seen by ``handle_error`` hooks as on the
+    INSERT path, and the SAVEPOINT keeps the transaction usable."""
+    handled: list[Exception] = []
+    listener = event.listens_for(engine, "handle_error")(lambda context: handled.append(context.original_exception))
+    try:
+        with Sessions() as session:
+            session.add(Order(customer="kept"))
+            session.flush()
+            with pytest.raises(IntegrityError) as raised:
+                session.enqueue_many(EmailJob, [{"recipient": "ok"}, {"order_id": 987654}], method=method)
+            assert isinstance(raised.value.orig, psycopg.errors.ForeignKeyViolation)
+            assert handled == [raised.value.orig]
+            session.enqueue_many(EmailJob, [{"recipient": "again"}] * 2, method=method)
+            session.commit()
+    finally:
+        event.remove(engine, "handle_error", listener)
+    assert count(engine, Order) == 1
+    with engine.connect() as conn:
+        assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]
+
+
+# -- what only SQL can write, and single-table inheritance ---------------------------------
+
+
+def _secrets(engine: Engine) -> tuple[list[Any], list[Any]]:
+    """The ``secret`` column as stored, and as the type reads it."""
+    with engine.connect() as conn:
+        stored = conn.scalars(text("SELECT secret FROM encoded_jobs ORDER BY id")).all()
+        read = conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all()
+    return list(stored), list(read)
+
+
+@pytest.mark.parametrize("method", ["auto", "insert"])
+def test_a_type_with_a_bind_expression_is_written_by_insert(
+    Sessions: sessionmaker[QueueSession], engine: Engine, inserts: list[str], method: Any
+) -> None:
+    """A ``bind_expression`` (SQL around the value, e.g. ``pgp_sym_encrypt()``) lives in
+    the INSERT's text; COPY would store the value as given. ``auto`` takes INSERTs."""
+    written = ["by enqueue", *(f"row {n}" for n in range(5)), "from an object", None]
+    with Sessions() as session:
+        session.enqueue(EncodedJob(secret=written[0]))
+        session.flush()
+        rows: list[Any] = [{"secret": s} for s in written[1:-2]]
+        session.enqueue_many(EncodedJob, [*rows, EncodedJob(secret=written[-2]), {"secret": None}], method=method)
+        session.commit()
+    stored, read = _secrets(engine)
+    assert read == written
+    assert stored == [None if s is None else base64.b64encode(s.encode()).decode() for s in written]
+
+
+def test_copy_is_refused_for_a_type_with_a_bind_expression(
+    Sessions: sessionmaker[QueueSession], engine: Engine
+) -> None:
+    with Sessions() as session:
+        message = r"method='copy' is impossible.* secret of encoded_jobs .*bind_expression"
+        with pytest.raises(EnqueueError, match=message):
+            session.enqueue_many(EncodedJob, [{"secret": "s"}] * 3, method="copy")
+        session.commit()
+    assert count(engine, EncodedJob) == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_subclass_of_single_table_inheritance_writes_its_identity(
+    Sessions: sessionmaker[QueueSession], engine: Engine, method: Any
+) -> None:
+    """Rows of a subclass get its polymorphic identity, as ``enqueue()`` of an instance
+    writes it; rows of the base may name a subclass's; any other identity is refused."""
+    with Sessions() as session:
+        session.enqueue(InheritedJobA())
+        session.flush()
+        session.enqueue_many(InheritedJobA, [{}, {"kind": None}, InheritedJobA(), {"kind": "a"}], method=method)
+        session.enqueue_many(InheritedJobB, [{}, {}], method=method)
+        session.enqueue_many(InheritedJob, [{}, {"kind": "b"}, InheritedJobB(), InheritedJobA()], method=method)
+        refused: list[tuple[Any, list[Any], str]] = [
+            (InheritedJobA, [{}, {"kind": "b"}], "kind='b' is not a polymorphic identity of InheritedJobA"),
+            (InheritedJobA, [InheritedJobB()], "kind='b' is not a polymorphic identity of InheritedJobA"),
+            (InheritedJobB, [{"kind": "base"}], "kind='base' is not a polymorphic identity of InheritedJobB"),
+            (InheritedJob, [{}, {"kind": "c"}], "kind='c' is not a polymorphic identity of InheritedJob "),
+        ]
+        for model, rows, message in refused:
+            with pytest.raises(BulkRowError, match=f"^row {len(rows) - 1}: {message}"):
+                session.enqueue_many(model, rows, method=method)
+        session.commit()
+    with Session(engine) as session:
+        loaded = session.scalars(select(InheritedJob).order_by(InheritedJob.id)).all()
+        assert [type(job).__name__ for job in loaded] == [
+            "InheritedJobA",
+            *["InheritedJobA"] * 4,
+            *["InheritedJobB"] * 2,
+            "InheritedJob",
+            "InheritedJobB",
+            "InheritedJobB",
+            "InheritedJobA",
+        ]

@@ -24,7 +24,7 @@ from sqla_queue import (
 
 from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
-from .models import EmailJob, Order, ReportJob, Task
+from .models import EmailJob, InheritedJob, InheritedJobA, InheritedJobB, Order, ReportJob, Task
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -386,3 +386,24 @@ def test_delay_is_measured_from_the_insert(
         # now() + 2 s, the transaction's start, would already be over
         assert job.run_after - started >= timedelta(seconds=3)
         session.rollback()
+
+
+def test_single_table_inheritance_identities(Sessions: sessionmaker[QueueSession], engine: Engine) -> None:
+    """The ORM writes a new instance's polymorphic identity; ``enqueue()`` refuses one
+    naming another model, and gives a discriminator set to None the model's, as
+    ``enqueue_many()`` and ``enqueue_values()`` do."""
+    with Sessions() as session:
+        with pytest.raises(EnqueueError, match=r"^InheritedJobA job: kind='b' is not a polymorphic identity of"):
+            session.enqueue(InheritedJobA(kind="b"))
+        with pytest.raises(EnqueueError, match="kind='c' is not a polymorphic identity of InheritedJob "):
+            session.enqueue(InheritedJob(kind="c"))
+        assert not session.new
+        cleared = InheritedJobB()
+        cleared.kind = None  # type: ignore[assignment]
+        session.enqueue(cleared)
+        session.enqueue(InheritedJob(kind="a"))
+        session.enqueue(InheritedJobA())
+        session.commit()
+    with Session(engine) as session:
+        loaded = session.scalars(select(InheritedJob).order_by(InheritedJob.id)).all()
+        assert [type(job) for job in loaded] == [InheritedJobB, InheritedJobA, InheritedJobA]

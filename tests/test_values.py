@@ -4,20 +4,23 @@ transaction, with the same checks, and one wake-up sent with the COMMIT."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, event, func, insert, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queue_table
 
 from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
-from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of
-from .models import EmailJob, Order, Task
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
+from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, RoutedJob, Task, UuidJob
 
 EMAIL_CHANNEL = queue_table(EmailJob).channel
 TASK_CHANNEL = queue_table(Task).channel
@@ -187,19 +190,167 @@ def test_commit_as_you_go_and_a_replaced_dbapi_connection(engine: Engine) -> Non
     assert [r.recipient for r in rows(engine, EMAILS)] == ["before@example.com", "after@example.com"]
 
 
-def test_a_statement_the_database_refuses_aborts_the_transaction_like_any_other(engine: Engine) -> None:
-    """A value only the database can refuse (a foreign key) fails the INSERT there: the
-    transaction is aborted as by any failed statement, and nothing of it is committed."""
+SAME_ID = uuid.UUID(int=7)
+#: Values only the database refuses: (model, values of each call, the last one refused,
+#: psycopg's error). The same SQLAlchemy class as ``enqueue()``'s flush must come out.
+REFUSED = [
+    pytest.param(EmailJob, [{"order_id": 10**9}], psycopg.errors.ForeignKeyViolation, id="foreign-key"),
+    pytest.param(EmailJob, [{"recipient": ""}], psycopg.errors.CheckViolation, id="check"),
+    pytest.param(UuidJob, [{"id": SAME_ID}, {"id": SAME_ID}], psycopg.errors.UniqueViolation, id="unique"),
+]
+
+
+@pytest.mark.parametrize("form", ["Session", "Connection"])
+@pytest.mark.parametrize(("model", "calls", "orig"), REFUSED)
+def test_a_statement_the_database_refuses_raises_what_enqueue_raises(
+    engine: Engine, form: str, model: Any, calls: list[dict[str, Any]], orig: type[Exception]
+) -> None:
+    """A value only the database can refuse fails the INSERT there, with SQLAlchemy's
+    exception (``.orig`` psycopg's), through the engine's ``handle_error`` hooks, as from
+    ``enqueue()``'s flush. The transaction is aborted as by any failed statement; after
+    ``rollback()`` the session or connection works again."""
     with Session(engine) as session:
-        session.add(Order(customer="lost"))
-        session.flush()
-        with pytest.raises(psycopg.errors.ForeignKeyViolation):
-            enqueue_values(session, EmailJob, {"order_id": 10**9})
+        *before, last = calls
+        for values in before:
+            enqueue(session, model(**values))
+        enqueue(session, model(**last))
+        with pytest.raises(DBAPIError) as by_enqueue:
+            session.flush()
         session.rollback()
-        enqueue_values(session, EmailJob, {"recipient": "next@example.com"})
-        session.commit()
+
+    handled: list[Exception] = []
+    listener = event.listens_for(engine, "handle_error")(lambda context: handled.append(context.original_exception))
+    try:
+        with Session(engine) as session, engine.connect() as conn:
+            target: Any = session if form == "Session" else conn
+            target.execute(insert(table_of(Order)).values(customer="lost"))
+            for values in before:
+                enqueue_values(target, model, values)
+            with pytest.raises(DBAPIError) as by_values:
+                enqueue_values(target, model, last)
+            assert type(by_values.value) is type(by_enqueue.value) is IntegrityError
+            assert type(by_values.value.orig) is type(by_enqueue.value.orig) is orig
+            assert handled == [by_values.value.orig]
+            assert "INSERT INTO" in str(by_values.value)  # the statement, as SQLAlchemy shows it
+            with pytest.raises(DBAPIError, match="current transaction is aborted"):
+                target.execute(select(1))  # PostgreSQL's aborted transaction, as after enqueue()
+            target.rollback()
+            enqueue_values(target, EmailJob, {"recipient": "next@example.com"})
+            target.commit()
+    finally:
+        event.remove(engine, "handle_error", listener)
     assert rows(engine, table_of(Order)) == []
     assert [r.recipient for r in rows(engine, EMAILS)] == ["next@example.com"]
+
+
+@pytest.mark.parametrize("form", ["Session", "Connection"])
+def test_a_lost_connection_is_invalidated_as_sqlalchemy_does(engine: Engine, server: Server, form: str) -> None:
+    """The server ends the connection between two calls: the second raises SQLAlchemy's
+    ``OperationalError`` with ``connection_invalidated``, and after ``rollback()`` the
+    session or connection carries on with a new connection."""
+    with Session(engine) as session, engine.connect() as conn:
+        target: Any = session if form == "Session" else conn
+        enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+        terminate_backend(server.conninfo, target.execute(select(func.pg_backend_pid())).scalar_one())
+        with pytest.raises(OperationalError) as raised:
+            enqueue_values(target, EmailJob, {"recipient": "lost@example.com"})
+        assert raised.value.connection_invalidated
+        assert isinstance(raised.value.orig, psycopg.OperationalError)
+        target.rollback()
+        enqueue_values(target, EmailJob, {"recipient": "after@example.com"})
+        target.commit()
+    assert [r.recipient for r in rows(engine, EMAILS)] == ["after@example.com"]
+
+
+def test_a_type_with_a_bind_expression_is_applied_as_by_enqueue(engine: Engine) -> None:
+    """The statement compiled once holds the type's ``bind_expression`` (SQL around the
+    value): the row stores what ``enqueue()`` stores, and reads back through the type."""
+    with Session(engine) as session, engine.connect() as conn:
+        enqueue(session, EncodedJob(secret="by enqueue"))
+        session.flush()
+        enqueue_values(session, EncodedJob, {"secret": "by enqueue_values"})
+        enqueue_values(session, EncodedJob, {"secret": None})
+        session.commit()
+        enqueue_values(conn, EncodedJob, {"secret": "on a connection"})
+        conn.commit()
+    written = ["by enqueue", "by enqueue_values", None, "on a connection"]
+    with engine.connect() as conn:
+        stored = conn.scalars(text("SELECT secret FROM encoded_jobs ORDER BY id")).all()
+        read = conn.scalars(select(EncodedJob.secret).order_by(EncodedJob.id)).all()
+    assert stored == [None if s is None else base64.b64encode(s.encode()).decode() for s in written]
+    assert read == written
+
+
+def test_a_subclass_of_single_table_inheritance_writes_its_identity(engine: Engine) -> None:
+    """The discriminator gets the model's polymorphic identity, as the ORM writes it, so
+    the ORM loads each row as the class it was enqueued as; an identity that is not the
+    model's or a subclass's is refused before anything is sent."""
+    with Session(engine) as session, engine.connect() as conn:
+        by_orm = enqueue(session, InheritedJobA())
+        session.flush()
+        ids = {
+            "a by enqueue": by_orm.id,
+            "a": enqueue_values(session, InheritedJobA),
+            "b": enqueue_values(session, InheritedJobB, {"kind": None}, queue="b"),
+            "base": enqueue_values(session, InheritedJob),
+            "b by the base": enqueue_values(session, InheritedJob, {"kind": "b"}),
+            "a on a connection": enqueue_values(conn, InheritedJobA, {"kind": "a"}),
+        }
+        for model, kind in [(InheritedJobA, "b"), (InheritedJobB, "base"), (InheritedJob, "c")]:
+            with pytest.raises(EnqueueError, match=f"kind='{kind}' is not a polymorphic identity of {model.__name__}"):
+                enqueue_values(session, model, {"kind": kind})
+            with pytest.raises(EnqueueError, match=f"kind='{kind}' is not a polymorphic identity"):
+                enqueue_values(conn, model, {"kind": kind})
+        session.commit()
+        conn.commit()
+    with Session(engine) as session:
+        loaded = {name: session.get(InheritedJob, job_id) for name, job_id in ids.items()}
+        kinds = session.scalars(select(InheritedJob.kind)).all()
+    assert {name: type(job) for name, job in loaded.items()} == {
+        "a by enqueue": InheritedJobA,
+        "a": InheritedJobA,
+        "b": InheritedJobB,
+        "base": InheritedJob,
+        "b by the base": InheritedJobB,
+        "a on a connection": InheritedJobA,
+    }
+    assert sorted(kinds) == ["a", "a", "a", "b", "b", "base"]
+
+
+def test_a_default_taking_the_execution_context_is_evaluated_as_by_enqueue(
+    engine: Engine, listening: Any, server: Server
+) -> None:
+    """``default=lambda ctx: …`` is evaluated by SQLAlchemy's execution of the INSERT,
+    with the row's other values in ``ctx.get_current_parameters()`` and the column in
+    ``ctx.current_column``, as when ``enqueue()`` flushes; the wake-up still rides along."""
+    routed_channel = queue_table(RoutedJob).channel
+    listening.execute(f'LISTEN "{routed_channel}"')
+    with Session(engine) as session:
+        enqueue(session, RoutedJob(customer="ada"), queue="orm")
+        session.flush()
+        enqueue_values(session, RoutedJob, {"customer": "ada"}, queue="values")
+        enqueue_values(session, RoutedJob, {"customer": "bob", "routing": "own"}, queue="values")
+        enqueue_values(session, RoutedJob, queue="values")
+        session.commit()
+    with engine.begin() as conn:
+        job_id = enqueue_values(conn, RoutedJob, {"customer": "cy"}, queue="conn", delay=60)
+    got = rows(engine, table_of(RoutedJob))
+    assert [(r.customer, r.routing, r.queue) for r in got] == [
+        ("ada", "routing:ada", "orm"),
+        ("ada", "routing:ada", "values"),
+        ("bob", "own", "values"),
+        (None, "routing:None", "values"),
+        ("cy", "routing:cy", "conn"),
+    ]
+    orm, by_values = got[0], got[1]
+    for column in ("status", "priority", "attempts", "max_attempts", "isolated"):
+        assert getattr(orm, column) == getattr(by_values, column), column
+    assert got[-1].id == job_id and got[-1].run_after - got[-1].created_at >= timedelta(seconds=59)
+    assert sorted(notifications_until_sentinel(listening, server.conninfo)) == [
+        (routed_channel, "conn"),
+        (routed_channel, "orm"),
+        (routed_channel, "values"),
+    ]
 
 
 def test_an_async_session_through_run_sync(engine: Engine, server: Server) -> None:
