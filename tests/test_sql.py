@@ -384,6 +384,114 @@ def test_sweep_returns_expired_work_and_dead_letters_exhausted(engine: Engine) -
         assert conn.execute(q.sweep_expired(EmailJob)).all() == []
 
 
+def test_a_second_expiry_in_a_row_marks_the_job_solitary(engine: Engine) -> None:
+    """A job isolated already when its lease expires again gets the reason that makes the
+    worker run it alone in the whole worker; a retry in between clears it."""
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1)
+
+        def expire_and_sweep(owner: str) -> Any:
+            assert len(claim(conn, owner=owner, isolated=conn.scalar(select(JOBS.c.isolated)))) == 1
+            conn.execute(update(JOBS).values(lease_expires_at=func.now() - timedelta(seconds=1)))
+            conn.execute(q.sweep_expired(EmailJob))
+            return conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+
+        once = expire_and_sweep("a")
+        assert once.isolated and not q.is_solitary(once.isolated, once.last_error)
+        twice = expire_and_sweep("b")
+        assert twice.last_error == f"{q.SOLITARY_REASON}: worker b did not finish attempt 2 of 20"
+        assert q.is_solitary(twice.isolated, twice.last_error)
+        thrice = expire_and_sweep("c")
+        assert q.is_solitary(thrice.isolated, thrice.last_error)
+        (row,) = claim(conn, owner="d", isolated=True)
+        conn.execute(q.retry_if_owner(EmailJob, owner="d", token=(job_id, row.attempts), error="boom", delay=0))
+        after = conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+        assert not q.is_solitary(after.isolated, after.last_error)
+    assert not q.is_solitary(True, None) and not q.is_solitary(False, f"{q.SOLITARY_REASON}: worker x")
+
+
+def _compiled(engine: Engine, stmt: Any) -> Any:
+    from sqla_queue.driver import compile_statement
+
+    return compile_statement(stmt, engine.dialect)
+
+
+def _raw(engine: Engine) -> Any:
+    import psycopg
+
+    return psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False),
+                           autocommit=True)
+
+
+def test_release_lost_claims_gives_back_the_unheld_rows_of_one_owner(engine: Engine) -> None:
+    """Compiled once and run on the psycopg cursor, as the worker runs it."""
+    with engine.begin() as conn:
+        add_jobs(conn, 6)
+        mine = [r.id for r in claim(conn, owner="w/0.0", limit=4)]
+        theirs = [r.id for r in claim(conn, owner="w/1.0", limit=2)]
+    stmt = _compiled(engine, q.release_lost_claims(EmailJob))
+    with _raw(engine) as raw:
+        back = raw.execute(stmt.sql, stmt.params({q.OWNER_PARAM: "w/0.0", q.IDS_PARAM: mine[:2]})).fetchall()
+        assert sorted(r[0] for r in back) == sorted(mine[2:]) and {r[1] for r in back} == {0}
+    with engine.connect() as conn:
+        found = {r.id: (r.status, r.attempts, r.lease_owner) for r in conn.execute(select(JOBS))}
+    assert {i: found[i] for i in mine[2:]} == dict.fromkeys(mine[2:], ("pending", 0, None))
+    assert {i: found[i][0] for i in [*mine[:2], *theirs]} == dict.fromkeys([*mine[:2], *theirs], "running")
+
+
+def test_a_claim_can_pass_over_keys_and_list_its_candidates(engine: Engine) -> None:
+    with engine.begin() as conn:
+        ids = add_jobs(conn, 5)
+    values = {q.OWNER_PARAM: "w", q.LIMIT_PARAM: 10, q.LEASE_PARAM: 30.0, q.SKIP_PARAM: ids[:2]}
+    candidates = _compiled(engine, q.claim_candidates(EmailJob, queues=("default",)))
+    skipping = _compiled(engine, q.claim_template(EmailJob, queues=("default",), skip=True))
+    by_key = _compiled(engine, q.claim_template(EmailJob, by_key=True))
+    with _raw(engine) as raw:
+        listed = raw.execute(candidates.sql, candidates.params({q.LIMIT_PARAM: 2, q.SKIP_PARAM: ids[:2]})).fetchall()
+        assert [r[0] for r in listed] == ids[2:4]
+        pk = list(JOBS.c).index(JOBS.c.id)
+        one = raw.execute(by_key.sql, by_key.params({**values, q.KEY_PARAM: ids[4]})).fetchall()
+        assert [r[pk] for r in one] == [ids[4]]
+        claimed = raw.execute(skipping.sql, skipping.params(values)).fetchall()
+        assert sorted(r[pk] for r in claimed) == ids[2:4]
+    with engine.connect() as conn:
+        assert [status_of(conn, i) for i in ids[:2]] == ["pending", "pending"]
+
+
+def test_fail_unclaimable_dead_letters_a_pending_job_without_spending_an_attempt(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 2)
+        (running,) = [r.id for r in claim(conn, limit=1)]
+        (pending,) = conn.scalars(select(JOBS.c.id).where(JOBS.c.status == "pending"))
+    stmt = _compiled(engine, q.fail_unclaimable(EmailJob))
+    with _raw(engine) as raw:
+        assert raw.execute(stmt.sql, stmt.params({q.KEY_PARAM: running, q.ERROR_PARAM: "no"})).fetchall() == []
+        assert raw.execute(stmt.sql, stmt.params({q.KEY_PARAM: pending, q.ERROR_PARAM: "x"})).fetchall() == [
+            (pending,)
+        ]
+    with engine.connect() as conn:
+        row = conn.execute(select(JOBS).where(JOBS.c.id == pending)).one()
+        assert status_of(conn, running) == "running"
+    assert (row.status, row.attempts, row.last_error) == ("failed", 0, "x")
+
+
+def test_the_heartbeat_with_an_owner_prefix_extends_every_executors_tokens(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 3)
+        a = [(r.id, r.attempts) for r in claim(conn, owner="w:1/0.0", limit=2)]
+        b = [(r.id, r.attempts) for r in claim(conn, owner="w:1/1.3", limit=1)]
+    from sqla_queue.driver import tokens_params
+
+    stmt = _compiled(engine, q.extend_unlocked_leases_if_owner(EmailJob, owner_prefix=True))
+    owned = _compiled(engine, q.owned_tokens(EmailJob, owner_prefix=True))
+    with _raw(engine) as raw:
+        extended = raw.execute(stmt.sql, stmt.params({**tokens_params("w:1/", a + b), q.LEASE_PARAM: 30.0}))
+        assert sorted(extended.fetchall()) == sorted(a + b)
+        other = stmt.params({**tokens_params("w:10/", a + b), q.LEASE_PARAM: 30.0})  # another worker
+        assert raw.execute(stmt.sql, other).fetchall() == []
+        assert sorted(raw.execute(owned.sql, owned.params(tokens_params("w:1/", a + b))).fetchall()) == sorted(a + b)
+
+
 def test_concurrent_sweeps_move_each_job_once(engine: Engine) -> None:
     with engine.begin() as conn:
         add_jobs(conn, 20)
