@@ -121,7 +121,9 @@ class Worker:
             Sweeper(cfg, driver, qt, self.stats, self._producer, self.signal) if cfg.sweep_interval > 0 else None
         )
         self.listener = (
-            Listener(cfg, driver, qt.channel, self.signal, queues=cfg.queues) if cfg.listen else None
+            Listener(cfg, driver, qt.channel, self.signal, queues=cfg.queues,
+                     on_swept=self._producer.look_for_isolated)
+            if cfg.listen else None
         )
         self._stopping = Event()
         self._hard_stop = Event()

@@ -4,6 +4,15 @@ Jobs are keyed by ``(job id, attempt)``, the fencing token, so a re-claim of the
 while an older attempt still runs is a different entry. The executors add what they
 claim and remove what they recorded; the heartbeat reads the tokens and marks the ones it
 found lost; shutdown waits for it to empty. Pure logic: no database, no threads of its own.
+
+Each executor claims under a lease owner name of its own (``{worker}/{executor}.{generation}``)
+and each held job keeps the name it was claimed under. That lets an executor whose claim
+committed but whose answer was lost give back exactly the rows that claim took: they are
+the rows running under its name that it does not hold (:meth:`Ledger.recovery`). Every
+held job that leaves the ledger while its row may still be running under its name (its
+outcome could not be recorded, the leases lapsed) bumps the generation, so that the names
+in use no longer share rows with a job that started: a recovery is only made under a name
+of the current generation.
 """
 
 from __future__ import annotations
@@ -12,12 +21,13 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from ..runtime import Condition, Event
 from ..sql import ClaimToken
 
-__all__ = ["Held", "Ledger"]
+__all__ = ["Held", "Ledger", "Start"]
 
 
 @dataclass(eq=False, slots=True)
@@ -29,6 +39,10 @@ class Held:
     #: Why the row could not become the handler's object, if it could not.
     load_error: str | None = None
     isolated: bool = False
+    #: Runs with no other job in the worker: its lease expired on its last two attempts.
+    solitary: bool = False
+    #: The lease owner it was claimed under (its executor's name).
+    owner: str = ""
     #: Its handler was started (a job never started gets its attempt back at shutdown).
     started: bool = False
     #: Its outcome is being recorded: only that statement's result says if it was lost.
@@ -37,14 +51,35 @@ class Held:
     lost: bool = False
 
 
+class Start(Enum):
+    """What :meth:`Ledger.start` says about a job about to run."""
+
+    #: Run it.
+    RUN = "run"
+    #: Do not: it was lost, or is being handed back.
+    SKIP = "skip"
+    #: Do not, and hand it back unstarted (attempt refunded): a solitary job waits for
+    #: the worker to hold nothing else.
+    DEFER = "defer"
+
+
 class Ledger:
-    """Held jobs, the isolated-job slot and the worker's lease health, under one lock."""
+    """Held jobs, claims in flight, the isolated-claim slot, the executors' owner
+    generation and the worker's lease health, under one lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._changed = Condition(self._lock)
         self._held: dict[ClaimToken, Held] = {}
         self._isolated_taken = False
+        #: Claims sent (or about to be) whose rows are not in the ledger yet.
+        self._claims = 0
+        #: The solitary job held, if any: no claim is made while it is.
+        self._solitary: Held | None = None
+        #: Bumped whenever a held job is let go while its row may still be ours.
+        self._generation = 0
+        #: Owner names whose claim may have committed unseen, and their generation.
+        self._unknown: dict[str, int] = {}
         #: False after no heartbeat succeeded for a whole lease: claim nothing until one does.
         self._healthy = True
 
@@ -57,14 +92,42 @@ class Ledger:
         with self._lock:
             for h in held:
                 self._held[h.token] = h
+                if h.solitary and self._solitary is None:
+                    self._solitary = h
 
-    def start(self, held: Held) -> bool:
-        """Mark a job started, unless it was lost or is being handed back meanwhile."""
+    def begin_claim(self) -> bool:
+        """A claim is about to be sent; False while a solitary job is held (claim nothing)."""
         with self._lock:
-            if held.lost or held.finishing:
+            if self._solitary is not None:
                 return False
-            held.started = True
+            self._claims += 1
             return True
+
+    def end_claim(self) -> None:
+        """The claim's rows are in the ledger (or it claimed nothing, or failed)."""
+        with self._lock:
+            self._claims -= 1
+            self._changed.notify_all()
+
+    def start(self, held: Held) -> Start:
+        """Mark a job started, unless it was lost or is being handed back meanwhile.
+
+        The solitary job waits here until the worker holds nothing else and claims
+        nothing: the other jobs finish, or are handed back unstarted (DEFER), so that
+        if it kills the worker, it takes no other job's attempt with it.
+        """
+        with self._changed:
+            if held is self._solitary:
+                while not (held.lost or held.finishing) and (len(self._held) > 1 or self._claims):
+                    self._changed.wait(0.05)
+            if held.lost or held.finishing:
+                if held.lost and self._held.get(held.token) is held:
+                    self._forget(held)  # never started: nothing will record it
+                return Start.SKIP
+            if self._solitary is not None and held is not self._solitary:
+                return Start.DEFER
+            held.started = True
+            return Start.RUN
 
     def take_unstarted(self) -> list[Held]:
         """The jobs whose handler never started, marked for hand-back (at shutdown)."""
@@ -72,6 +135,7 @@ class Ledger:
             taken = [h for h in self._held.values() if not (h.started or h.finishing or h.lost)]
             for h in taken:
                 h.finishing = True
+            self._changed.notify_all()
             return taken
 
     def finishing(self, held: Iterable[Held]) -> list[Held]:
@@ -88,10 +152,13 @@ class Ledger:
         with self._lock:
             for h in held:
                 if self._held.get(h.token) is h:
-                    del self._held[h.token]
-                    if h.isolated:
-                        self._isolated_taken = False
+                    self._forget(h)
             self._changed.notify_all()
+
+    def _forget(self, h: Held) -> None:
+        del self._held[h.token]
+        if h is self._solitary:
+            self._solitary = None
 
     def get(self, token: ClaimToken) -> Held | None:
         with self._lock:
@@ -118,8 +185,12 @@ class Ledger:
             h.lost = True
             return h
 
-    def lose(self, held: Iterable[Held]) -> list[Held]:
-        """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them."""
+    def lose(self, held: Iterable[Held], *, settled: bool = False) -> list[Held]:
+        """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them.
+
+        ``settled``: the database said their rows are no longer running under their
+        owner (a fenced statement matched none). Otherwise a row may still be ours, so
+        the generation of owner names moves on (see :meth:`recovery`)."""
         marked = []
         with self._lock:
             for h in held:
@@ -127,16 +198,49 @@ class Ledger:
                     h.lost = True
                     marked.append(h)
                 if self._held.get(h.token) is h:
-                    del self._held[h.token]
-                    if h.isolated:
-                        self._isolated_taken = False
+                    self._forget(h)
+            if marked and not settled:
+                self._generation += 1
             self._changed.notify_all()
         return marked
+
+    # -- claims whose answer was lost ----------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Part of every executor's owner name: see the module docstring."""
+        return self._generation
+
+    def claim_unknown(self, owner: str, generation: int) -> None:
+        """A claim under ``owner`` may have committed, but its rows never arrived."""
+        with self._lock:
+            self._unknown[owner] = generation
+
+    def unknown_claims(self, prefix: str) -> list[str]:
+        """The owner names starting with ``prefix`` that have claims to recover."""
+        with self._lock:
+            return [name for name in self._unknown if name.startswith(prefix)]
+
+    def recovery(self, owner: str) -> list[Any] | None:
+        """The keys to keep when giving back the rows of ``owner``'s lost claims (every
+        job held), or None when that is no longer safe: a job claimed under a name of
+        that generation was let go while its row may still be running (then the rows
+        of the lost claims return after their lease, as a dead worker's do)."""
+        with self._lock:
+            if self._unknown.get(owner) != self._generation:
+                self._unknown.pop(owner, None)
+                return None
+            return [token.job_id for token in self._held]
+
+    def recovered(self, owner: str) -> None:
+        with self._lock:
+            self._unknown.pop(owner, None)
 
     # -- isolated jobs -----------------------------------------------------------------
 
     def take_isolated_slot(self) -> bool:
-        """At most one isolated job (its last worker died running it) runs per worker."""
+        """One claim of an isolated job (its last worker died running it) at a time per
+        worker: each is claimed alone, and a solitary one stops every other claim."""
         with self._lock:
             if self._isolated_taken:
                 return False
@@ -146,6 +250,11 @@ class Ledger:
     def give_back_isolated_slot(self) -> None:
         with self._lock:
             self._isolated_taken = False
+
+    @property
+    def solitary(self) -> bool:
+        """A solitary job is held: the worker claims nothing until it is done."""
+        return self._solitary is not None
 
     # -- health ------------------------------------------------------------------------
 
