@@ -770,7 +770,10 @@ def test_stop_hands_back_more_than_ten_thousand_held_jobs(engine: Engine, Sessio
         assert held > 10_000
         begun = time.monotonic()
         worker.stop(grace=0.2)
-        assert time.monotonic() - begun < 10
+        took = time.monotonic() - begun
+        # The documented bound: the grace, about three seconds, and a second per 2,000
+        # jobs handed back (releasing them takes that long on a loaded server).
+        assert took < 0.2 + 4 + held / 2000, took
     finally:
         gate.set()
     for service in worker.services():

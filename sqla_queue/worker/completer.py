@@ -140,8 +140,20 @@ class Completer:
         return claimed
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
-        """Shutdown: jobs back to ``pending`` at once; ``refund`` for those never started."""
+        """Jobs back to ``pending`` at once; ``refund`` for those never started."""
         self._record_kind(connect, Kind.RELEASE, [Outcome(h, Kind.RELEASE) for h in held], refund=refund)
+
+    def release_now(self, conn: DbConnection, held: Sequence[Held], *, refund: bool) -> None:
+        """Shutdown: ``held`` back to ``pending`` on ``conn``, one statement per owner and
+        no retry (the caller bounds the time); an error is the caller's."""
+        owners = {h.owner for h in held}
+        for owner in owners:
+            group = [Outcome(h, Kind.RELEASE) for h in held if h.owner == owner]
+            alive = set(self.ledger.finishing([o.held for o in group]))
+            outcomes = [o for o in group if o.held in alive]
+            if outcomes:
+                sent = time.monotonic()
+                self._settle(Kind.RELEASE, outcomes, self._run(conn, Kind.RELEASE, outcomes, refund), sent)
 
     # -- one kind ----------------------------------------------------------------------
 

@@ -165,9 +165,11 @@ class Ledger:
             return self._held.get(token)
 
     def tokens(self) -> list[ClaimToken]:
-        """Tokens whose lease still matters: held, not lost."""
+        """Tokens whose lease still matters: held, not lost, and not being handed back
+        unstarted (a beat over ten thousand of those would hold their rows' locks while
+        the hand-back waits for them; if it fails, they return after their lease)."""
         with self._lock:
-            return [t for t, h in self._held.items() if not h.lost]
+            return [t for t, h in self._held.items() if not (h.lost or (h.finishing and not h.started))]
 
     def held(self) -> list[Held]:
         with self._lock:
