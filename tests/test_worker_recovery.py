@@ -155,7 +155,7 @@ def app_processes(tmp_path: Path, runtime: Runtimes) -> Iterator[Callable[..., A
 
 # -- 6. recovery -----------------------------------------------------------------------------
 
-LEASE, SWEEP, POLL, RUN = 1.0, 0.2, 0.5, 0.3
+LEASE, SWEEP, POLL, RUN = 1.0, 0.2, 0.5, 0.5
 #: The issue's bound: every recovered job done within lease + sweep + its run time +
 #: this, measured from the fault.
 SLACK = 0.5
