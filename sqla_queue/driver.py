@@ -77,9 +77,8 @@ class ClaimRequest:
     #: The same claim behind a completion, as one statement (its values: the claim's and
     #: the completion's); see :meth:`DbConnection.complete_then_claim`.
     after_completion: Statement | None = None
-    #: The lease owner it claims for, and that name's generation (see the worker's ledger).
+    #: The lease owner it claims for (an executor's own name; see the worker's ledger).
     owner: str = ""
-    generation: int = 0
 
 
 @dataclass(frozen=True)

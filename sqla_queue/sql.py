@@ -692,6 +692,7 @@ DELAYS_PARAM: Final = "sqla_queue_delays"
 SKIP_PARAM: Final = "sqla_queue_skip"
 KEY_PARAM: Final = "sqla_queue_key"
 ERROR_PARAM: Final = "sqla_queue_error"
+FRESH_PARAM: Final = "sqla_queue_fresh_seconds"
 #: The last column of :func:`complete_many_if_owner_then_claim`: true on a completed token's row.
 DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 
@@ -731,16 +732,20 @@ def claim_template(
     isolated: bool = False,
     skip: bool = False,
     by_key: bool = False,
+    fresh: bool = False,
 ) -> ReturningUpdate[Any]:
     """:func:`claim` with the owner, the limit and the lease (seconds) bound at execution:
     ``{OWNER_PARAM: owner, LIMIT_PARAM: n, LEASE_PARAM: 60.0}``.
 
     ``skip=True`` also takes ``SKIP_PARAM``, keys the claim must pass over (rows its
     UPDATE cannot change: a trigger that raises, a ``NOT VALID`` CHECK they violate);
-    ``by_key=True`` claims only the row whose key is ``KEY_PARAM``, if it is claimable.
+    ``by_key=True`` claims only the row whose key is ``KEY_PARAM``, if it is claimable;
+    ``fresh=True`` takes ``FRESH_PARAM`` (see :func:`still_fresh`).
     """
     qt = queue_table(model)
     extra: list[ColumnElement[bool]] = []
+    if fresh:
+        extra.append(still_fresh())
     if skip:
         extra.append(qt.pk != all_(bindparam(SKIP_PARAM, type_=ARRAY(qt.pk.type))))
     if by_key:
@@ -754,6 +759,21 @@ def claim_template(
         lease_expires_at=_clock() + seconds_interval(bindparam(LEASE_PARAM, type_=Float())),
         extra=extra,
     )
+
+
+def still_fresh() -> ColumnElement[bool]:
+    """``FRESH_PARAM`` seconds have not passed since the transaction began: for a
+    statement sent on its own (autocommit), since the server received it.
+
+    A caller that gives up on a statement after that long (it drops the connection) may
+    leave it waiting in the server, behind a lock, and running when the lock is gone:
+    its answer would reach no one. A claim guarded so claims nothing then. Evaluated once
+    per statement (an InitPlan), after the statement got its table locks. Not
+    ``statement_timestamp()``: with the extended protocol it is taken at the Execute
+    message, after a lock wait during the Parse.
+    """
+    elapsed = select(func.clock_timestamp() - func.transaction_timestamp()).scalar_subquery()
+    return elapsed < seconds_interval(bindparam(FRESH_PARAM, type_=Float()))
 
 
 def claim_candidates(
@@ -809,7 +829,12 @@ def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
 
 
 def complete_many_if_owner_then_claim(
-    model: QueueModel, *, queues: Sequence[str] | None = None, isolated: bool = False, skip: bool = False
+    model: QueueModel,
+    *,
+    queues: Sequence[str] | None = None,
+    isolated: bool = False,
+    skip: bool = False,
+    fresh: bool = False,
 ) -> CompoundSelect[Any]:
     """:func:`complete_many_if_owner` and :func:`claim_template` in one statement, one
     transaction: the parameters of both (one owner), and rows of every table column plus
@@ -821,7 +846,7 @@ def complete_many_if_owner_then_claim(
     """
     qt = queue_table(model)
     done = complete_many_if_owner(model).cte("sqla_queue_completed")
-    claimed = claim_template(model, queues=queues, isolated=isolated, skip=skip).cte("sqla_queue_claimed")
+    claimed = claim_template(model, queues=queues, isolated=isolated, skip=skip, fresh=fresh).cte("sqla_queue_claimed")
     done_pk, done_attempt = list(done.c)
     flag = DONE_FLAG_COLUMN
     completed_columns = [
@@ -936,24 +961,31 @@ def owned_tokens(model: QueueModel, *, owner_prefix: bool = False) -> Select[Any
 
 def release_lost_claims(model: QueueModel) -> ReturningUpdate[Any]:
     """Back to ``pending``, attempt refunded, every job running under ``OWNER_PARAM``
-    except the keys ``IDS_PARAM``: ``{OWNER_PARAM, IDS_PARAM}``. Returns ``(pk, attempts)``.
+    except the tokens ``IDS_PARAM``/``ATTEMPTS_PARAM``: ``{OWNER_PARAM, IDS_PARAM,
+    ATTEMPTS_PARAM, FRESH_PARAM}`` (it releases nothing once :func:`still_fresh` is
+    false). Returns ``(pk, attempts)``.
 
     For a claimer whose claim committed but whose answer was lost with its connection:
     the rows it took are running under its name, yet it never saw them, so their
     handlers never started and their attempts must not count. This is safe only for an
     owner name that exactly one claimer uses, one claim at a time, and that passes every
-    job it did receive (and may still hold) in ``IDS_PARAM``: then every other row under
-    that name is one of the lost claims'. The refunded attempt number is handed out again
-    by the next claim, which is harmless because no one holds a token of it.
+    token it did receive and may still hold: then every other row under that name is one
+    of the lost claims' (a row kept on another attempt was claimed again by them). The
+    refunded attempt number is handed out again by the next claim, which is harmless
+    because no one holds a token of it.
     """
     qt = queue_table(model)
     c = qt.c
+    ids = bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))
+    attempts = bindparam(ATTEMPTS_PARAM, type_=ARRAY(c.attempts.type))
+    kept_attempt = func.coalesce(Grouping(attempts)[func.array_position(ids, qt.pk)], -1)
     return (
         qt.table.update()
         .where(
             _status(qt, RUNNING),
             c.lease_owner == bindparam(OWNER_PARAM, type_=c.lease_owner.type),
-            qt.pk != all_(bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))),
+            c.attempts != kept_attempt,
+            still_fresh(),
         )
         .values(
             status=status_literal(PENDING),

@@ -12,27 +12,39 @@ def _held(job_id: int, owner: str = "w/0.0", *, solitary: bool = False) -> Held:
     return Held(ClaimToken(job_id, 1), owner=owner, isolated=solitary, solitary=solitary)
 
 
-def test_a_lost_claim_is_recovered_keeping_every_held_job() -> None:
+def test_a_lost_claim_is_recovered_keeping_the_jobs_held_under_its_name() -> None:
     ledger = Ledger()
+    assert ledger.lane_owner("w/0.") == "w/0.0"
     ledger.add([_held(1), _held(2, "w/1.0")])
-    ledger.claim_unknown("w/0.0", ledger.generation)
+    ledger.claim_unknown("w/0.0")
     assert ledger.unknown_claims("w/0.") == ["w/0.0"] and ledger.unknown_claims("w/1.") == []
-    assert sorted(ledger.recovery("w/0.0") or []) == [1, 2]
+    assert ledger.recovery("w/0.0") == [ClaimToken(1, 1)]
     ledger.recovered("w/0.0")
     assert ledger.unknown_claims("w/0.") == []
+    assert ledger.lane_owner("w/0.") == "w/0.0"  # nothing was let go: the name stays
 
 
-def test_a_job_let_go_unsettled_makes_recovery_unsafe_and_moves_the_generation() -> None:
+def test_a_job_let_go_unsettled_is_kept_by_recovery_and_retires_its_name() -> None:
+    """A job let go while its row may still be running under its name must not be given
+    back as a lost claim's: it is remembered while a recovery may need it, and the
+    executor claims under a new name from then on."""
     ledger = Ledger()
-    first, second = _held(1), _held(2)
+    name = ledger.lane_owner("w/0.")
+    first, second = _held(1, name), _held(2, name)
     ledger.add([first, second])
-    ledger.claim_unknown("w/0.0", 0)
+    ledger.claim_unknown(name)
     ledger.lose([first], settled=True)  # the database said its row is not ours: no doubt
-    assert ledger.generation == 0 and ledger.recovery("w/0.0") == [2]
-    ledger.lose([second])  # its row may still be running under w/0.0
-    assert ledger.generation == 1
-    assert ledger.recovery("w/0.0") is None
-    assert ledger.unknown_claims("w/") == []  # given up: the rows return after their lease
+    assert ledger.recovery(name) == [second.token]
+    ledger.lose([second])  # its row may still be running under the name
+    assert ledger.recovery(name) == [second.token]
+    assert ledger.lane_owner("w/0.") == "w/0.1"
+    assert ledger.recovery(name) == [second.token]  # still needed: its recovery is pending
+    ledger.recovered(name)
+    assert ledger.recovery(name) == []  # forgotten once no recovery can need it
+    third = _held(3, "w/0.1")
+    ledger.add([third])
+    ledger.lose([third])  # no recovery pending for w/0.1: forgotten when the name moves on
+    assert ledger.lane_owner("w/0.") == "w/0.2" and ledger.recovery("w/0.1") == []
 
 
 def test_a_solitary_job_waits_for_the_worker_to_hold_nothing_else() -> None:

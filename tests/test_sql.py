@@ -425,18 +425,24 @@ def _raw(engine: Engine) -> Any:
 
 def test_release_lost_claims_gives_back_the_unheld_rows_of_one_owner(engine: Engine) -> None:
     """Compiled once and run on the psycopg cursor, as the worker runs it."""
+    from sqla_queue.driver import tokens_params
+
     with engine.begin() as conn:
         add_jobs(conn, 6)
         mine = [r.id for r in claim(conn, owner="w/0.0", limit=4)]
         theirs = [r.id for r in claim(conn, owner="w/1.0", limit=2)]
     stmt = _compiled(engine, q.release_lost_claims(EmailJob))
     with _raw(engine) as raw:
-        back = raw.execute(stmt.sql, stmt.params({q.OWNER_PARAM: "w/0.0", q.IDS_PARAM: mine[:2]})).fetchall()
-        assert sorted(r[0] for r in back) == sorted(mine[2:]) and {r[1] for r in back} == {0}
+        # The first two are kept: one as held (attempt 1), one on an older attempt (0),
+        # as if a lost claim had claimed again a job let go on that attempt.
+        keep = [(mine[0], 1), (mine[1], 0)]
+        values = {**tokens_params("w/0.0", keep), q.FRESH_PARAM: 60.0}
+        back = raw.execute(stmt.sql, stmt.params(values)).fetchall()
+        assert sorted(r[0] for r in back) == sorted(mine[1:]) and {r[1] for r in back} == {0}
     with engine.connect() as conn:
         found = {r.id: (r.status, r.attempts, r.lease_owner) for r in conn.execute(select(JOBS))}
-    assert {i: found[i] for i in mine[2:]} == dict.fromkeys(mine[2:], ("pending", 0, None))
-    assert {i: found[i][0] for i in [*mine[:2], *theirs]} == dict.fromkeys([*mine[:2], *theirs], "running")
+    assert {i: found[i] for i in mine[1:]} == dict.fromkeys(mine[1:], ("pending", 0, None))
+    assert {i: found[i][0] for i in [mine[0], *theirs]} == dict.fromkeys([mine[0], *theirs], "running")
 
 
 def test_a_claim_can_pass_over_keys_and_list_its_candidates(engine: Engine) -> None:
@@ -456,6 +462,41 @@ def test_a_claim_can_pass_over_keys_and_list_its_candidates(engine: Engine) -> N
         assert sorted(r[pk] for r in claimed) == ids[2:4]
     with engine.connect() as conn:
         assert [status_of(conn, i) for i in ids[:2]] == ["pending", "pending"]
+
+
+@pytest.mark.parametrize(("fresh_for", "claimed"), [(0.3, 0), (60.0, 2)], ids=["stale", "fresh"])
+def test_a_fresh_claim_that_waited_too_long_behind_a_lock_claims_nothing(
+    engine: Engine, fresh_for: float, claimed: int
+) -> None:
+    """A claim its sender gave up on (it dropped the connection after its deadline) may
+    still wait in the server behind a lock and run when the lock goes: guarded with
+    ``fresh``, it then claims nothing, so no row is left claimed for no one."""
+    import threading
+    import time
+
+    from .helpers import wait_for
+
+    with engine.begin() as conn:
+        ids = add_jobs(conn, 2)
+    stmt = _compiled(engine, q.claim_template(EmailJob, fresh=True))
+    values = {q.OWNER_PARAM: "w", q.LIMIT_PARAM: 10, q.LEASE_PARAM: 30.0, q.FRESH_PARAM: fresh_for}
+    got: list[Any] = []
+    with _raw(engine) as locker, _raw(engine) as claimer:
+        pid = claimer.info.backend_pid
+        locker.execute("BEGIN")
+        locker.execute("LOCK TABLE email_jobs IN ACCESS EXCLUSIVE MODE")
+        thread = threading.Thread(target=lambda: got.extend(claimer.execute(stmt.sql, stmt.params(values)).fetchall()))
+        thread.start()
+        waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: locker.execute(waiting, (pid,)).fetchone() == (True,), what="the claim waiting on the lock")
+        began = time.monotonic()
+        wait_for(lambda: time.monotonic() - began > 0.5, what="the claim to wait longer than 0.3 s")
+        locker.execute("ROLLBACK")
+        thread.join(10)
+    assert len(got) == claimed
+    with engine.connect() as conn:
+        statuses = sorted(status_of(conn, i) for i in ids)
+    assert statuses == (["running", "running"] if claimed else ["pending", "pending"])
 
 
 def test_fail_unclaimable_dead_letters_a_pending_job_without_spending_an_attempt(engine: Engine) -> None:

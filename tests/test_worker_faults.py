@@ -192,8 +192,47 @@ def test_a_completion_and_claim_whose_answer_is_lost_give_the_claimed_jobs_back_
             worker.stop(grace=1)
 
 
+def test_claims_cut_short_behind_a_lock_claim_nothing_when_it_goes(
+    engine: Engine, Sessions: Any, server: Server, make_worker: Any, runs: Runs
+) -> None:
+    """The table is locked for longer than the lease while a job runs and another falls
+    due: the idle executor's claims wait on the lock and are cut by the deadline, but the
+    server runs them when the lock goes, and no one would see their rows (the running
+    job's lease lapsed meanwhile, so they could not be told from it). They must claim
+    nothing: the due job (``max_attempts=1``) is claimed afresh, runs once, ends done."""
+    from .workers import engine_with
+
+    app = _app("locked")
+    worker_engine = engine_with(server.url, application_name=app)
+    options = _options(concurrency=2, lease=1.0, heartbeat_interval=0.2, poll_interval=0.2)
+    worker = make_worker(worker_engine, Task, runs.tasks(), **options)
+    worker.start()
+    try:
+        (held,) = add(Sessions, "hold")
+        wait_for(lambda: runs.of(held) == 1, what="the held job to start")
+        with engine.connect() as locker:
+            locker.execute(text("LOCK TABLE tasks IN ACCESS EXCLUSIVE MODE"))
+            # Committed with the lock's release: every claim waiting on it will see it.
+            (job_id,) = locker.execute(text(
+                "INSERT INTO tasks (task, max_attempts, run_after) "
+                "VALUES ('stamp', 1, now() - interval '1 second') RETURNING id")).scalars()
+            wait_for(lambda: worker.stats.lost == 1, timeout=10, what="the held job's lease given up")
+            locked_at = time.monotonic()
+            wait_for(lambda: time.monotonic() - locked_at > 1.0, what="more claims cut behind the lock")
+            locker.commit()
+        runs.release.set()
+        wait_for(lambda: job(engine, job_id).status in ("done", "failed"), timeout=20, what="the job to finish")
+        row = job(engine, job_id)
+        print("\nJ", row.status, row.attempts, row.lease_owner, runs.counts)
+        assert (row.status, row.attempts, runs.of(job_id)) == ("done", 1, 1), (row.status, row.last_error)
+    finally:
+        runs.release.set()
+        worker.stop(grace=1)
+        worker_engine.dispose()
+
+
 def test_a_worker_name_too_long_for_its_executors_owner_names_is_refused(engine: Engine, make_worker: Any) -> None:
-    """Each executor claims under ``{name}:{suffix}/{executor}.{generation}`` in the
+    """Each executor claims under ``{name}:{suffix}/{executor}.{n}`` in the
     200-character ``lease_owner``: a name that leaves no room fails when the worker is
     built, not at every claim."""
     from sqla_queue.worker import WorkerConfig

@@ -566,7 +566,7 @@ def test_a_claim_lost_with_its_connection_gives_the_isolated_slot_back(engine: E
     try:
         conn.raw.close()
         with pytest.raises(psycopg.OperationalError):
-            producer.claim(conn, 4, f"{worker.owner}/0.0", 0)  # an isolated claim first: none has been tried yet
+            producer.claim(conn, 4, f"{worker.owner}/0.0")  # an isolated claim first: none has been tried yet
     finally:
         conn.close()
     assert worker.ledger.take_isolated_slot(), "the failed claim kept the isolated slot"

@@ -130,7 +130,7 @@ class Completer:
                 rows, claimed = conn.complete_then_claim(claim, params, *indexes)
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
             if self.driver.is_connection_error(exc):
-                self.ledger.claim_unknown(claim.owner, claim.generation)
+                self.ledger.claim_unknown(claim.owner)
             log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
             for o in outcomes:
                 o.held.finishing = False

@@ -54,8 +54,8 @@ MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 
 
 class Lane:
-    """An executor thread's connection, reconnected on demand, and the lease owner name
-    it claims under: ``{owner}/{index}.{generation}`` (see :mod:`.ledger`)."""
+    """An executor thread's connection, reconnected on demand, and the start of the
+    lease owner names it claims under: ``{owner}/{index}.{n}`` (see :mod:`.ledger`)."""
 
     def __init__(self, driver: Driver, name: str, owner: str = "") -> None:
         self.driver = driver
@@ -63,9 +63,6 @@ class Lane:
         self.conn: DbConnection | None = None
         #: Every owner name of this lane starts with it (and no other lane's does).
         self.prefix = f"{owner}."
-
-    def owner(self, generation: int) -> str:
-        return f"{self.prefix}{generation}"
 
     def connect(self) -> DbConnection:
         conn = self.conn
@@ -321,8 +318,7 @@ class ExecutorPool(Service):
                     try:
                         conn = lane.connect()
                         self._recover(lane, conn)
-                        generation = self.ledger.generation
-                        held = self.producer.claim(conn, limit, lane.owner(generation), generation)
+                        held = self.producer.claim(conn, limit, self.ledger.lane_owner(lane.prefix))
                         if not held:
                             if not self.stopping:
                                 self.producer.wait_for_work(conn)
@@ -400,8 +396,8 @@ class ExecutorPool(Service):
                 not self.stopping and not self.ledger.unknown_claims(lane.prefix) and self.producer.try_enter()
             )
             try:
-                generation = self.ledger.generation
-                request = self.producer.request(limit, lane.owner(generation), generation) if entered else None
+                owner = self.ledger.lane_owner(lane.prefix)
+                request = self.producer.request(limit, owner) if entered else None
                 then = (request, self.producer.indexes) if request is not None else None
                 rows = self.completer.record(lane.connect, outcomes, then=then)
                 if request is None or rows is None:  # no claim ran with the completion

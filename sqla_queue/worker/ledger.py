@@ -5,14 +5,14 @@ while an older attempt still runs is a different entry. The executors add what t
 claim and remove what they recorded; the heartbeat reads the tokens and marks the ones it
 found lost; shutdown waits for it to empty. Pure logic: no database, no threads of its own.
 
-Each executor claims under a lease owner name of its own (``{worker}/{executor}.{generation}``)
-and each held job keeps the name it was claimed under. That lets an executor whose claim
+Each executor claims under a lease owner name of its own (``{worker}/{executor}.{n}``) and
+each held job keeps the name it was claimed under. That lets an executor whose claim
 committed but whose answer was lost give back exactly the rows that claim took: they are
-the rows running under its name that it does not hold (:meth:`Ledger.recovery`). Every
-held job that leaves the ledger while its row may still be running under its name (its
-outcome could not be recorded, the leases lapsed) bumps the generation, so that the names
-in use no longer share rows with a job that started: a recovery is only made under a name
-of the current generation.
+the rows running under its name, on another attempt than every job it holds or let go
+while its row may still be running under that name (its outcome could not be recorded,
+the leases lapsed: :meth:`Ledger.recovery`). Such a job is remembered with its name, and
+the executor then moves on to a new name (``n + 1``) at its next claim, so what is
+remembered is forgotten once no recovery can need it any more.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class Start(Enum):
 
 
 class Ledger:
-    """Held jobs, claims in flight, the isolated-claim slot, the executors' owner
-    generation and the worker's lease health, under one lock."""
+    """Held jobs, claims in flight, the isolated-claim slot, the executors' owner names
+    and the worker's lease health, under one lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -76,10 +76,12 @@ class Ledger:
         self._claims = 0
         #: The solitary job held, if any: no claim is made while it is.
         self._solitary: Held | None = None
-        #: Bumped whenever a held job is let go while its row may still be ours.
-        self._generation = 0
-        #: Owner names whose claim may have committed unseen, and their generation.
-        self._unknown: dict[str, int] = {}
+        #: The number in each executor's current owner name, by the name's prefix.
+        self._names: dict[str, int] = {}
+        #: Owner names whose claim may have committed unseen.
+        self._unknown: set[str] = set()
+        #: Jobs let go while their row may still be running under that owner name.
+        self._abandoned: dict[str, set[ClaimToken]] = {}
         #: False after no heartbeat succeeded for a whole lease: claim nothing until one does.
         self._healthy = True
 
@@ -191,8 +193,9 @@ class Ledger:
         """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them.
 
         ``settled``: the database said their rows are no longer running under their
-        owner (a fenced statement matched none). Otherwise a row may still be ours, so
-        the generation of owner names moves on (see :meth:`recovery`)."""
+        owner (a fenced statement matched none). Otherwise a row may still be ours: it
+        is remembered with its owner name while a recovery may need it (see
+        :meth:`recovery`)."""
         marked = []
         with self._lock:
             for h in held:
@@ -202,41 +205,55 @@ class Ledger:
                 if self._held.get(h.token) is h:
                     self._forget(h)
             if marked and not settled:
-                self._generation += 1
+                current = self._current_names()
+                for h in marked:
+                    if h.owner in current or h.owner in self._unknown:
+                        self._abandoned.setdefault(h.owner, set()).add(h.token)
             self._changed.notify_all()
         return marked
 
     # -- claims whose answer was lost ----------------------------------------------------
 
-    @property
-    def generation(self) -> int:
-        """Part of every executor's owner name: see the module docstring."""
-        return self._generation
+    def lane_owner(self, prefix: str) -> str:
+        """The owner name an executor claims under next: ``prefix`` and a number, moved
+        on once a job of the name was let go while its row may still be ours."""
+        with self._lock:
+            number = self._names.setdefault(prefix, 0)
+            name = f"{prefix}{number}"
+            if self._abandoned.get(name):
+                if name not in self._unknown:
+                    del self._abandoned[name]  # no recovery can need them any more
+                self._names[prefix] = number + 1
+                name = f"{prefix}{number + 1}"
+            return name
 
-    def claim_unknown(self, owner: str, generation: int) -> None:
+    def _current_names(self) -> set[str]:
+        return {f"{prefix}{number}" for prefix, number in self._names.items()}
+
+    def claim_unknown(self, owner: str) -> None:
         """A claim under ``owner`` may have committed, but its rows never arrived."""
         with self._lock:
-            self._unknown[owner] = generation
+            self._unknown.add(owner)
 
     def unknown_claims(self, prefix: str) -> list[str]:
         """The owner names starting with ``prefix`` that have claims to recover."""
         with self._lock:
             return [name for name in self._unknown if name.startswith(prefix)]
 
-    def recovery(self, owner: str) -> list[Any] | None:
-        """The keys to keep when giving back the rows of ``owner``'s lost claims (every
-        job held), or None when that is no longer safe: a job claimed under a name of
-        that generation was let go while its row may still be running (then the rows
-        of the lost claims return after their lease, as a dead worker's do)."""
+    def recovery(self, owner: str) -> list[ClaimToken]:
+        """The tokens to keep when giving back the rows of ``owner``'s lost claims: the
+        jobs held under that name, and those let go while their row may still be
+        running under it. Every other row running under it came from a lost claim."""
         with self._lock:
-            if self._unknown.get(owner) != self._generation:
-                self._unknown.pop(owner, None)
-                return None
-            return [token.job_id for token in self._held]
+            keep = [token for token, h in self._held.items() if h.owner == owner]
+            keep.extend(self._abandoned.get(owner, ()))
+            return keep
 
     def recovered(self, owner: str) -> None:
         with self._lock:
-            self._unknown.pop(owner, None)
+            self._unknown.discard(owner)
+            if owner not in self._current_names():
+                self._abandoned.pop(owner, None)
 
     # -- isolated jobs -----------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 
 from .. import sql as q
-from ..driver import ClaimRequest, DbConnection, Driver, RowError, Statement
+from ..driver import ClaimRequest, DbConnection, Driver, RowError, Statement, tokens_params
 from ..model import QueueTable
 from ..runtime import Condition, Semaphore
 from ..sql import ClaimToken
@@ -156,15 +156,17 @@ class Producer:
         self.driver = driver
         self._qt = qt
         self._deadline = config.statement_deadline
-        self._claim = driver.compile(q.claim_template(qt.table, queues=config.queues))
+        # Every claim is guarded (fresh=True): one its executor gave up on (the deadline
+        # dropped its connection) claims nothing if the server runs it later.
+        self._claim = driver.compile(q.claim_template(qt.table, queues=config.queues, fresh=True))
         self._claim_isolated = driver.compile(
-            q.claim_template(qt.table, queues=config.queues, isolated=True)
+            q.claim_template(qt.table, queues=config.queues, isolated=True, fresh=True)
         )
         self._after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues)
+            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues, fresh=True)
         )
         self._isolated_after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues, isolated=True)
+            q.complete_many_if_owner_then_claim(qt.table, queues=config.queues, isolated=True, fresh=True)
         )
         self._next_due = driver.compile(q.next_run_after(qt.table, queues=config.queues))
         self._release_lost = driver.compile(q.release_lost_claims(qt.table))
@@ -188,7 +190,7 @@ class Producer:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""
         self._isolated_after = 0.0
 
-    def request(self, limit: int, owner: str, generation: int) -> ClaimRequest | None:
+    def request(self, limit: int, owner: str) -> ClaimRequest | None:
         """The claim to run next, for the executor named ``owner``: an isolated job when
         one may be waiting and no other isolated claim is out, else up to ``limit``
         ordinary jobs; None while leases are unhealthy or a solitary job is held.
@@ -201,14 +203,12 @@ class Producer:
                 claim, after = self._claim_isolated, self._isolated_after_completion
             else:
                 claim, after = self._statement("claim", True), self._statement("after_completion", True)
-            return ClaimRequest(claim, self._values(1, owner, skip), isolated=True, after_completion=after,
-                                owner=owner, generation=generation)
+            return ClaimRequest(claim, self._values(1, owner, skip), isolated=True, after_completion=after, owner=owner)
         if skip is None:
             claim, after = self._claim, self._after_completion
         else:
             claim, after = self._statement("claim", False), self._statement("after_completion", False)
-        return ClaimRequest(claim, self._values(limit, owner, skip), after_completion=after,
-                            owner=owner, generation=generation)
+        return ClaimRequest(claim, self._values(limit, owner, skip), after_completion=after, owner=owner)
 
     def accept(self, request: ClaimRequest, rows: list[tuple[Any, ...] | RowError]) -> list[Held]:
         """The held jobs of a claim's rows, added to the ledger."""
@@ -227,10 +227,10 @@ class Producer:
         self.ledger.end_claim()
         return held
 
-    def claim(self, conn: DbConnection, limit: int, owner: str, generation: int) -> list[Held]:
+    def claim(self, conn: DbConnection, limit: int, owner: str) -> list[Held]:
         """Claim for the executor named ``owner`` on its connection ``conn``."""
         with self._gate:
-            request = self.request(limit, owner, generation)
+            request = self.request(limit, owner)
             if request is None:
                 return []
             try:
@@ -238,7 +238,7 @@ class Producer:
                     rows = self.fetch(conn, request)
             except Exception as exc:
                 if self.driver.is_connection_error(exc):
-                    self.ledger.claim_unknown(owner, generation)  # it may have committed
+                    self.ledger.claim_unknown(owner)  # it may have committed
                 if not _rows_fault(exc, self.driver):
                     self.unclaimed(request)
                     raise
@@ -252,7 +252,7 @@ class Producer:
                 raise
             held = self.accept(request, rows)
         if not held and request.isolated:
-            return self.claim(conn, limit, owner, generation)  # no isolated job: ordinary ones, now
+            return self.claim(conn, limit, owner)  # no isolated job: ordinary ones, now
         return held
 
     def unclaimed(self, request: ClaimRequest) -> None:
@@ -267,20 +267,16 @@ class Producer:
         """Give back, attempt refunded, the rows a lost claim under ``owner`` took.
 
         Only this executor claims under ``owner``, one claim at a time, and it is not
-        claiming now: every row running under that name that the worker does not hold
-        was taken by a claim whose answer never arrived, so no handler ever saw it. When
-        a job of this generation was let go meanwhile (its row may still be running
-        under its name), the rows cannot be told apart: they return after their lease.
-        Raises on a connection error (the recovery is tried again after reconnecting).
+        claiming now: every row running under that name, on another attempt than the
+        jobs the worker holds or let go under it, was taken by a claim whose answer
+        never arrived, so no handler ever saw it. Raises on a connection error (the
+        recovery is made again after reconnecting).
         """
         keep = self.ledger.recovery(owner)
-        if keep is None:
-            log.warning("%s: a claim's answer was lost, and its rows cannot be told from others any more; "
-                        "they return after their lease", owner)
-            return
+        values = {**tokens_params(owner, keep), q.FRESH_PARAM: self._deadline}
         try:
             with self.driver.deadline(conn, self._deadline):
-                rows = conn.execute(self._release_lost, {q.OWNER_PARAM: owner, q.IDS_PARAM: keep})
+                rows = conn.execute(self._release_lost, values)
         except Exception as exc:
             if self.driver.is_connection_error(exc):
                 raise
@@ -327,7 +323,7 @@ class Producer:
                     rows.extend(self.fetch(conn, ClaimRequest(one, values)))
             except Exception as exc:
                 if self.driver.is_connection_error(exc):
-                    self.ledger.claim_unknown(request.owner, request.generation)
+                    self.ledger.claim_unknown(request.owner)
                     raise
                 if not _rows_fault(exc, self.driver):
                     break  # a lock timeout, a cancel: not this row's doing; the rest next time
@@ -379,13 +375,15 @@ class Producer:
         if found is None:
             table, queues = self._qt.table, self.config.queues
             if kind == "claim":
-                stmt: Any = q.claim_template(table, queues=queues, isolated=isolated, skip=True)
+                stmt: Any = q.claim_template(table, queues=queues, isolated=isolated, skip=True, fresh=True)
             elif kind == "after_completion":
-                stmt = q.complete_many_if_owner_then_claim(table, queues=queues, isolated=isolated, skip=True)
+                stmt = q.complete_many_if_owner_then_claim(
+                    table, queues=queues, isolated=isolated, skip=True, fresh=True
+                )
             elif kind == "candidates":
                 stmt = q.claim_candidates(table, queues=queues, isolated=isolated)
             else:
-                stmt = q.claim_template(table, queues=queues, isolated=isolated, by_key=True)
+                stmt = q.claim_template(table, queues=queues, isolated=isolated, by_key=True, fresh=True)
             found = self._rare[(kind, isolated)] = self.driver.compile(stmt)
         return found
 
@@ -405,7 +403,8 @@ class Producer:
         return self._pk_index, self._attempt_index
 
     def _values(self, limit: int, owner: str, skip: list[Any] | None) -> dict[str, Any]:
-        values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self._lease}
+        values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self._lease,
+                  q.FRESH_PARAM: self._deadline}
         if skip is not None:
             values[q.SKIP_PARAM] = skip
         return values
