@@ -11,9 +11,11 @@ offers the same operations as coroutines.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -77,6 +79,8 @@ class ClaimRequest:
     after_completion: Statement | None = None
     #: Its mark among the claims in flight (see :meth:`~sqla_queue.worker.ledger.Ledger.claim_began`).
     in_flight: int = 0
+    #: The lease owner it claims for (an executor's own name; see the worker's ledger).
+    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -313,6 +317,71 @@ class AsyncDbConnection(DbConnection):
         await_only(self.raw.close())
 
 
+class Watchdog:
+    """Cuts overdue database calls short, for every connection of one driver.
+
+    One thread, started on demand (and ended after a few idle seconds), watches every
+    call under :meth:`Driver.deadline`: a timer thread per call would cost a thread start
+    on every claim and completion. The thread sleeps until the earliest deadline; a new
+    call only wakes it when its deadline comes sooner. A call is cut (``abort``) while the
+    lock is held and its entry is still there, so once :meth:`release` returned, that
+    connection is never cut for it (its descriptor may be reused by then).
+    """
+
+    #: How long the thread stays without any call to watch before it ends.
+    IDLE_SECONDS = 5.0
+
+    def __init__(self, abort: Callable[..., None]) -> None:
+        self._abort = abort
+        self._cond = threading.Condition(threading.Lock())
+        self._watched: dict[int, tuple[float, DbConnection]] = {}
+        self._next_key = 0
+        self._wakes_at = math.inf
+        self._thread: threading.Thread | None = None
+
+    def watch(self, conn: DbConnection, seconds: float) -> int:
+        due = time.monotonic() + seconds
+        with self._cond:
+            key = self._next_key
+            self._next_key += 1
+            self._watched[key] = (due, conn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sqla_queue-deadlines", daemon=True)
+                self._thread.start()
+            elif due < self._wakes_at:
+                self._cond.notify()
+        return key
+
+    def release(self, key: int) -> None:
+        with self._cond:
+            self._watched.pop(key, None)
+
+    def _run(self) -> None:
+        cut: list[DbConnection] = []
+        while True:
+            for conn in cut:
+                log.warning("%s: a database call overran its deadline; connection dropped", conn.purpose)
+            cut = []
+            with self._cond:
+                now = time.monotonic()
+                for key, (due, conn) in list(self._watched.items()):
+                    if due <= now:
+                        del self._watched[key]
+                        self._abort(conn, quiet=True)
+                        cut.append(conn)
+                if cut:
+                    continue
+                if self._watched:
+                    self._wakes_at = min(due for due, _ in self._watched.values())
+                    self._cond.wait(self._wakes_at - now)
+                    continue
+                self._wakes_at = math.inf
+                self._cond.wait(self.IDLE_SECONDS)
+                if not self._watched:
+                    self._thread = None
+                    return
+
+
 class Driver:
     """psycopg 3 on PostgreSQL, for one engine, on threads."""
 
@@ -327,6 +396,7 @@ class Driver:
         self.schema_translate_map = _schema_map(engine)
         self.keepalive = keepalive
         self.runtime = ThreadRuntime()
+        self._watchdog = Watchdog(self.abort)
 
     @staticmethod
     def _check(engine: Engine) -> None:
@@ -419,14 +489,14 @@ class Driver:
     @contextmanager
     def deadline(self, conn: DbConnection, seconds: float) -> Iterator[None]:
         """Cut a call on ``conn`` short after ``seconds``: the socket is shut down, so a
-        call blocked on a hung server or network raises instead of waiting forever."""
-        timer = threading.Timer(seconds, self.abort, (conn,))
-        timer.daemon = True
-        timer.start()
+        call blocked on a hung server or network (a proxy or NAT box that still
+        acknowledges packets, so TCP keepalive never fires) raises instead of waiting
+        forever. Once the block is left, the connection is no longer cut."""
+        key = self._watchdog.watch(conn, seconds)
         try:
             yield
         finally:
-            timer.cancel()
+            self._watchdog.release(key)
 
     @staticmethod
     def abort(conn: DbConnection, *, quiet: bool = False) -> None:
@@ -538,6 +608,7 @@ class AsyncDriver(Driver):
         self.schema_translate_map = _schema_map(sync_engine)
         self.keepalive = keepalive
         self.runtime = AsyncRuntime(threads)
+        self._watchdog = Watchdog(self.abort)
 
     def session_on(self, factory: Callable[[], Any], sa: Connection) -> tuple[Session, Any]:
         """As :meth:`Driver.session_on`, for an ``AsyncSession`` factory (a ``Session``

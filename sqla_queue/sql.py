@@ -23,6 +23,7 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 from sqlalchemy import (
     CTE,
+    Boolean,
     CompoundSelect,
     DateTime,
     Delete,
@@ -32,6 +33,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    all_,
     and_,
     any_,
     bindparam,
@@ -268,6 +270,7 @@ def _claim(
     limit: int | ColumnElement[int],
     owner: str | ColumnElement[str],
     lease_expires_at: ColumnElement[datetime],
+    extra: Sequence[ColumnElement[bool]] = (),
 ) -> ReturningUpdate[Any]:
     """The claim of :func:`claim` and :func:`claim_template`: values or bound parameters.
 
@@ -292,6 +295,7 @@ def _claim(
         c.run_after <= func.now(),
         c.isolated if isolated else not_(c.isolated),
         *_kind_filter(qt),
+        *extra,
     ]
     names = _queue_names(queues)
     order = (c.priority.desc(), c.run_after, qt.pk)
@@ -528,11 +532,28 @@ def release_if_owner(
     )
 
 
+#: How ``last_error`` begins when a job's lease expired on two attempts in a row: its
+#: workers vanished twice while it ran, so the worker runs it with no other job at all.
+SOLITARY_REASON: Final = "lease expired again"
+
+
+def is_solitary(isolated: Any, last_error: Any) -> bool:
+    """Whether a claimed row must run alone in its worker (its lease expired on its last
+    two attempts), from its ``isolated`` and ``last_error`` columns.
+
+    Derived, not stored: only :func:`sweep_expired` writes this reason, and every other
+    way out of an attempt (a retry, a requeue) clears ``isolated`` or ends the job.
+    """
+    return bool(isolated) and isinstance(last_error, str) and last_error.startswith(SOLITARY_REASON + ":")
+
+
 def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[Any]:
     """Return jobs whose lease expired to ``pending`` (or ``failed`` when exhausted).
 
     Their worker stopped heartbeating: it died, froze or lost the database. The job is
-    marked ``isolated`` so its next attempt runs alone, and ``last_error`` says why.
+    marked ``isolated`` so its next attempt runs alone in its batch, and ``last_error``
+    says why; a job that was isolated already gets :data:`SOLITARY_REASON` there, and
+    the worker then runs it alone in the whole worker (see :func:`is_solitary`).
     Safe to run from many workers at once: rows another sweeper holds are skipped.
     Returns ``(pk, status)`` of every job it moved.
     """
@@ -548,8 +569,12 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
         .subquery("expired")
     )
     exhausted = c.attempts >= c.max_attempts
+    # A job already isolated when its lease expires again has now been running when two
+    # workers in a row vanished: it is marked to run alone in its worker from now on
+    # (see SOLITARY_REASON), so that it cannot take other jobs with it any more.
     reason = (
-        literal("lease expired: worker ", String)
+        case((c.isolated, literal(SOLITARY_REASON + ": worker ", String)),
+             else_=literal("lease expired: worker ", String))
         + func.coalesce(c.lease_owner, "?")
         + literal(" did not finish attempt ", String)
         + cast(c.attempts, String)
@@ -780,6 +805,10 @@ LIMIT_PARAM: Final = "sqla_queue_limit"
 LEASE_PARAM: Final = "sqla_queue_lease_seconds"
 ERRORS_PARAM: Final = "sqla_queue_errors"
 DELAYS_PARAM: Final = "sqla_queue_delays"
+SKIP_PARAM: Final = "sqla_queue_skip"
+KEY_PARAM: Final = "sqla_queue_key"
+ERROR_PARAM: Final = "sqla_queue_error"
+FRESH_PARAM: Final = "sqla_queue_fresh_seconds"
 #: The last column of :func:`complete_many_if_owner_then_claim`: true on a completed token's row.
 DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 #: :func:`extend_unlocked_leases_if_owner`'s window (seconds back from now), or NULL.
@@ -801,7 +830,7 @@ def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
     return func.unnest(*arrays).table_valued(*names).render_derived(name="tokens")
 
 
-def _token_fence(qt: QueueTable, tokens: Any) -> ColumnElement[bool]:
+def _token_fence(qt: QueueTable, tokens: Any, *, owner_prefix: bool = False) -> ColumnElement[bool]:
     # ``pk = ANY(:ids)`` besides the join: it lets every plan, generic ones included, find
     # the rows by primary key rather than scan the running jobs (or a bloated index of them).
     return and_(
@@ -809,16 +838,45 @@ def _token_fence(qt: QueueTable, tokens: Any) -> ColumnElement[bool]:
         qt.pk == tokens.c.pk,
         qt.c.attempts == tokens.c.attempt,
         _status(qt, RUNNING),
-        qt.c.lease_owner == bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
+        _owner_match(qt, owner_prefix=owner_prefix),
     )
 
 
+def _owner_match(qt: QueueTable, *, owner_prefix: bool) -> ColumnElement[bool]:
+    """``lease_owner = :owner``, or with ``owner_prefix`` every owner starting with it."""
+    owner = bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type)
+    if owner_prefix:
+        prefixed: ColumnElement[bool] = func.starts_with(qt.c.lease_owner, owner, type_=Boolean())
+        return prefixed
+    matched: ColumnElement[bool] = qt.c.lease_owner == owner
+    return matched
+
+
 def claim_template(
-    model: QueueModel, *, queues: Sequence[str] | None = None, isolated: bool = False
+    model: QueueModel,
+    *,
+    queues: Sequence[str] | None = None,
+    isolated: bool = False,
+    skip: bool = False,
+    by_key: bool = False,
+    fresh: bool = False,
 ) -> ReturningUpdate[Any]:
     """:func:`claim` with the owner, the limit and the lease (seconds) bound at execution:
-    ``{OWNER_PARAM: owner, LIMIT_PARAM: n, LEASE_PARAM: 60.0}``."""
+    ``{OWNER_PARAM: owner, LIMIT_PARAM: n, LEASE_PARAM: 60.0}``.
+
+    ``skip=True`` also takes ``SKIP_PARAM``, keys the claim must pass over (rows its
+    UPDATE cannot change: a trigger that raises, a ``NOT VALID`` CHECK they violate);
+    ``by_key=True`` claims only the row whose key is ``KEY_PARAM``, if it is claimable;
+    ``fresh=True`` takes ``FRESH_PARAM`` (see :func:`still_fresh`).
+    """
     qt = queue_table(model)
+    extra: list[ColumnElement[bool]] = []
+    if fresh:
+        extra.append(still_fresh())
+    if skip:
+        extra.append(qt.pk != all_(bindparam(SKIP_PARAM, type_=ARRAY(qt.pk.type))))
+    if by_key:
+        extra.append(qt.pk == bindparam(KEY_PARAM, type_=qt.pk.type))
     return _claim(
         qt,
         queues,
@@ -826,6 +884,61 @@ def claim_template(
         limit=bindparam(LIMIT_PARAM, type_=qt.c.attempts.type),
         owner=bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
         lease_expires_at=_clock() + seconds_interval(bindparam(LEASE_PARAM, type_=Float())),
+        extra=extra,
+    )
+
+
+def still_fresh() -> ColumnElement[bool]:
+    """``FRESH_PARAM`` seconds have not passed since the transaction began: for a
+    statement sent on its own (autocommit), since the server received it.
+
+    A caller that gives up on a statement after that long (it drops the connection) may
+    leave it waiting in the server, behind a lock, and running when the lock is gone:
+    its answer would reach no one. A claim guarded so claims nothing then. Evaluated once
+    per statement (an InitPlan), after the statement got its table locks. Not
+    ``statement_timestamp()``: with the extended protocol it is taken at the Execute
+    message, after a lock wait during the Parse.
+    """
+    elapsed = select(func.clock_timestamp() - func.transaction_timestamp()).scalar_subquery()
+    return elapsed < seconds_interval(bindparam(FRESH_PARAM, type_=Float()))
+
+
+def claim_candidates(
+    model: QueueModel, *, queues: Sequence[str] | None = None, isolated: bool = False
+) -> Select[Any]:
+    """The keys :func:`claim_template` would claim next, in its order, without claiming
+    or locking them: ``{LIMIT_PARAM, SKIP_PARAM}``. A worker whose claim failed on a
+    row it cannot update claims these one by one to find that row."""
+    qt = queue_table(model)
+    c = qt.c
+    return (
+        select(qt.pk)
+        .where(
+            _status(qt, PENDING),
+            c.run_after <= func.now(),
+            c.isolated if isolated else not_(c.isolated),
+            *_queue_filter(qt, queues),
+            qt.pk != all_(bindparam(SKIP_PARAM, type_=ARRAY(qt.pk.type))),
+        )
+        .order_by(c.priority.desc(), c.run_after, qt.pk)
+        .limit(bindparam(LIMIT_PARAM, type_=qt.c.attempts.type))
+    )
+
+
+def fail_unclaimable(model: QueueModel) -> ReturningUpdate[Any]:
+    """Dead-letter the pending job ``KEY_PARAM`` that no claim can take, with the reason
+    ``ERROR_PARAM``; its attempts are left as they are (none ran). Returns its key, or
+    nothing when the row cannot be updated this way either (or is no longer pending)."""
+    qt = queue_table(model)
+    return (
+        qt.table.update()
+        .where(qt.pk == bindparam(KEY_PARAM, type_=qt.pk.type), _status(qt, PENDING))
+        .values(
+            status=status_literal(FAILED),
+            finished_at=_clock(),
+            last_error=bindparam(ERROR_PARAM, type_=Text()),
+        )
+        .returning(qt.pk)
     )
 
 
@@ -843,7 +956,12 @@ def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
 
 
 def complete_many_if_owner_then_claim(
-    model: QueueModel, *, queues: Sequence[str] | None = None, isolated: bool = False
+    model: QueueModel,
+    *,
+    queues: Sequence[str] | None = None,
+    isolated: bool = False,
+    skip: bool = False,
+    fresh: bool = False,
 ) -> CompoundSelect[Any]:
     """:func:`complete_many_if_owner` and :func:`claim_template` in one statement, one
     transaction: the parameters of both (one owner), and rows of every table column plus
@@ -855,7 +973,7 @@ def complete_many_if_owner_then_claim(
     """
     qt = queue_table(model)
     done = complete_many_if_owner(model).cte("sqla_queue_completed")
-    claimed = claim_template(model, queues=queues, isolated=isolated).cte("sqla_queue_claimed")
+    claimed = claim_template(model, queues=queues, isolated=isolated, skip=skip, fresh=fresh).cte("sqla_queue_claimed")
     done_pk, done_attempt = list(done.c)
     flag = DONE_FLAG_COLUMN
     completed_columns = [
@@ -932,7 +1050,7 @@ def release_many_if_owner(model: QueueModel, *, refund_attempt: bool) -> Returni
     )
 
 
-def extend_unlocked_leases_if_owner(model: QueueModel) -> CompoundSelect[Any]:
+def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = False) -> CompoundSelect[Any]:
     """The heartbeat: push the leases of the tokens forward, skipping rows locked by
     another transaction (a handler updating its own job row) instead of waiting for them:
     ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM, LEASE_PARAM}``. Returns ``(pk, attempts)``;
@@ -943,14 +1061,17 @@ def extend_unlocked_leases_if_owner(model: QueueModel) -> CompoundSelect[Any]:
     ago: the jobs of a claim sent that long ago whose answer has not been read yet (an
     event loop blocked by a handler), whose tokens the caller cannot know. Served by the
     partial index on running leases, a range of recent leases, not a scan; NULL (the
-    default) adds nothing. The two updates touch disjoint rows, in one statement."""
+    default) adds nothing. The two updates touch disjoint rows, in one statement.
+
+    ``owner_prefix=True``: ``OWNER_PARAM`` is the start of the lease owners (a worker's
+    name, ending with ``/``, whose executors each claim under a name of their own)."""
     qt = queue_table(model)
     tokens = _token_table(qt)
     name = qt.pk.name
     lockable = (
         select(qt.pk)
         .select_from(qt.table.join(tokens, qt.pk == tokens.c.pk))
-        .where(_token_fence(qt, tokens))
+        .where(_token_fence(qt, tokens, owner_prefix=owner_prefix))
         .with_for_update(skip_locked=True, of=qt.table)
         .subquery("lockable")
     )
@@ -968,7 +1089,7 @@ def extend_unlocked_leases_if_owner(model: QueueModel) -> CompoundSelect[Any]:
         select(qt.pk)
         .where(
             _status(qt, RUNNING),
-            qt.c.lease_owner == bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
+            _owner_match(qt, owner_prefix=owner_prefix),
             qt.c.lease_expires_at >= func.now() + seconds_interval(lease) - seconds_interval(since),
             ~select(known.c[name]).where(known.c[name] == qt.pk).exists(),
         )
@@ -985,12 +1106,52 @@ def extend_unlocked_leases_if_owner(model: QueueModel) -> CompoundSelect[Any]:
     return union_all(select(*known.c), select(*fresh.c))
 
 
-def owned_tokens(model: QueueModel) -> Select[Any]:
+def owned_tokens(model: QueueModel, *, owner_prefix: bool = False) -> Select[Any]:
     """Which tokens ``owner`` still holds, read without locking (a row another transaction
-    has locked reads as last committed): ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``."""
+    has locked reads as last committed): ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``.
+    ``owner_prefix``: as for :func:`extend_unlocked_leases_if_owner`."""
     qt = queue_table(model)
     tokens = _token_table(qt)
-    return select(qt.pk, qt.c.attempts).select_from(qt.table).join(tokens, _token_fence(qt, tokens))
+    fence = _token_fence(qt, tokens, owner_prefix=owner_prefix)
+    return select(qt.pk, qt.c.attempts).select_from(qt.table).join(tokens, fence)
+
+
+def release_lost_claims(model: QueueModel) -> ReturningUpdate[Any]:
+    """Back to ``pending``, attempt refunded, every job running under ``OWNER_PARAM``
+    except the tokens ``IDS_PARAM``/``ATTEMPTS_PARAM``: ``{OWNER_PARAM, IDS_PARAM,
+    ATTEMPTS_PARAM, FRESH_PARAM}`` (it releases nothing once :func:`still_fresh` is
+    false). Returns ``(pk, attempts)``.
+
+    For a claimer whose claim committed but whose answer was lost with its connection:
+    the rows it took are running under its name, yet it never saw them, so their
+    handlers never started and their attempts must not count. This is safe only for an
+    owner name that exactly one claimer uses, one claim at a time, and that passes every
+    token it did receive and may still hold: then every other row under that name is one
+    of the lost claims' (a row kept on another attempt was claimed again by them). The
+    refunded attempt number is handed out again by the next claim, which is harmless
+    because no one holds a token of it.
+    """
+    qt = queue_table(model)
+    c = qt.c
+    ids = bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))
+    attempts = bindparam(ATTEMPTS_PARAM, type_=ARRAY(c.attempts.type))
+    kept_attempt = func.coalesce(Grouping(attempts)[func.array_position(ids, qt.pk)], -1)
+    return (
+        qt.table.update()
+        .where(
+            _status(qt, RUNNING),
+            c.lease_owner == bindparam(OWNER_PARAM, type_=c.lease_owner.type),
+            c.attempts != kept_attempt,
+            still_fresh(),
+        )
+        .values(
+            status=status_literal(PENDING),
+            lease_owner=null(),
+            lease_expires_at=null(),
+            attempts=c.attempts - 1,
+        )
+        .returning(qt.pk, c.attempts)
+    )
 
 
 def token_states(model: QueueModel) -> Select[Any]:

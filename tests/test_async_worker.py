@@ -144,6 +144,14 @@ def test_a_plain_transactional_handler_gets_a_sync_session_on_the_loop(engine: E
     assert sorted(e.job_id for e in effects(engine)) == ids
 
 
+async def _until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``predicate`` on the loop until it holds, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
 def _forever(cancelled: list[int], entered: asyncio.Event | None = None) -> Tasks:
     tasks = Tasks()
 
@@ -216,14 +224,25 @@ def test_stop_does_not_wait_for_a_plain_handler_past_the_grace(engine: Engine, S
 
 def test_cancelling_run_hands_back_and_cancels_at_once(engine: Engine, Sessions: Any) -> None:
     cancelled: list[int] = []
-    ids = add(Sessions, "forever", 3)
+    # Quick jobs first: a task claims one job at a time until it has measured its
+    # handlers, then batches (here of 3) once they proved fast.
+    warm_up = add(Sessions, "quick", 20)
+    ids: list[int] = []
 
     async def main(async_engine: AsyncEngine) -> None:
         entered = asyncio.Event()
-        worker = AsyncWorker(async_engine, Task, _forever(cancelled, entered), concurrency=1, batch_size=3,
-                             shutdown_grace=30, **OPTIONS)
+        tasks = _forever(cancelled, entered)
+
+        @tasks.task
+        async def quick(job: Any) -> None:
+            pass
+
+        worker = AsyncWorker(async_engine, Task, tasks, concurrency=1, batch_size=3, shutdown_grace=30, **OPTIONS)
         running = asyncio.create_task(worker.run(install_signal_handlers=False))
+        await _until(lambda: worker.stats.done == len(warm_up), "the warm-up jobs")
+        ids.extend(await asyncio.to_thread(add, Sessions, "forever", 3))
         await asyncio.wait_for(entered.wait(), 20)
+        await _until(lambda: worker.stats.claimed == len(warm_up) + 3, "the three jobs claimed")
         began = time.monotonic()
         running.cancel()
         with pytest.raises(asyncio.CancelledError):

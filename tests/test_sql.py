@@ -385,6 +385,155 @@ def test_sweep_returns_expired_work_and_dead_letters_exhausted(engine: Engine) -
         assert conn.execute(q.sweep_expired(EmailJob)).all() == []
 
 
+def test_a_second_expiry_in_a_row_marks_the_job_solitary(engine: Engine) -> None:
+    """A job isolated already when its lease expires again gets the reason that makes the
+    worker run it alone in the whole worker; a retry in between clears it."""
+    with engine.begin() as conn:
+        (job_id,) = add_jobs(conn, 1)
+
+        def expire_and_sweep(owner: str) -> Any:
+            assert len(claim(conn, owner=owner, isolated=conn.scalar(select(JOBS.c.isolated)))) == 1
+            conn.execute(update(JOBS).values(lease_expires_at=func.now() - timedelta(seconds=1)))
+            conn.execute(q.sweep_expired(EmailJob))
+            return conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+
+        once = expire_and_sweep("a")
+        assert once.isolated and not q.is_solitary(once.isolated, once.last_error)
+        twice = expire_and_sweep("b")
+        assert twice.last_error == f"{q.SOLITARY_REASON}: worker b did not finish attempt 2 of 20"
+        assert q.is_solitary(twice.isolated, twice.last_error)
+        thrice = expire_and_sweep("c")
+        assert q.is_solitary(thrice.isolated, thrice.last_error)
+        (row,) = claim(conn, owner="d", isolated=True)
+        conn.execute(q.retry_if_owner(EmailJob, owner="d", token=(job_id, row.attempts), error="boom", delay=0))
+        after = conn.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
+        assert not q.is_solitary(after.isolated, after.last_error)
+    assert not q.is_solitary(True, None) and not q.is_solitary(False, f"{q.SOLITARY_REASON}: worker x")
+
+
+def _compiled(engine: Engine, stmt: Any) -> Any:
+    from sqla_queue.driver import compile_statement
+
+    return compile_statement(stmt, engine.dialect)
+
+
+def _raw(engine: Engine) -> Any:
+    import psycopg
+
+    return psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False),
+                           autocommit=True)
+
+
+def test_release_lost_claims_gives_back_the_unheld_rows_of_one_owner(engine: Engine) -> None:
+    """Compiled once and run on the psycopg cursor, as the worker runs it."""
+    from sqla_queue.driver import tokens_params
+
+    with engine.begin() as conn:
+        add_jobs(conn, 6)
+        mine = [r.id for r in claim(conn, owner="w/0.0", limit=4)]
+        theirs = [r.id for r in claim(conn, owner="w/1.0", limit=2)]
+    stmt = _compiled(engine, q.release_lost_claims(EmailJob))
+    with _raw(engine) as raw:
+        # The first two are kept: one as held (attempt 1), one on an older attempt (0),
+        # as if a lost claim had claimed again a job let go on that attempt.
+        keep = [(mine[0], 1), (mine[1], 0)]
+        values = {**tokens_params("w/0.0", keep), q.FRESH_PARAM: 60.0}
+        back = raw.execute(stmt.sql, stmt.params(values)).fetchall()
+        assert sorted(r[0] for r in back) == sorted(mine[1:]) and {r[1] for r in back} == {0}
+    with engine.connect() as conn:
+        found = {r.id: (r.status, r.attempts, r.lease_owner) for r in conn.execute(select(JOBS))}
+    assert {i: found[i] for i in mine[1:]} == dict.fromkeys(mine[1:], ("pending", 0, None))
+    assert {i: found[i][0] for i in [mine[0], *theirs]} == dict.fromkeys([mine[0], *theirs], "running")
+
+
+def test_a_claim_can_pass_over_keys_and_list_its_candidates(engine: Engine) -> None:
+    with engine.begin() as conn:
+        ids = add_jobs(conn, 5)
+    values = {q.OWNER_PARAM: "w", q.LIMIT_PARAM: 10, q.LEASE_PARAM: 30.0, q.SKIP_PARAM: ids[:2]}
+    candidates = _compiled(engine, q.claim_candidates(EmailJob, queues=("default",)))
+    skipping = _compiled(engine, q.claim_template(EmailJob, queues=("default",), skip=True))
+    by_key = _compiled(engine, q.claim_template(EmailJob, by_key=True))
+    with _raw(engine) as raw:
+        listed = raw.execute(candidates.sql, candidates.params({q.LIMIT_PARAM: 2, q.SKIP_PARAM: ids[:2]})).fetchall()
+        assert [r[0] for r in listed] == ids[2:4]
+        pk = list(JOBS.c).index(JOBS.c.id)
+        one = raw.execute(by_key.sql, by_key.params({**values, q.KEY_PARAM: ids[4]})).fetchall()
+        assert [r[pk] for r in one] == [ids[4]]
+        claimed = raw.execute(skipping.sql, skipping.params(values)).fetchall()
+        assert sorted(r[pk] for r in claimed) == ids[2:4]
+    with engine.connect() as conn:
+        assert [status_of(conn, i) for i in ids[:2]] == ["pending", "pending"]
+
+
+@pytest.mark.parametrize(("fresh_for", "claimed"), [(0.3, 0), (60.0, 2)], ids=["stale", "fresh"])
+def test_a_fresh_claim_that_waited_too_long_behind_a_lock_claims_nothing(
+    engine: Engine, fresh_for: float, claimed: int
+) -> None:
+    """A claim its sender gave up on (it dropped the connection after its deadline) may
+    still wait in the server behind a lock and run when the lock goes: guarded with
+    ``fresh``, it then claims nothing, so no row is left claimed for no one."""
+    import threading
+    import time
+
+    from .helpers import wait_for
+
+    with engine.begin() as conn:
+        ids = add_jobs(conn, 2)
+    stmt = _compiled(engine, q.claim_template(EmailJob, fresh=True))
+    values = {q.OWNER_PARAM: "w", q.LIMIT_PARAM: 10, q.LEASE_PARAM: 30.0, q.FRESH_PARAM: fresh_for}
+    got: list[Any] = []
+    with _raw(engine) as locker, _raw(engine) as claimer:
+        pid = claimer.info.backend_pid
+        locker.execute("BEGIN")
+        locker.execute("LOCK TABLE email_jobs IN ACCESS EXCLUSIVE MODE")
+        thread = threading.Thread(target=lambda: got.extend(claimer.execute(stmt.sql, stmt.params(values)).fetchall()))
+        thread.start()
+        waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: locker.execute(waiting, (pid,)).fetchone() == (True,), what="the claim waiting on the lock")
+        began = time.monotonic()
+        wait_for(lambda: time.monotonic() - began > 0.5, what="the claim to wait longer than 0.3 s")
+        locker.execute("ROLLBACK")
+        thread.join(10)
+    assert len(got) == claimed
+    with engine.connect() as conn:
+        statuses = sorted(status_of(conn, i) for i in ids)
+    assert statuses == (["running", "running"] if claimed else ["pending", "pending"])
+
+
+def test_fail_unclaimable_dead_letters_a_pending_job_without_spending_an_attempt(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 2)
+        (running,) = [r.id for r in claim(conn, limit=1)]
+        (pending,) = conn.scalars(select(JOBS.c.id).where(JOBS.c.status == "pending"))
+    stmt = _compiled(engine, q.fail_unclaimable(EmailJob))
+    with _raw(engine) as raw:
+        assert raw.execute(stmt.sql, stmt.params({q.KEY_PARAM: running, q.ERROR_PARAM: "no"})).fetchall() == []
+        assert raw.execute(stmt.sql, stmt.params({q.KEY_PARAM: pending, q.ERROR_PARAM: "x"})).fetchall() == [
+            (pending,)
+        ]
+    with engine.connect() as conn:
+        row = conn.execute(select(JOBS).where(JOBS.c.id == pending)).one()
+        assert status_of(conn, running) == "running"
+    assert (row.status, row.attempts, row.last_error) == ("failed", 0, "x")
+
+
+def test_the_heartbeat_with_an_owner_prefix_extends_every_executors_tokens(engine: Engine) -> None:
+    with engine.begin() as conn:
+        add_jobs(conn, 3)
+        a = [(r.id, r.attempts) for r in claim(conn, owner="w:1/0.0", limit=2)]
+        b = [(r.id, r.attempts) for r in claim(conn, owner="w:1/1.3", limit=1)]
+    from sqla_queue.driver import tokens_params
+
+    stmt = _compiled(engine, q.extend_unlocked_leases_if_owner(EmailJob, owner_prefix=True))
+    owned = _compiled(engine, q.owned_tokens(EmailJob, owner_prefix=True))
+    with _raw(engine) as raw:
+        extended = raw.execute(stmt.sql, stmt.params({**tokens_params("w:1/", a + b), q.LEASE_PARAM: 30.0}))
+        assert sorted(extended.fetchall()) == sorted(a + b)
+        other = stmt.params({**tokens_params("w:10/", a + b), q.LEASE_PARAM: 30.0})  # another worker
+        assert raw.execute(stmt.sql, other).fetchall() == []
+        assert sorted(raw.execute(owned.sql, owned.params(tokens_params("w:1/", a + b))).fetchall()) == sorted(a + b)
+
+
 def test_concurrent_sweeps_move_each_job_once(engine: Engine) -> None:
     with engine.begin() as conn:
         add_jobs(conn, 20)

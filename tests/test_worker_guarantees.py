@@ -35,7 +35,7 @@ from sqla_queue.worker.ledger import Held
 
 from .helpers import Server, wait_for
 from .models import Effect, FragileJob, Task, UniqueKey
-from .workers import FAST, TASKS, add, effects, engine_with, job, status_is
+from .workers import FAST, TASKS, add, claimed_by, effects, engine_with, job, status_is
 
 #: The application_name of the connections this file's own engines make.
 APP_NAME = "sqla_queue_guarantees"
@@ -258,7 +258,7 @@ def test_every_transaction_shape_commits_nothing_when_the_lease_is_lost(
     wait_for(status_is(engine, job_id, "done", "failed"), what="attempt 2 to finish")
     wait_for(worker.idle, what="the worker to go idle")
     row = job(engine, job_id)
-    assert (row.status, row.attempts, row.lease_owner) == ("done", 2, worker.owner)
+    assert (row.status, row.attempts) == ("done", 2) and claimed_by(row.lease_owner, worker)
     assert notes(engine) == sorted(expected[2])  # attempt 2's writes, once
     assert (worker.stats.done, worker.stats.lost) == (1, 1)
     assert scalar(engine, "SELECT count(*) FROM unique_keys") == 1
@@ -552,8 +552,9 @@ def test_a_handler_returning_an_awaitable_fails_its_job_clearly(
 def _claimed_together_with_good_rows(
     engine: Engine, Sessions: Any, start_worker: Any, insert_bad: str, reason: str
 ) -> None:
-    """Good rows before and after the bad one, claimed in one batch (one thread, whose
-    first claim takes up to 4 jobs), then more good jobs once it failed."""
+    """Good rows before and after the bad one, then more good jobs once it failed. One
+    thread: its first claim takes one job (its handlers are not measured yet), the next
+    one the bad row in a batch with good ones."""
     before = add(Sessions, "record")
     (bad,) = [row[0] for row in execute(engine, insert_bad)]
     after = add(Sessions, "record", 2)
@@ -691,11 +692,11 @@ def _inject_held(engine: Engine, worker: Worker, count: int, lease: float) -> tu
         "SELECT 'injected', 'held', 'running', 1, :owner, "
         "       clock_timestamp() + :lease * interval '1 second' "
         "FROM generate_series(1, :n) RETURNING id, lease_expires_at",
-        owner=worker.owner,
+        owner=f"{worker.owner}/injected",
         lease=lease,
         n=count,
     )
-    worker.ledger.add([Held(ClaimToken(row[0], 1)) for row in rows])
+    worker.ledger.add([Held(ClaimToken(row[0], 1), owner=f"{worker.owner}/injected") for row in rows])
     return [row[0] for row in rows], max(row[1] for row in rows)
 
 
@@ -736,7 +737,7 @@ def test_heartbeats_keep_more_than_ten_thousand_held_jobs(engine: Engine, Sessio
                     "SELECT count(*) FROM tasks WHERE id = ANY(:ids) AND status = 'running' "
                     "AND lease_owner = :owner AND lease_expires_at > :inserted"
                 ),
-                {"ids": injected, "owner": worker.owner, "inserted": inserted_expiry},
+                {"ids": injected, "owner": f"{worker.owner}/injected", "inserted": inserted_expiry},
             ).scalar()
         assert extended == MANY, "not every held job's lease was extended"
         assert (worker.stats.lost, worker.stats.swept) == (0, 0)
@@ -769,7 +770,10 @@ def test_stop_hands_back_more_than_ten_thousand_held_jobs(engine: Engine, Sessio
         assert held > 10_000
         begun = time.monotonic()
         worker.stop(grace=0.2)
-        assert time.monotonic() - begun < 10
+        took = time.monotonic() - begun
+        # The documented bound: the grace, about three seconds, and a second per 2,000
+        # jobs handed back (releasing them takes that long on a loaded server).
+        assert took < 0.2 + 4 + held / 2000, took
     finally:
         gate.set()
     for service in worker.services():
@@ -851,7 +855,7 @@ def test_a_hung_heartbeat_connection_is_noticed_and_replaced(
             os.kill(stopped, signal.SIGCONT)
         worker.stop(grace=1)
     row = job(engine, job_id)
-    assert (row.status, row.attempts, row.lease_owner) == ("done", 1, worker.owner)
+    assert (row.status, row.attempts) == ("done", 1) and claimed_by(row.lease_owner, worker)
     assert len(effects(engine)) == 1
     assert (worker.stats.lost, worker.stats.swept, worker.stats.done) == (0, 0, 1)
 

@@ -121,7 +121,9 @@ def test_crash_loop_burns_only_the_poison_jobs_attempts(engine: Engine, worker_p
     (dead,) = rows(engine, [poison])
     assert dead.attempts == 3 and dead.last_error.startswith("lease expired")
     assert crashes == 3
-    assert all(r.attempts <= 2 for r in rows(engine, innocents))
+    # An innocent loses at most two attempts to it: beside it as an ordinary job, then
+    # beside it while both were isolated; after that the poison job runs alone.
+    assert all(r.attempts <= 3 for r in rows(engine, innocents))
     assert set(effect_counts(engine).values()) == {1}
 
 

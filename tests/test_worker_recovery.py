@@ -8,7 +8,6 @@ poll with a deadline, and sleeps happen only inside handlers, to make them take 
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -156,13 +155,13 @@ def app_processes(tmp_path: Path, runtime: Runtimes) -> Iterator[Callable[..., A
 
 # -- 6. recovery -----------------------------------------------------------------------------
 
-LEASE, SWEEP, POLL, RUN = 1.0, 0.2, 0.5, 0.3
-#: Claim and completion of one recovered job, beside its run time.
-PER_JOB_OVERHEAD = 0.1
-#: For this loaded two-core machine (process scheduling, the feeder's inserts).
-MARGIN = 1.5
+LEASE, SWEEP, POLL, RUN = 1.0, 0.2, 0.5, 0.5
+#: The issue's bound: every recovered job done within lease + sweep + its run time +
+#: this, measured from the fault.
+SLACK = 0.5
 TIMING = ("--lease", "1s", "--heartbeat", "0.3s", "--poll-interval", "0.5s", "--sweep-interval", "0.2s")
 RESCUERS = 3
+VICTIM_JOBS = 8
 
 
 def _feed(engine: Engine, stop: Event, made: list[int]) -> None:
@@ -176,27 +175,31 @@ def _feed(engine: Engine, stop: Event, made: list[int]) -> None:
 def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
     engine: Engine, app_processes: Callable[..., AppProcess], fault: signal.Signals
 ) -> None:
-    """Every job the victim held runs again within lease + sweep + poll (+ its own run
-    time), while the rescuers' other threads keep running a stream of ordinary jobs.
+    """Every job the victim held (two batches of four) runs again within lease + sweep
+    interval + its own run time + 0.5 s of the fault, while the rescuers' other threads
+    keep running a stream of ordinary jobs.
 
-    Isolated jobs run one per worker: with N of them and R rescuers, a rescuer's k-th
-    recovered job may also wait for the k-1 before it. So the per-job bound is
-    lease + sweep + poll + k * (run + overhead) + margin, with k the job's rank on its
-    rescuer, and the last job's bound uses ceil(N / R): an uneven share fails it.
+    Isolated jobs are claimed alone but in parallel: each idle executor of every rescuer
+    takes one as soon as a sweeper announces them, so the batch does not recover in
+    series. The rescuers have more executors than the victim had jobs.
     """
     victim_app, rescuer_app = unique_app_name("victim"), unique_app_name("rescuer")
-    ids = enqueue(engine, "slow_first", 16, first=120, sleep=RUN)
     victim = app_processes("--concurrency", "4", "--batch-size", "4", *TIMING, app_name=victim_app)
+    # Quick jobs first: the victim's threads measure fast handlers, then claim batches.
+    warm_up = enqueue(engine, "quick", 40)
+    wait_for(all_done(engine, warm_up), timeout=30, what="the victim's warm-up jobs")
+    ids = enqueue(engine, "slow_first", VICTIM_JOBS, first=120, sleep=RUN)
 
     def held_by_victim() -> list[int]:
         return [r.id for r in rows(engine, ids) if r.status == "running" and owner_pid(r.lease_owner) == victim.pid]
 
-    wait_for(lambda: len(held_by_victim()) == 16, timeout=30, what="the victim to hold all 16 jobs")
+    wait_for(lambda: len(held_by_victim()) == VICTIM_JOBS, timeout=30, what="the victim to hold every job")
+    with engine.connect() as conn:
+        batches = Counter(conn.scalars(select(TASKS.c.lease_owner).where(TASKS.c.id.in_(ids))))
     rescuers = [app_processes("--concurrency", "4", *TIMING, app_name=rescuer_app) for _ in range(RESCUERS)]
     wait_for(lambda: backends(engine, rescuer_app, listening=True) == RESCUERS, timeout=30,
              what="every rescuer listening")
     in_flight = held_by_victim()
-    assert len(in_flight) >= 8, in_flight
 
     stop_feeding = Event()
     ordinary: list[int] = []
@@ -222,42 +225,29 @@ def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
         writers = set(conn.scalars(select(Effect.worker).where(Effect.job_id.in_(in_flight))))
     assert writers <= {str(pid) for pid in rescuer_pids}
 
-    by_rescuer: dict[int, list[float]] = {}
-    for r in sorted(recovered, key=lambda r: r.finished_at):
-        by_rescuer.setdefault(owner_pid(r.lease_owner) or 0, []).append(r.finished_at.timestamp() - fault_at)
-    base = LEASE + SWEEP + POLL
-    late = [
-        (pid, k, round(took, 2), round(base + k * (RUN + PER_JOB_OVERHEAD) + MARGIN, 2))
-        for pid, finished in by_rescuer.items()
-        for k, took in enumerate(finished, start=1)
-        if took > base + k * (RUN + PER_JOB_OVERHEAD) + MARGIN
-    ]
-    last = max(t for finished in by_rescuer.values() for t in finished)
-    share = math.ceil(len(in_flight) / RESCUERS)
+    bound = LEASE + SWEEP + RUN + SLACK
+    took = sorted(r.finished_at.timestamp() - fault_at for r in recovered)
+    by_rescuer = Counter(owner_pid(r.lease_owner) for r in recovered)
     print(
-        f"\n{fault.name}: {len(in_flight)} jobs recovered by {len(by_rescuer)} rescuer(s) "
-        f"{sorted(len(f) for f in by_rescuer.values())}; last done {last:.2f}s after the fault; "
-        f"issue's per-job bound lease+sweep+poll+run = {base + RUN:.2f}s (+{MARGIN}s margin); "
-        f"first per rescuer: {sorted(round(f[0], 2) for f in by_rescuer.values())}"
+        f"\n{fault.name}: {len(in_flight)} jobs (victim batches {sorted(batches.values())}) recovered by "
+        f"{len(by_rescuer)} rescuer(s) {sorted(by_rescuer.values())}; done {took[0]:.2f}-{took[-1]:.2f}s "
+        f"after the fault; bound lease+sweep+run+{SLACK} = {bound:.2f}s"
     )
-    assert not late, f"recovered jobs later than their bound (rescuer, rank, took, bound): {late}"
-    assert last <= base + share * (RUN + PER_JOB_OVERHEAD) + MARGIN, (last, sorted(by_rescuer.items()))
+    late = [round(t, 2) for t in took if t > bound]
+    assert not late, f"recovered jobs done later than {bound:.2f}s after the fault: {late} (all: {took})"
 
     # The rescuers' other threads kept running ordinary jobs while they recovered these.
-    window = (min(r.finished_at for r in recovered), max(r.finished_at for r in recovered))
-    beside = [r for r in rows(engine, ordinary) if r.status == "done" and window[0] <= r.finished_at <= window[1]]
-    assert len(beside) >= 3, f"only {len(beside)} ordinary job(s) done during the recovery window"
-    spans = {
-        owner_pid(r.lease_owner): (r.finished_at, r.finished_at) for r in recovered
-    }
+    spans: dict[int | None, tuple[float, float]] = {}
     for r in recovered:
-        pid = owner_pid(r.lease_owner)
-        lo, hi = spans[pid]
-        spans[pid] = (min(lo, r.finished_at), max(hi, r.finished_at))
-    interleaved = [
-        r for r in beside if (span := spans.get(owner_pid(r.lease_owner))) and span[0] < r.finished_at < span[1]
+        pid, began, ended = owner_pid(r.lease_owner), r.finished_at.timestamp() - RUN, r.finished_at.timestamp()
+        lo, hi = spans.get(pid, (began, ended))
+        spans[pid] = (min(lo, began), max(hi, ended))
+    beside = [
+        r for r in rows(engine, ordinary)
+        if r.status == "done" and (span := spans.get(owner_pid(r.lease_owner)))
+        and span[0] <= r.finished_at.timestamp() <= span[1]
     ]
-    assert interleaved, "no rescuer finished an ordinary job between two of its recovered ones"
+    assert beside, "no rescuer finished an ordinary job while it ran recovered ones"
 
 
 def test_a_job_that_kills_its_worker_burns_only_its_own_attempts(
@@ -265,8 +255,9 @@ def test_a_job_that_kills_its_worker_burns_only_its_own_attempts(
 ) -> None:
     """A supervisor keeps restarting the worker a poison job keeps killing: the poison job
     ends ``failed`` after max_attempts crashes; its batch-mates, and the ordinary jobs that
-    arrive between crashes and run beside it, each lose at most the one attempt a crash
-    took while they were running with it, and all end ``done``, their effects once."""
+    arrive between crashes and run beside it, each lose at most two attempts to it (once
+    as ordinary jobs beside it, once while both were isolated: then it runs alone in its
+    worker), and all end ``done``, their effects once."""
     (poison,) = enqueue(engine, "crash", max_attempts=3, sleep=0.2)
     mates = enqueue(engine, "record", 5, max_attempts=3, sleep=0.4)
     args = ("--concurrency", "2", "--batch-size", "6", "--lease", "1s", "--heartbeat", "0.3s",
@@ -296,7 +287,9 @@ def test_a_job_that_kills_its_worker_burns_only_its_own_attempts(
     assert dead.attempts == 3 and dead.last_error.startswith("lease expired"), dead
     assert crashes == 3
     innocents = rows(engine, [*mates, *arrivals])
-    assert all(r.attempts <= 2 for r in innocents), [(r.id, r.attempts) for r in innocents]
+    # An innocent loses at most two attempts to it: beside it as an ordinary job, then
+    # beside it while both were isolated; after two expiries in a row it runs alone.
+    assert all(r.attempts <= 3 for r in innocents), [(r.id, r.attempts) for r in innocents]
     assert effect_counts(engine) == Counter(dict.fromkeys([*mates, *arrivals], 1))
 
 
@@ -576,7 +569,7 @@ def test_a_claim_lost_with_its_connection_gives_the_isolated_slot_back(engine: E
     try:
         conn.raw.close()
         with pytest.raises(psycopg.OperationalError):
-            producer.claim(conn, 4)  # an isolated claim first: none has been tried yet
+            producer.claim(conn, 4, f"{worker.owner}/0.0")  # an isolated claim first: none has been tried yet
     finally:
         conn.close()
     assert worker.ledger.take_isolated_slot(), "the failed claim kept the isolated slot"

@@ -212,6 +212,12 @@ def all_status(engine: Engine, ids: list[int], *statuses: str) -> Callable[[], b
     return check
 
 
+def claimed_by(lease_owner: str | None, worker: Any) -> bool:
+    """Whether ``lease_owner`` names one of ``worker``'s executors (each claims under a
+    name of its own, ``{worker.owner}/{executor}.{n}``)."""
+    return lease_owner is not None and lease_owner.startswith(f"{worker.owner}/")
+
+
 def effects(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
         return list(conn.execute(select(Effect).order_by(Effect.id)))

@@ -10,6 +10,9 @@ did not move are read, and those in the state it would have left them in count a
 recorded, not lost; any other
 error falls back to recording each job alone with a minimal error text, and a job that
 still cannot be recorded is let go, so its lease expires and the sweeper returns it.
+Every statement runs under the executors' deadline (``statement_deadline``), so a
+connection that stops answering is dropped and the statement retried on a new one. Each
+statement is fenced by the lease owner its jobs were claimed under (their executor's).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from .. import sql as q
 from ..driver import ClaimRequest, DbConnection, Driver, RowError, tokens_params
@@ -57,6 +60,7 @@ class Completer:
         self._release = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=True))
         self._hand_back = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=False))
         self._states = driver.compile(q.token_states(qt.table))
+        self._deadline = config.statement_deadline
 
     def record(
         self,
@@ -109,37 +113,51 @@ class Completer:
         claim: ClaimRequest,
         indexes: tuple[int, int],
     ) -> list[tuple[Any, ...] | RowError] | None:
+        if any(o.held.owner != claim.owner for o in group):  # claimed under an older name
+            self._record_kind(connect, Kind.DONE, group)
+            return None
         alive = set(self.ledger.finishing([o.held for o in group]))
         self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
         outcomes = [o for o in group if o.held in alive]
         if not outcomes:
             return None
-        params = tokens_params(self.owner, [o.held.token for o in outcomes])
+        params = tokens_params(claim.owner, [o.held.token for o in outcomes])
 
         params.update(claim.values)
-
-        def run(conn: DbConnection) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
-            return conn.complete_then_claim(claim, params, *indexes)
-
+        # Sent once, not retried: if the connection drops, the claim may have committed
+        # unseen. Its rows are given back before the next claim (Producer.recover), and
+        # the completion is recorded again on its own (fenced: a repeat does no harm).
         try:
-            (rows, claimed), sent, retried = cast(
-                "tuple[tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]], float, bool]",
-                self._with_retries(connect, run),
-            )
+            conn = connect()
+            sent = time.monotonic()
+            with self.driver.deadline(conn, self._deadline):
+                rows, claimed = conn.complete_then_claim(claim, params, *indexes)
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
+            if self.driver.is_connection_error(exc):
+                self.ledger.claim_unknown(claim.owner)
             log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
             for o in outcomes:
                 o.held.finishing = False
             self._record_kind(connect, Kind.DONE, outcomes)
             return None
-        if retried:
-            rows = self._landed(connect, Kind.DONE, outcomes, rows, refund=False)
         self._settle(Kind.DONE, outcomes, rows, sent)
         return claimed
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
-        """Shutdown: jobs back to ``pending`` at once; ``refund`` for those never started."""
+        """Jobs back to ``pending`` at once; ``refund`` for those never started."""
         self._record_kind(connect, Kind.RELEASE, [Outcome(h, Kind.RELEASE) for h in held], refund=refund)
+
+    def release_now(self, conn: DbConnection, held: Sequence[Held], *, refund: bool) -> None:
+        """Shutdown: ``held`` back to ``pending`` on ``conn``, one statement per owner and
+        no retry (the caller bounds the time); an error is the caller's."""
+        owners = {h.owner for h in held}
+        for owner in owners:
+            group = [Outcome(h, Kind.RELEASE) for h in held if h.owner == owner]
+            alive = set(self.ledger.finishing([o.held for o in group]))
+            outcomes = [o for o in group if o.held in alive]
+            if outcomes:
+                sent = time.monotonic()
+                self._settle(Kind.RELEASE, outcomes, self._run(conn, Kind.RELEASE, outcomes, refund), sent)
 
     # -- one kind ----------------------------------------------------------------------
 
@@ -151,6 +169,11 @@ class Completer:
         *,
         refund: bool = True,
     ) -> None:
+        owners = {o.held.owner for o in group}
+        if len(owners) > 1:  # each statement is fenced by one owner
+            for owner in owners:
+                self._record_kind(connect, kind, [o for o in group if o.held.owner == owner], refund=refund)
+            return
         alive = set(self.ledger.finishing([o.held for o in group]))
         self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
         outcomes = [o for o in group if o.held in alive]
@@ -196,20 +219,21 @@ class Completer:
 
     def _run(self, conn: DbConnection, kind: Kind, outcomes: list[Outcome], refund: bool) -> list[tuple[Any, ...]]:
         tokens = [o.held.token for o in outcomes]
+        owner = outcomes[0].held.owner  # one owner per statement (see _record_kind)
         if kind is Kind.DONE:
-            return conn.execute(self._done, tokens_params(self.owner, tokens))
+            return conn.execute(self._done, tokens_params(owner, tokens))
         if kind is Kind.RETRY:
             params = tokens_params(
-                self.owner,
+                owner,
                 tokens,
                 **{q.ERRORS_PARAM: [o.error for o in outcomes], q.DELAYS_PARAM: [o.delay for o in outcomes]},
             )
             return conn.execute(self._retry, params)
         if kind is Kind.FAIL:
-            params = tokens_params(self.owner, tokens, **{q.ERRORS_PARAM: [o.error for o in outcomes]})
+            params = tokens_params(owner, tokens, **{q.ERRORS_PARAM: [o.error for o in outcomes]})
             return conn.execute(self._fail, params)
         if kind is Kind.RELEASE:
-            return conn.execute(self._release if refund else self._hand_back, tokens_params(self.owner, tokens))
+            return conn.execute(self._release if refund else self._hand_back, tokens_params(owner, tokens))
         raise AssertionError(kind)
 
     def _with_retries(
@@ -222,8 +246,10 @@ class Completer:
         failures = 0
         while True:
             try:
+                conn = connect()
                 began = time.monotonic()
-                return work(connect()), began, failures > 0
+                with self.driver.deadline(conn, self._deadline):
+                    return work(conn), began, failures > 0
             except Exception as exc:
                 if not self.driver.is_connection_error(exc) or time.monotonic() >= give_up:
                     raise
@@ -248,7 +274,7 @@ class Completer:
         missed = [o for o in outcomes if o.held.token not in moved]
         if not missed:
             return rows
-        params = tokens_params(self.owner, [o.held.token for o in missed])
+        params = tokens_params(missed[0].held.owner, [o.held.token for o in missed])
         try:
             states, _, _ = self._with_retries(connect, lambda conn: conn.execute(self._states, params))
         except Exception as exc:  # noqa: BLE001 - count them lost, as the fence said
@@ -258,7 +284,7 @@ class Completer:
         found = list(rows)
         for o in missed:
             state = by_pk.get(o.held.token.job_id)
-            status = None if state is None else _landed_as(kind, o, state, self.owner, refund)
+            status = None if state is None else _landed_as(kind, o, state, o.held.owner, refund)
             if status is not None:
                 found.append((o.held.token.job_id, o.held.token.attempt, status))
         return found
@@ -274,7 +300,7 @@ class Completer:
         missed = [o.held for o in outcomes if o.held.token not in moved]
         self.ledger.remove(o.held for o in recorded)
         if missed:
-            self._lost(missed, "re-claimed or swept before its outcome was recorded")
+            self._lost(missed, "re-claimed or swept before its outcome was recorded", settled=True)
         if kind is Kind.DONE:
             self.stats.add("done", len(recorded))
         elif kind is Kind.FAIL:
@@ -297,9 +323,10 @@ class Completer:
                     log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
                                 o.held.token.job_id, o.held.token.attempt, _first(o.error), o.delay)
 
-    def _lost(self, held: list[Held], why: str) -> None:
-        """Forget jobs whose lease is gone; count and log those not already known lost."""
-        newly = self.ledger.lose(held)
+    def _lost(self, held: list[Held], why: str, *, settled: bool = False) -> None:
+        """Forget jobs whose lease is gone; count and log those not already known lost.
+        ``settled``: a fenced statement matched none of their rows (see Ledger.lose)."""
+        newly = self.ledger.lose(held, settled=settled)
         if newly:
             self.stats.add("lost", len(newly))
         for h in newly:

@@ -10,6 +10,9 @@ from ..sql import Backoff
 
 __all__ = ["WorkerConfig", "check_options"]
 
+#: Longest ``name``: the lease owner column also holds a random suffix and the executor's tag.
+MAX_NAME_LENGTH = 150
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -68,6 +71,10 @@ class WorkerConfig:
             for queue in self.queues:
                 if not isinstance(queue, str) or not queue or "\x00" in queue:
                     raise ValueError(f"queue names must be non-empty strings, got {queue!r}")
+        if self.name is not None and len(self.name) > MAX_NAME_LENGTH:
+            # The lease owner is the name, a random suffix and the executor's tag, in a
+            # 200-character column.
+            raise ValueError(f"name must be at most {MAX_NAME_LENGTH} characters, got {len(self.name)}")
         _positive_int("max_error_length", self.max_error_length)
         if not isinstance(self.backoff, Backoff):
             raise TypeError(f"backoff must be a sqla_queue.Backoff, got {self.backoff!r}")
@@ -79,6 +86,14 @@ class WorkerConfig:
     @property
     def effective_heartbeat(self) -> float:
         return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease / 3
+
+    @property
+    def statement_deadline(self) -> float:
+        """How long an executor's claim or completion may take before its connection is
+        dropped (and the call retried on a new one): half the lease. A statement stuck
+        behind a frozen proxy, PgBouncer or NAT box (where TCP keepalive cannot fire)
+        would otherwise hold its jobs forever, their leases renewed by a healthy heartbeat."""
+        return self.lease / 2
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -6,7 +6,10 @@ on the same connection. No job crosses a thread, and while work keeps coming a b
 costs one statement however many jobs it holds: the completion of the batch before and
 the claim of the next, together. The batch is sized by the handlers' measured
 speed: up to ``batch_size`` jobs for fast handlers, one at a time for slow ones, so a job
-never waits long behind its batch-mates.
+never waits long behind its batch-mates; until a thread has measured its handlers it
+claims one job at a time, so slow jobs at a cold start spread over every idle thread.
+Every claim and completion runs under a deadline (``statement_deadline``): a connection
+that stops answering is dropped and the call made again on a new one.
 
 :class:`Executor` turns one run of a handler into an :class:`~.outcome.Outcome`; nothing a
 handler does (any ``BaseException``, a bad return value, an unformattable error, a lost
@@ -33,7 +36,7 @@ from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
 from .config import WorkerConfig
-from .ledger import Held, Ledger
+from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer, WorkSignal
 from .service import Service
@@ -58,12 +61,15 @@ MAX_REMEMBERED_LOSSES = 10_000
 
 
 class Lane:
-    """An executor thread's connection, reconnected on demand."""
+    """An executor thread's connection, reconnected on demand, and the start of the
+    lease owner names it claims under: ``{owner}/{index}.{n}`` (see :mod:`.ledger`)."""
 
-    def __init__(self, driver: Driver, name: str) -> None:
+    def __init__(self, driver: Driver, name: str, owner: str = "") -> None:
         self.driver = driver
         self.name = name
         self.conn: DbConnection | None = None
+        #: Every owner name of this lane starts with it (and no other lane's does).
+        self.prefix = f"{owner}."
 
     def connect(self) -> DbConnection:
         conn = self.conn
@@ -240,13 +246,14 @@ class Executor:
                 return self.failure(held, exc, conn)
             if not self.ledger.finishing([held]):
                 return Outcome(held, Kind.LOST)
-            params = {q.OWNER_PARAM: self.owner, q.JOB_PARAM: held.token.job_id,
+            params = {q.OWNER_PARAM: held.owner, q.JOB_PARAM: held.token.job_id,
                       q.ATTEMPT_PARAM: held.token.attempt}
             try:
-                row = sa.execute(self._complete_one, params).first()
-                if row is None:
-                    return Outcome(held, Kind.LOST)
-                trans.commit()
+                with self.driver.deadline(conn, self.config.statement_deadline):
+                    row = sa.execute(self._complete_one, params).first()
+                    if row is None:
+                        return Outcome(held, Kind.LOST)
+                    trans.commit()
             except Exception as exc:  # noqa: BLE001
                 if self.driver.is_connection_error(exc):
                     # The commit may or may not have landed: claim neither; the row says.
@@ -330,8 +337,10 @@ class ExecutorPool(Service):
         self.signal.stop()
 
     def _thread(self, index: int) -> None:
-        lane = Lane(self.driver, f"sqla_queue executor {index}")
-        limit = min(4, self.config.max_batch)
+        lane = Lane(self.driver, f"sqla_queue executor {index}", f"{self.producer.owner}/{index}")
+        # One job until the handlers are measured: at a cold start, a thread that took a
+        # batch of slow jobs would run them one after another while its peers idle.
+        limit = 1
         per_job: float | None = None
         failures = 0
         held: list[Held] = []
@@ -340,7 +349,8 @@ class ExecutorPool(Service):
                 if not held:
                     try:
                         conn = lane.connect()
-                        held = self.producer.claim(conn, limit)
+                        self._recover(lane, conn)
+                        held = self.producer.claim(conn, limit, self.ledger.lane_owner(lane.prefix))
                         if not held:
                             if not self.stopping:
                                 self.producer.wait_for_work(conn)
@@ -361,43 +371,69 @@ class ExecutorPool(Service):
                     self.completer.hand_back(lane.connect, held, refund=True)
                     break
                 self.stats.add("claimed", len(held))
-                isolated = held[0].isolated
+                isolated, solitary = held[0].isolated, held[0].solitary
                 if len(held) == limit and not isolated:
                     self.signal.wake()  # there may be more: rouse an idle peer
-                started = time.monotonic()
-                held, ran = self._run_batch(held, lane, limit)
+                held, ran, busy = self._run_batch(held, lane, limit)
                 if ran:
-                    took = (time.monotonic() - started) / ran
+                    # Handler time only: the round trip is what a batch amortises, so
+                    # counting it would keep small batches small on a slow link.
+                    took = busy / ran
                     per_job = took if per_job is None else 0.7 * per_job + 0.3 * took
                     limit = max(1, min(self.config.max_batch, int(BATCH_TARGET_SECONDS / max(per_job, 1e-6))))
                 if isolated:
                     self.producer.look_for_isolated()
+                if solitary:
+                    self.signal.wake(self.config.concurrency)  # the others claimed nothing meanwhile
                 self._round_done()
             if held:
                 self.completer.hand_back(lane.connect, held, refund=True)
+            with suppress(Exception):  # stopping: give back what a lost claim took, if it can be told
+                if self.ledger.unknown_claims(lane.prefix):
+                    self._recover(lane, lane.connect())
         finally:
             lane.reset()
 
-    def _run_batch(self, held: list[Held], lane: Lane, limit: int) -> tuple[list[Held], int]:
+    def _recover(self, lane: Lane, conn: DbConnection) -> None:
+        """Before claiming again: give back the rows of this lane's claims whose answer
+        was lost (a connection error raised here is the claim loop's to back off on)."""
+        for owner in self.ledger.unknown_claims(lane.prefix):
+            self.producer.recover(conn, owner)
+
+    def _run_batch(self, held: list[Held], lane: Lane, limit: int) -> tuple[list[Held], int, float]:
         """Run ``held``; record the outcomes, claiming the next batch in the same round trip
-        when there is one to claim. Returns the next batch (maybe empty) and the jobs run."""
+        when there is one to claim. Returns the next batch (maybe empty), the jobs run and
+        the time their handlers took."""
         outcomes: list[Outcome] = []
+        deferred: list[Held] = []
         ran = 0
+        began = time.monotonic()
+        busy = 0.0
         request = None
         accepted = False
         try:
             for h in held:
-                if not self.ledger.start(h):
+                start = self.ledger.start(h)
+                if start is Start.DEFER:
+                    deferred.append(h)  # a solitary job waits for this worker to empty
+                    continue
+                if start is Start.SKIP:
                     continue  # lost meanwhile, or handed back by a shutdown
                 outcomes.append(self.executor.run(h, lane))
                 ran += 1
-            entered = not self.stopping and self.producer.try_enter()
+            busy = time.monotonic() - began
+            if deferred:
+                self.completer.hand_back(lane.connect, deferred, refund=True)
+            entered = (
+                not self.stopping and not self.ledger.unknown_claims(lane.prefix) and self.producer.try_enter()
+            )
             try:
-                request = self.producer.request(limit) if entered else None
+                owner = self.ledger.lane_owner(lane.prefix)
+                request = self.producer.request(limit, owner) if entered else None
                 then = (request, self.producer.indexes) if request is not None else None
                 rows = self.completer.record(lane.connect, outcomes, then=then)
                 if request is None or rows is None:  # no claim ran with the completion
-                    return [], ran
+                    return [], ran, busy
                 nxt = self.producer.accept(request, rows)
                 accepted = True
             finally:
@@ -406,11 +442,11 @@ class ExecutorPool(Service):
                 if request is not None and not accepted:
                     self.producer.unclaimed(request)
             if not nxt and request.isolated:
-                return [], ran  # no isolated job waits: claim ordinary ones next round
-            return nxt, ran
+                return [], ran, busy  # no isolated job waits: claim ordinary ones next round
+            return nxt, ran, busy
         except Exception:
             log.exception("executor: unexpected error; the batch's jobs return after their lease")
             self.ledger.lose(held)
-            return [], ran
+            return [], ran, busy
 
 

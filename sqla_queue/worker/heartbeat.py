@@ -43,8 +43,10 @@ class Heartbeat(Service):
         self.driver = driver
         self.owner = owner
         self.stats = stats
-        self._extend = driver.compile(q.extend_unlocked_leases_if_owner(qt.table))
-        self._owned = driver.compile(q.owned_tokens(qt.table))
+        # Every executor claims under a name of its own, each starting with "{owner}/".
+        self._extend = driver.compile(q.extend_unlocked_leases_if_owner(qt.table, owner_prefix=True))
+        self._owned = driver.compile(q.owned_tokens(qt.table, owner_prefix=True))
+        self._owners = f"{owner}/"
         self._conn: DbConnection | None = None
         self._last_ok = time.monotonic()
 
@@ -70,7 +72,7 @@ class Heartbeat(Service):
         if conn is None or conn.broken:
             self.close()
             self._conn = conn = self.driver.connect("sqla_queue heartbeat")
-        values = {**tokens_params(self.owner, tokens), q.LEASE_PARAM: float(self.config.lease)}
+        values = {**tokens_params(self._owners, tokens), q.LEASE_PARAM: float(self.config.lease)}
         if since is not None:
             # The claim's leases were set on the server after it was sent; half a beat
             # of margin covers the two connections' latencies. No more: a lease one beat
@@ -82,7 +84,7 @@ class Heartbeat(Service):
             missing = [t for t in tokens if t not in extended]
             if not missing:
                 return set()
-            owned = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._owned, tokens_params(self.owner, missing))}
+            owned = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._owned, tokens_params(self._owners, missing))}
         return {t for t in missing if t not in owned}
 
     def _check_health(self) -> None:

@@ -4,6 +4,15 @@ Jobs are keyed by ``(job id, attempt)``, the fencing token, so a re-claim of the
 while an older attempt still runs is a different entry. The executors add what they
 claim and remove what they recorded; the heartbeat reads the tokens and marks the ones it
 found lost; shutdown waits for it to empty. Pure logic: no database, no threads of its own.
+
+Each executor claims under a lease owner name of its own (``{worker}/{executor}.{n}``) and
+each held job keeps the name it was claimed under. That lets an executor whose claim
+committed but whose answer was lost give back exactly the rows that claim took: they are
+the rows running under its name, on another attempt than every job it holds or let go
+while its row may still be running under that name (its outcome could not be recorded,
+the leases lapsed: :meth:`Ledger.recovery`). Such a job is remembered with its name, and
+the executor then moves on to a new name (``n + 1``) at its next claim, so what is
+remembered is forgotten once no recovery can need it any more.
 """
 
 from __future__ import annotations
@@ -13,12 +22,13 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from ..runtime import Condition, Event
 from ..sql import ClaimToken
 
-__all__ = ["Held", "Ledger"]
+__all__ = ["Held", "Ledger", "Start"]
 
 
 @dataclass(eq=False, slots=True)
@@ -30,6 +40,10 @@ class Held:
     #: Why the row could not become the handler's object, if it could not.
     load_error: str | None = None
     isolated: bool = False
+    #: Runs with no other job in the worker: its lease expired on its last two attempts.
+    solitary: bool = False
+    #: The lease owner it was claimed under (its executor's name).
+    owner: str = ""
     #: Its handler was started (a job never started gets its attempt back at shutdown).
     started: bool = False
     #: Its outcome is being recorded: only that statement's result says if it was lost.
@@ -40,14 +54,35 @@ class Held:
     losses: int = 0
 
 
+class Start(Enum):
+    """What :meth:`Ledger.start` says about a job about to run."""
+
+    #: Run it.
+    RUN = "run"
+    #: Do not: it was lost, or is being handed back.
+    SKIP = "skip"
+    #: Do not, and hand it back unstarted (attempt refunded): a solitary job waits for
+    #: the worker to hold nothing else.
+    DEFER = "defer"
+
+
 class Ledger:
-    """Held jobs, the isolated-job slot and the worker's lease health, under one lock."""
+    """Held jobs, claims in flight, the isolated-claim slot, the executors' owner names
+    and the worker's lease health, under one lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._changed = Condition(self._lock)
         self._held: dict[ClaimToken, Held] = {}
         self._isolated_taken = False
+        #: The solitary job held, if any: no claim is made while it is.
+        self._solitary: Held | None = None
+        #: The number in each executor's current owner name, by the name's prefix.
+        self._names: dict[str, int] = {}
+        #: Owner names whose claim may have committed unseen.
+        self._unknown: set[str] = set()
+        #: Jobs let go while their row may still be running under that owner name.
+        self._abandoned: dict[str, set[ClaimToken]] = {}
         #: False after no heartbeat succeeded for a whole lease: claim nothing until one does.
         self._healthy = True
         #: Claims sent whose rows are not in the ledger yet: mark -> when it began (monotonic).
@@ -63,14 +98,49 @@ class Ledger:
         with self._lock:
             for h in held:
                 self._held[h.token] = h
+                if h.solitary and self._solitary is None:
+                    self._solitary = h
 
-    def start(self, held: Held) -> bool:
-        """Mark a job started, unless it was lost or is being handed back meanwhile."""
+    def begin_claim(self) -> int | None:
+        """A claim is about to be sent: its mark, for :meth:`end_claim`; None while a
+        solitary job is held (claim nothing).
+
+        Until it ended (its rows are in the ledger, or it failed), the rows it took are
+        this worker's without being in the ledger: their answer may sit unread while
+        the event loop is blocked. The heartbeat keeps their leases meanwhile
+        (:meth:`claims_since`)."""
         with self._lock:
+            if self._solitary is not None:
+                return None
+            mark = next(self._marks)
+            self._claims[mark] = time.monotonic()
+            return mark
+
+    def end_claim(self, mark: int) -> None:
+        """The claim ``mark`` is over: its rows are in the ledger (or it claimed nothing, or failed)."""
+        with self._lock:
+            self._claims.pop(mark, None)
+            self._changed.notify_all()
+
+    def start(self, held: Held) -> Start:
+        """Mark a job started, unless it was lost or is being handed back meanwhile.
+
+        The solitary job waits here until the worker holds nothing else and claims
+        nothing: the other jobs finish, or are handed back unstarted (DEFER), so that
+        if it kills the worker, it takes no other job's attempt with it.
+        """
+        with self._changed:
+            if held is self._solitary:
+                while not (held.lost or held.finishing) and (len(self._held) > 1 or self._claims):
+                    self._changed.wait(0.05)
             if held.lost or held.finishing:
-                return False
+                if held.lost and self._held.get(held.token) is held:
+                    self._forget(held)  # never started: nothing will record it
+                return Start.SKIP
+            if self._solitary is not None and held is not self._solitary:
+                return Start.DEFER
             held.started = True
-            return True
+            return Start.RUN
 
     def take_unstarted(self) -> list[Held]:
         """The jobs whose handler never started, marked for hand-back (at shutdown)."""
@@ -78,6 +148,7 @@ class Ledger:
             taken = [h for h in self._held.values() if not (h.started or h.finishing or h.lost)]
             for h in taken:
                 h.finishing = True
+            self._changed.notify_all()
             return taken
 
     def finishing(self, held: Iterable[Held]) -> list[Held]:
@@ -94,41 +165,31 @@ class Ledger:
         with self._lock:
             for h in held:
                 if self._held.get(h.token) is h:
-                    del self._held[h.token]
-                    if h.isolated:
-                        self._isolated_taken = False
+                    self._forget(h)
             self._changed.notify_all()
+
+    def _forget(self, h: Held) -> None:
+        del self._held[h.token]
+        if h is self._solitary:
+            self._solitary = None
 
     def get(self, token: ClaimToken) -> Held | None:
         with self._lock:
             return self._held.get(token)
 
     def tokens(self) -> list[ClaimToken]:
-        """Tokens whose lease still matters: held, not lost."""
+        """Tokens whose lease still matters: held, not lost, and not being handed back
+        unstarted (a beat over ten thousand of those would hold their rows' locks while
+        the hand-back waits for them; if it fails, they return after their lease)."""
         with self._lock:
-            return [t for t, h in self._held.items() if not h.lost]
+            return [t for t, h in self._held.items() if not (h.lost or (h.finishing and not h.started))]
 
     def live(self) -> list[Held]:
-        """The held jobs whose lease still matters: not lost."""
+        """The held jobs whose lease still matters, as :meth:`tokens` says."""
         with self._lock:
-            return [h for h in self._held.values() if not h.lost]
+            return [h for h in self._held.values() if not (h.lost or (h.finishing and not h.started))]
 
     # -- claims in flight --------------------------------------------------------------
-
-    def claim_began(self) -> int:
-        """A claim is about to be sent; returns its mark, for :meth:`claim_ended`.
-
-        Until it ended (its rows are in the ledger, or it failed), the rows it took are
-        this worker's without being in the ledger: their answer may sit unread while
-        the event loop is blocked. The heartbeat keeps their leases meanwhile."""
-        mark = next(self._marks)
-        with self._lock:
-            self._claims[mark] = time.monotonic()
-        return mark
-
-    def claim_ended(self, mark: int) -> None:
-        with self._lock:
-            self._claims.pop(mark, None)
 
     def claims_since(self) -> float | None:
         """When the oldest claim in flight began (monotonic), or None."""
@@ -152,8 +213,13 @@ class Ledger:
             held.lost = True
             return held
 
-    def lose(self, held: Iterable[Held]) -> list[Held]:
-        """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them."""
+    def lose(self, held: Iterable[Held], *, settled: bool = False) -> list[Held]:
+        """Mark jobs lost (handed back, or the worker's leases lapsed) and forget them.
+
+        ``settled``: the database said their rows are no longer running under their
+        owner (a fenced statement matched none). Otherwise a row may still be ours: it
+        is remembered with its owner name while a recovery may need it (see
+        :meth:`recovery`)."""
         marked = []
         with self._lock:
             for h in held:
@@ -161,16 +227,63 @@ class Ledger:
                     h.lost = True
                     marked.append(h)
                 if self._held.get(h.token) is h:
-                    del self._held[h.token]
-                    if h.isolated:
-                        self._isolated_taken = False
+                    self._forget(h)
+            if marked and not settled:
+                current = self._current_names()
+                for h in marked:
+                    if h.owner in current or h.owner in self._unknown:
+                        self._abandoned.setdefault(h.owner, set()).add(h.token)
             self._changed.notify_all()
         return marked
+
+    # -- claims whose answer was lost ----------------------------------------------------
+
+    def lane_owner(self, prefix: str) -> str:
+        """The owner name an executor claims under next: ``prefix`` and a number, moved
+        on once a job of the name was let go while its row may still be ours."""
+        with self._lock:
+            number = self._names.setdefault(prefix, 0)
+            name = f"{prefix}{number}"
+            if self._abandoned.get(name):
+                if name not in self._unknown:
+                    del self._abandoned[name]  # no recovery can need them any more
+                self._names[prefix] = number + 1
+                name = f"{prefix}{number + 1}"
+            return name
+
+    def _current_names(self) -> set[str]:
+        return {f"{prefix}{number}" for prefix, number in self._names.items()}
+
+    def claim_unknown(self, owner: str) -> None:
+        """A claim under ``owner`` may have committed, but its rows never arrived."""
+        with self._lock:
+            self._unknown.add(owner)
+
+    def unknown_claims(self, prefix: str) -> list[str]:
+        """The owner names starting with ``prefix`` that have claims to recover."""
+        with self._lock:
+            return [name for name in self._unknown if name.startswith(prefix)]
+
+    def recovery(self, owner: str) -> list[ClaimToken]:
+        """The tokens to keep when giving back the rows of ``owner``'s lost claims: the
+        jobs held under that name, and those let go while their row may still be
+        running under it. Every other row running under it came from a lost claim."""
+        with self._lock:
+            keep = [token for token, h in self._held.items() if h.owner == owner]
+            keep.extend(self._abandoned.get(owner, ()))
+            return keep
+
+    def recovered(self, owner: str) -> None:
+        with self._lock:
+            self._unknown.discard(owner)
+            if owner not in self._current_names():
+                self._abandoned.pop(owner, None)
 
     # -- isolated jobs -----------------------------------------------------------------
 
     def take_isolated_slot(self) -> bool:
-        """At most one isolated job (its last worker died running it) runs per worker."""
+        """One claim of an isolated job (its last worker died running it) at a time per
+        worker: each is claimed alone, and a solitary one stops every other claim."""
         with self._lock:
             if self._isolated_taken:
                 return False
@@ -180,6 +293,11 @@ class Ledger:
     def give_back_isolated_slot(self) -> None:
         with self._lock:
             self._isolated_taken = False
+
+    @property
+    def solitary(self) -> bool:
+        """A solitary job is held: the worker claims nothing until it is done."""
+        return self._solitary is not None
 
     # -- health ------------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ idle executors poll on their own timer regardless.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from ..driver import DbConnection, Driver
 from .config import WorkerConfig
 from .producer import WorkSignal
 from .service import Service
+from .sweeper import SWEPT_PREFIX
 
 __all__ = ["Listener"]
 
@@ -27,6 +28,7 @@ class Listener(Service):
     def __init__(
         self, config: WorkerConfig, driver: Driver, channel: str, signal: WorkSignal,
         *, queues: Collection[str] | None = None, timeout: float = 0.25,
+        on_swept: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(0.0, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
@@ -34,6 +36,8 @@ class Listener(Service):
         self.signal = signal
         self.queues = set(queues) if queues is not None else None
         self.timeout = timeout
+        #: Called when a sweeper says it returned jobs of these queues (isolated now).
+        self.on_swept = on_swept
         self._conn: DbConnection | None = None
         #: Connections made so far; above 1 means it reconnected.
         self.connections = 0
@@ -49,6 +53,11 @@ class Listener(Service):
             self.signal.wake()  # jobs committed while we were not listening
         payloads = self.driver.notifies(conn, self.timeout)
         relevant = [p for p in payloads if self.queues is None or p in self.queues]
+        swept = [p for p in payloads if p.startswith(SWEPT_PREFIX)]
+        if swept and self.on_swept is not None and (
+            self.queues is None or any(p[len(SWEPT_PREFIX):] in self.queues for p in swept)
+        ):
+            self.on_swept()
         if relevant:
             self.signal.wake(len(relevant))
         return 0.0

@@ -3,11 +3,24 @@
 Every executor thread claims for itself, on its own connection, when it has nothing to
 run: there is no shared claim loop to hand jobs across threads. Idle threads wait on the
 :class:`WorkSignal`, which a NOTIFY, a due timer (a delayed job, a retry) or the poll
-interval ends. Jobs whose last lease expired (``isolated``: their worker may have died
-running them) are claimed one at a time, and a worker runs at most one at once, beside
-its ordinary jobs: a job that kills its worker costs an attempt only to the ordinary jobs
-running with it, never to another isolated job, so a poison job cannot take innocent
-ones down with it attempt after attempt.
+interval ends.
+
+Jobs whose last lease expired (``isolated``: their worker may have died running them) are
+claimed alone, one per claim and never in a batch, but many at once: each executor of
+every surviving worker takes one, so a dead worker's jobs all run again within about one
+run time of the sweep. A job whose lease expired on two attempts in a row
+(:func:`~sqla_queue.sql.is_solitary`) then runs with no other job in its worker: the
+worker stops claiming, hands back its unstarted jobs and lets its running ones finish
+first. So a job that kills its worker every time burns its own attempts, and an innocent
+job loses at most two to it: once running beside it as an ordinary job, once beside it
+while both were isolated.
+
+Each executor claims under an owner name of its own (see :mod:`.ledger`): when a claim's
+answer is lost with its connection, :meth:`Producer.recover` gives the rows it took back
+with their attempt refunded, since their handlers never started. A claim that fails on a
+row its UPDATE cannot change (a trigger that raises, a ``NOT VALID`` CHECK the row
+violates) is made again one row at a time, and that row alone is passed over (and
+dead-lettered with the database's message where an update of it is possible).
 """
 
 from __future__ import annotations
@@ -17,8 +30,10 @@ import logging
 import time
 from typing import Any
 
+import psycopg
+
 from .. import sql as q
-from ..driver import ClaimRequest, DbConnection, Driver, RowError
+from ..driver import ClaimRequest, DbConnection, Driver, RowError, Statement, tokens_params
 from ..model import QueueTable
 from ..runtime import Condition, Semaphore
 from ..sql import ClaimToken
@@ -41,6 +56,14 @@ log = logging.getLogger("sqla_queue.worker")
 
 #: The pause before claiming again a job that is due but was not claimed (seconds).
 MISSED_DUE_PAUSE = 0.002
+
+#: How long a row no claim can update is passed over before it is tried again.
+SKIP_SECONDS = 60.0
+#: Most rows passed over at once: beyond that, the trouble is not a row's.
+MAX_SKIPPED = 1000
+#: Error classes that are not a row's fault (connection, transaction rollback, resources,
+#: object state such as a lock timeout, operator intervention, system and internal errors).
+_NOT_THE_ROWS_FAULT = frozenset({"08", "40", "53", "55", "57", "58", "XX"})
 
 
 class WorkSignal:
@@ -130,19 +153,36 @@ class Producer:
         self.ledger = ledger
         self.signal = signal
         self.owner = owner
-        # The model, not its table: a single-table-inheritance subclass claims its own rows.
-        claims = model
-        self._claim = driver.compile(q.claim_template(claims, queues=config.queues))
-        self._claim_isolated = driver.compile(q.claim_template(claims, queues=config.queues, isolated=True))
-        self._after_completion = driver.compile(q.complete_many_if_owner_then_claim(claims, queues=config.queues))
-        self._isolated_after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(claims, queues=config.queues, isolated=True)
+        self.driver = driver
+        self._qt = qt
+        #: The model, not its table: a single-table-inheritance subclass claims its own rows.
+        self._model = model
+        self._deadline = config.statement_deadline
+        # Every claim is guarded (fresh=True): one its executor gave up on (the deadline
+        # dropped its connection) claims nothing if the server runs it later.
+        self._claim = driver.compile(q.claim_template(model, queues=config.queues, fresh=True))
+        self._claim_isolated = driver.compile(
+            q.claim_template(model, queues=config.queues, isolated=True, fresh=True)
         )
-        self._next_due = driver.compile(q.next_run_after(claims, queues=config.queues))
+        self._after_completion = driver.compile(
+            q.complete_many_if_owner_then_claim(model, queues=config.queues, fresh=True)
+        )
+        self._isolated_after_completion = driver.compile(
+            q.complete_many_if_owner_then_claim(model, queues=config.queues, isolated=True, fresh=True)
+        )
+        self._next_due = driver.compile(q.next_run_after(model, queues=config.queues))
+        self._release_lost = driver.compile(q.release_lost_claims(qt.table))
+        self._fail_unclaimable = driver.compile(q.fail_unclaimable(qt.table))
+        #: Statements for the rare cases, compiled when first needed.
+        self._rare: dict[tuple[str, bool], Statement] = {}
+        #: Keys of rows no claim can update, passed over until the time given.
+        self._skip: dict[Any, float] = {}
         columns = list(qt.table.c)
         where = {id(c): n for n, c in enumerate(columns)}  # by identity: == makes SQL
         self._pk_index = where[id(qt.pk)]
         self._attempt_index = where[id(qt.c.attempts)]
+        self._isolated_index = where[id(qt.c.isolated)]
+        self._last_error_index = where[id(qt.c.last_error)]
         self._loader = RowLoader(model, columns, driver.dialect)
         self._lease = float(config.lease)
         self._gate = Semaphore(CONCURRENT_CLAIMS)
@@ -157,54 +197,207 @@ class Producer:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""
         self._isolated_after = 0.0
 
-    def request(self, limit: int) -> ClaimRequest | None:
-        """The claim to run next: an isolated job when one may be waiting and this worker
-        runs none, else up to ``limit`` ordinary jobs; None while leases are unhealthy."""
-        if not self.ledger.healthy:
+    def request(self, limit: int, owner: str) -> ClaimRequest | None:
+        """The claim to run next, for the executor named ``owner``: an isolated job when
+        one may be waiting and no other isolated claim is out, else up to ``limit``
+        ordinary jobs; None while leases are unhealthy or a solitary job is held.
+        A request that is returned must end in :meth:`accept` or :meth:`unclaimed`."""
+        mark = self.ledger.begin_claim() if self.ledger.healthy else None
+        if mark is None:
             return None
+        skip = self._skipped()
         if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
-            return ClaimRequest(
-                self._claim_isolated, self._values(1), isolated=True, after_completion=self._isolated_after_completion,
-                in_flight=self.ledger.claim_began(),
-            )
-        return ClaimRequest(self._claim, self._values(limit), after_completion=self._after_completion,
-                            in_flight=self.ledger.claim_began())
+            if skip is None:
+                claim, after = self._claim_isolated, self._isolated_after_completion
+            else:
+                claim, after = self._statement("claim", True), self._statement("after_completion", True)
+            return ClaimRequest(claim, self._values(1, owner, skip), isolated=True, after_completion=after,
+                                owner=owner, in_flight=mark)
+        if skip is None:
+            claim, after = self._claim, self._after_completion
+        else:
+            claim, after = self._statement("claim", False), self._statement("after_completion", False)
+        return ClaimRequest(claim, self._values(limit, owner, skip), after_completion=after, owner=owner,
+                            in_flight=mark)
 
     def accept(self, request: ClaimRequest, rows: list[tuple[Any, ...] | RowError]) -> list[Held]:
         """The held jobs of a claim's rows, added to the ledger."""
         try:
-            if request.isolated:
-                if not rows:
-                    self.ledger.give_back_isolated_slot()
-                    self._isolated_after = time.monotonic() + self.config.poll_interval
-                else:
-                    log.info("job %s: its last lease expired; running it alone", _token_of(rows[0], self))
-            held = [self._held(row, request.isolated) for row in rows]
+            held = [self._held(row, request) for row in rows]
             self.ledger.add(held)
         finally:
-            self.ledger.claim_ended(request.in_flight)
+            self.ledger.end_claim(request.in_flight)
+        if request.isolated:
+            self.ledger.give_back_isolated_slot()
+            if not held:
+                self._isolated_after = time.monotonic() + self.config.poll_interval
+            elif held[0].solitary:
+                log.warning("job %s: its lease expired on its last two attempts; running it with no other "
+                            "job in this worker", held[0].token.job_id)
+            else:
+                log.info("job %s: its last lease expired; running it alone in its batch", held[0].token.job_id)
+                self.signal.wake()  # there may be more: another executor takes the next
         return held
 
-    def claim(self, conn: DbConnection, limit: int) -> list[Held]:
+    def claim(self, conn: DbConnection, limit: int, owner: str) -> list[Held]:
+        """Claim for the executor named ``owner`` on its connection ``conn``."""
         with self._gate:
-            request = self.request(limit)
+            request = self.request(limit, owner)
             if request is None:
                 return []
             try:
-                rows = self.fetch(conn, request)
+                with self.driver.deadline(conn, self._deadline):
+                    rows = self.fetch(conn, request)
+            except Exception as exc:
+                if self.driver.is_connection_error(exc):
+                    self.ledger.claim_unknown(owner)  # it may have committed
+                if not _rows_fault(exc, self.driver):
+                    self.unclaimed(request)
+                    raise
+                try:
+                    rows = self._claim_one_by_one(conn, request, exc)
+                except BaseException:
+                    self.unclaimed(request)
+                    raise
             except BaseException:
                 self.unclaimed(request)
                 raise
             held = self.accept(request, rows)
         if not held and request.isolated:
-            return self.claim(conn, limit)  # no isolated job: ordinary ones, now
+            return self.claim(conn, limit, owner)  # no isolated job: ordinary ones, now
         return held
 
     def unclaimed(self, request: ClaimRequest) -> None:
         """``request`` did not run (or its rows were not read): free what it reserved."""
-        self.ledger.claim_ended(request.in_flight)
         if request.isolated:
             self.ledger.give_back_isolated_slot()
+        self.ledger.end_claim(request.in_flight)
+
+    # -- a claim whose answer was lost ---------------------------------------------------
+
+    def recover(self, conn: DbConnection, owner: str) -> None:
+        """Give back, attempt refunded, the rows a lost claim under ``owner`` took.
+
+        Only this executor claims under ``owner``, one claim at a time, and it is not
+        claiming now: every row running under that name, on another attempt than the
+        jobs the worker holds or let go under it, was taken by a claim whose answer
+        never arrived, so no handler ever saw it. Raises on a connection error (the
+        recovery is made again after reconnecting).
+        """
+        keep = self.ledger.recovery(owner)
+        values = {**tokens_params(owner, keep), q.FRESH_PARAM: self._deadline}
+        try:
+            with self.driver.deadline(conn, self._deadline):
+                rows = conn.execute(self._release_lost, values)
+        except Exception as exc:
+            if self.driver.is_connection_error(exc):
+                raise
+            self.ledger.recovered(owner)
+            log.error("%s: the rows of a claim whose answer was lost could not be given back (%s); they "
+                      "return after their lease", owner, _first_line(exc))
+            return
+        self.ledger.recovered(owner)
+        if rows:
+            log.warning("%d job(s) claimed by a claim whose answer was lost are pending again, attempt "
+                        "refunded: %s", len(rows), [row[0] for row in rows[:20]])
+            self.signal.wake(len(rows))
+
+    # -- a claim that fails on one row -------------------------------------------------
+
+    def _claim_one_by_one(
+        self, conn: DbConnection, request: ClaimRequest, error: BaseException
+    ) -> list[tuple[Any, ...] | RowError]:
+        """The claim failed with an error that may be one row's: claim its candidates one
+        at a time, and pass over the rows that fail. Raises ``error`` again when the
+        trouble is not a row's (the first two candidates fail and none claims)."""
+        limit = int(request.values[q.LIMIT_PARAM])
+        isolated = request.isolated
+        log.warning("%s: the claim failed (%s); claiming one job at a time to find the row it cannot update",
+                    request.owner, _first_line(error))
+        values = dict(request.values)
+        with self.driver.deadline(conn, self._deadline):
+            keys = [row[0] for row in conn.execute(
+                self._statement("candidates", isolated),
+                {q.LIMIT_PARAM: limit + 2, q.SKIP_PARAM: list(self._skip)},
+            )]
+        rows: list[tuple[Any, ...] | RowError] = []
+        failed: list[tuple[Any, BaseException]] = []
+        one = self._statement("by_key", isolated)
+        for key in keys:
+            if len(rows) >= limit:
+                break
+            if len(failed) >= 2 and not rows:
+                raise error  # every row fails: the claim itself does
+            values[q.KEY_PARAM] = key
+            values[q.LIMIT_PARAM] = 1
+            try:
+                with self.driver.deadline(conn, self._deadline):
+                    rows.extend(self.fetch(conn, ClaimRequest(one, values)))
+            except Exception as exc:
+                if self.driver.is_connection_error(exc):
+                    self.ledger.claim_unknown(request.owner)
+                    raise
+                if not _rows_fault(exc, self.driver):
+                    break  # a lock timeout, a cancel: not this row's doing; the rest next time
+                failed.append((key, exc))
+        if len(failed) >= 2 and not rows:
+            raise error
+        for key, why in failed:
+            self._pass_over(conn, key, why, dead_letter=bool(rows))
+        return rows
+
+    def _pass_over(self, conn: DbConnection, key: Any, exc: BaseException, *, dead_letter: bool) -> None:
+        """A row the claim cannot update: dead-letter it where an update of it is possible
+        (only when other rows did claim, so a claim broken for every row fails none),
+        else pass over it for a while."""
+        if self._skip.get(key, 0.0) > time.monotonic():
+            return  # another executor of this worker found it first
+        reason = _first_line(exc)
+        if dead_letter:
+            error = storable(f"the claim cannot update this row: {describe_error(exc, self.config.max_error_length)}",
+                             self.config.max_error_length)
+            try:
+                with self.driver.deadline(conn, self._deadline):
+                    failed = conn.execute(self._fail_unclaimable, {q.KEY_PARAM: key, q.ERROR_PARAM: error})
+            except Exception as fail_exc:  # the row cannot be updated at all
+                if self.driver.is_connection_error(fail_exc):
+                    raise
+                failed = []
+            if failed:
+                log.error("job %s cannot be claimed (%s): dead-lettered", key, reason)
+                return
+        if len(self._skip) >= MAX_SKIPPED:
+            log.error("job %s cannot be claimed (%s); %d rows are passed over already", key, reason, MAX_SKIPPED)
+            return
+        self._skip[key] = time.monotonic() + SKIP_SECONDS
+        log.error("job %s cannot be claimed: the database says: %s; passing over it for %.0fs",
+                  key, reason, SKIP_SECONDS)
+
+    def _skipped(self) -> list[Any] | None:
+        """The keys the claim must pass over now (None: none)."""
+        if not self._skip:
+            return None
+        now = time.monotonic()
+        for key in [k for k, until in self._skip.items() if until <= now]:
+            del self._skip[key]
+        return list(self._skip) if self._skip else None
+
+    def _statement(self, kind: str, isolated: bool) -> Statement:
+        found = self._rare.get((kind, isolated))
+        if found is None:
+            table, queues = self._model, self.config.queues
+            if kind == "claim":
+                stmt: Any = q.claim_template(table, queues=queues, isolated=isolated, skip=True, fresh=True)
+            elif kind == "after_completion":
+                stmt = q.complete_many_if_owner_then_claim(
+                    table, queues=queues, isolated=isolated, skip=True, fresh=True
+                )
+            elif kind == "candidates":
+                stmt = q.claim_candidates(table, queues=queues, isolated=isolated)
+            else:
+                stmt = q.claim_template(table, queues=queues, isolated=isolated, by_key=True, fresh=True)
+            found = self._rare[(kind, isolated)] = self.driver.compile(stmt)
+        return found
 
     def try_enter(self) -> bool:
         """A place among the threads claiming now, if one is free (see CONCURRENT_CLAIMS)."""
@@ -221,28 +414,35 @@ class Producer:
         """Where the key and the attempt are in a claimed row."""
         return self._pk_index, self._attempt_index
 
-    def _values(self, limit: int) -> dict[str, Any]:
-        return {q.OWNER_PARAM: self.owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self._lease}
+    def _values(self, limit: int, owner: str, skip: list[Any] | None) -> dict[str, Any]:
+        values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self._lease,
+                  q.FRESH_PARAM: self._deadline}
+        if skip is not None:
+            values[q.SKIP_PARAM] = skip
+        return values
 
-    def _held(self, row: tuple[Any, ...] | RowError, isolated: bool) -> Held:
+    def _held(self, row: tuple[Any, ...] | RowError, request: ClaimRequest) -> Held:
         limit = self.config.max_error_length
+        isolated, owner = request.isolated, request.owner
         if isinstance(row, RowError):
             error = storable(f"cannot read the row: {describe_error(row.error, limit)}", limit)
-            return Held(ClaimToken(row.pk, row.attempt), load_error=error, isolated=isolated)
+            return Held(ClaimToken(row.pk, row.attempt), load_error=error, isolated=isolated, owner=owner)
         token = _new_token(ClaimToken, (row[self._pk_index], row[self._attempt_index]))
+        solitary = isolated and q.is_solitary(row[self._isolated_index], row[self._last_error_index])
         try:
             job = self._loader.load(row)
         except Exception as exc:  # noqa: BLE001 - this row fails alone
             error = storable(f"cannot load the row as the model: {describe_error(exc, limit)}", limit)
-            return Held(token, load_error=error, isolated=isolated)
-        return Held(token, job=job, isolated=isolated)
+            return Held(token, load_error=error, isolated=isolated, solitary=solitary, owner=owner)
+        return Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner)
 
     def wait_for_work(self, conn: DbConnection) -> None:
         """Nothing to claim: learn when the next delayed job falls due, then idle."""
         signal = self.signal
         if signal.generation != self._checked_generation:
             self._checked_generation = signal.generation
-            rows = conn.execute(self._next_due, {})
+            with self.driver.deadline(conn, self._deadline):
+                rows = conn.execute(self._next_due, {})
             seconds = rows[0][0] if rows else None
             if seconds is not None:
                 # Due already, yet the claim just missed it: another claim holds it, or
@@ -251,5 +451,15 @@ class Producer:
         signal.wait(self.config.poll_interval)
 
 
-def _token_of(row: tuple[Any, ...] | RowError, producer: Producer) -> Any:
-    return row.pk if isinstance(row, RowError) else row[producer.indexes[0]]
+def _rows_fault(exc: BaseException, driver: Driver) -> bool:
+    """Whether a failed claim may have failed on one of its rows (a trigger that raised,
+    a constraint the row violates, a value out of range), not for a reason of its own."""
+    if driver.is_connection_error(exc) or not isinstance(exc, psycopg.Error):
+        return False
+    state = exc.sqlstate
+    return state is not None and state[:2] not in _NOT_THE_ROWS_FAULT
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

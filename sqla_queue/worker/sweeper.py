@@ -2,8 +2,9 @@
 
 Swept jobs are marked ``isolated`` (their worker may have died running them) or
 dead-lettered when their attempts are used up. It wakes this worker's executors to look
-for isolated jobs at once, and NOTIFYs the queues it swept so idle workers elsewhere claim
-the returned jobs without waiting for their poll.
+for isolated jobs at once, and NOTIFYs the queues it swept (marked with
+:data:`SWEPT_PREFIX`, and plain for workers that only know queue names) so the executors
+of every worker claim the returned jobs without waiting for their poll.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from .producer import Producer, WorkSignal
 from .service import Service
 from .stats import WorkerStats
 
-__all__ = ["Sweeper"]
+__all__ = ["SWEPT_PREFIX", "Sweeper"]
 
 log = logging.getLogger("sqla_queue.worker")
 
 SWEEP_LIMIT = 1000
+#: Marks a NOTIFY payload ``SWEPT_PREFIX + queue``: jobs of that queue were just swept.
+SWEPT_PREFIX = "sqla_queue.swept:"
 #: A sweep stuck longer than this (behind a table lock, a hung server) is cut short.
 SWEEP_DEADLINE = 10.0
 
@@ -58,7 +61,10 @@ class Sweeper(Service):
         with self.driver.deadline(conn, SWEEP_DEADLINE):
             swept = conn.execute(self._sweep, {})
             if swept:
-                self.driver.notify(conn, self.channel, sorted({row[2] for row in swept}))
+                queues = sorted({row[2] for row in swept})
+                # The queue names wake idle workers; the marked ones also tell them that
+                # isolated jobs wait (a claim of one each, at once, not at the next poll).
+                self.driver.notify(conn, self.channel, [*queues, *(SWEPT_PREFIX + queue for queue in queues)])
         if swept:
             self.stats.add("swept", len(swept))
             back = sum(1 for row in swept if row[1] == "pending")
