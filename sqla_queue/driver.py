@@ -104,10 +104,14 @@ class DbConnection:
         self.raw.autocommit = True
         self._cursor = _runtime_cursor(self.raw)
         self.closed = False
+        #: Cut by Driver.abort (a deadline, a stop): never to be used again.
+        self.aborted = False
 
     @property
     def broken(self) -> bool:
-        return self.closed or self.raw.closed or self.raw.broken
+        """Closed, known broken by psycopg, or cut by :meth:`Driver.abort`: a call whose
+        answer was read before the cut still returns, but the connection is done for."""
+        return self.closed or self.aborted or self.raw.closed or self.raw.broken
 
     def set_autocommit(self, on: bool) -> None:
         self.raw.autocommit = on
@@ -249,6 +253,8 @@ class AsyncDbConnection(DbConnection):
         adapted.autocommit = True
         self._cursor = _runtime_cursor(self.raw)
         self.closed = False
+        #: Cut by Driver.abort (a deadline, a stop): never to be used again.
+        self.aborted = False
 
     def set_autocommit(self, on: bool) -> None:
         self._adapted.autocommit = on  # awaited by the adapter
@@ -501,6 +507,7 @@ class Driver:
     @staticmethod
     def abort(conn: DbConnection, *, quiet: bool = False) -> None:
         """Shut the connection's socket down: a call blocked on it raises at once."""
+        conn.aborted = True
         with suppress(OSError, psycopg.Error):
             fd = conn.fileno()
             sock = socket.socket(fileno=os.dup(fd))

@@ -278,7 +278,7 @@ def test_a_claim_answered_while_a_handler_blocks_the_loop_keeps_its_lease(
                              sweep_interval=0.2)
         async with started(worker, grace=1):
             await until(lambda: runs[blocking] == 1, what="the blocking handler to start")
-            (slow,) = add(Sessions, "effect", slow_claim=1.0)
+            (slow,) = add(Sessions, "effect", slow_claim=0.5)  # within the claim deadline (lease / 2)
             await until(lambda: _claim_sleeping(engine, app), what="the other executor's claim")
             claim_in_flight.set()
             await until(all_done(engine, [blocking, slow]), timeout=30, what="both jobs")
