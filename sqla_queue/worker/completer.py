@@ -133,12 +133,15 @@ class Completer:
             with self.driver.deadline(conn, self._deadline):
                 rows, claimed = conn.complete_then_claim(claim, params, *indexes)
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
-            if self.driver.is_connection_error(exc):
+            cut = self.driver.is_connection_error(exc)
+            if cut:
                 self.ledger.claim_unknown(claim.owner)
             log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
             for o in outcomes:
                 o.held.finishing = False
-            self._record_kind(connect, Kind.DONE, outcomes)
+            # A cut connection may have committed the completion unseen: read back what
+            # the repeat does not move before calling any of it lost.
+            self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=cut)
             return None
         self._settle(Kind.DONE, outcomes, rows, sent)
         return claimed
@@ -168,11 +171,15 @@ class Completer:
         group: list[Outcome],
         *,
         refund: bool = True,
+        maybe_landed: bool = False,
     ) -> None:
+        """``maybe_landed``: an earlier try of this recording may have committed with its
+        answer lost, so rows the statement does not move are read back (see _landed)."""
         owners = {o.held.owner for o in group}
         if len(owners) > 1:  # each statement is fenced by one owner
             for owner in owners:
-                self._record_kind(connect, kind, [o for o in group if o.held.owner == owner], refund=refund)
+                self._record_kind(connect, kind, [o for o in group if o.held.owner == owner],
+                                  refund=refund, maybe_landed=maybe_landed)
             return
         alive = set(self.ledger.finishing([o.held for o in group]))
         self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
@@ -185,17 +192,19 @@ class Completer:
             if len(outcomes) > 1 or kind in (Kind.RETRY, Kind.FAIL):
                 log.warning("recording %d %s outcome(s) failed (%s); one at a time", len(outcomes), kind.value, exc)
                 for outcome in outcomes:
-                    self._record_alone(connect, outcome, refund)
+                    self._record_alone(connect, outcome, refund, maybe_landed)
                 return
             log.error("job %s: could not record %s (%s); its lease will expire",
                       outcomes[0].held.token.job_id, kind.value, exc)
             self.ledger.lose([o.held for o in outcomes])
             return
-        if retried:
+        if retried or maybe_landed:
             rows = self._landed(connect, kind, outcomes, rows, refund)
         self._settle(kind, outcomes, rows, sent)
 
-    def _record_alone(self, connect: Callable[[], DbConnection], outcome: Outcome, refund: bool) -> None:
+    def _record_alone(
+        self, connect: Callable[[], DbConnection], outcome: Outcome, refund: bool, maybe_landed: bool = False
+    ) -> None:
         attempts = [outcome]
         if outcome.kind in (Kind.RETRY, Kind.FAIL):
             safe = Outcome(outcome.held, outcome.kind, "the error text could not be stored", outcome.delay)
@@ -210,7 +219,7 @@ class Completer:
             except Exception as exc:  # noqa: BLE001
                 log.warning("job %s: recording %s failed: %s", outcome.held.token.job_id, candidate.kind.value, exc)
                 continue
-            if retried:
+            if retried or maybe_landed:
                 rows = self._landed(connect, candidate.kind, [candidate], rows, refund)
             self._settle(candidate.kind, [candidate], rows, sent)
             return
