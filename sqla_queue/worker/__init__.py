@@ -46,8 +46,9 @@ from .executor import Executor, ExecutorPool, Lane
 from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
-from .producer import Producer, WorkSignal
+from .producer import Producer
 from .service import Service
+from .work_signal import WorkSignal
 from .stats import WorkerStats
 from .sweeper import Sweeper
 

@@ -34,8 +34,8 @@ from .executor import ExecutorPool
 from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
-from .producer import WorkSignal
 from .service import Service
+from .work_signal import WorkSignal
 from .stats import WorkerStats
 from .sweeper import Sweeper
 

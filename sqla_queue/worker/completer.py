@@ -29,7 +29,7 @@ from ..runtime import sleep
 from .config import WorkerConfig
 from .ledger import Held, Ledger
 from .outcome import Kind, Outcome
-from .producer import WorkSignal
+from .work_signal import WorkSignal
 from .stats import WorkerStats
 
 __all__ = ["Completer"]

@@ -13,8 +13,8 @@ from collections.abc import Callable, Collection
 
 from ..driver import DbConnection, Driver
 from .config import WorkerConfig
-from .producer import WorkSignal
 from .service import Service
+from .work_signal import WorkSignal
 from .sweeper import SWEPT_PREFIX
 
 __all__ = ["Listener"]

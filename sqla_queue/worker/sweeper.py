@@ -15,8 +15,9 @@ from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..model import QueueTable
 from .config import WorkerConfig
-from .producer import Producer, WorkSignal
+from .producer import Producer
 from .service import Service
+from .work_signal import WorkSignal
 from .stats import WorkerStats
 
 __all__ = ["SWEPT_PREFIX", "Sweeper"]
