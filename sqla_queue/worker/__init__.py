@@ -48,9 +48,9 @@ from .ledger import Ledger
 from .listener import Listener
 from .producer import Producer
 from .service import Service
-from .work_signal import WorkSignal
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .work_signal import WorkSignal
 
 __all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
 

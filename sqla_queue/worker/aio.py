@@ -35,9 +35,9 @@ from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
 from .service import Service
-from .work_signal import WorkSignal
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .work_signal import WorkSignal
 
 __all__ = ["AsyncWorker"]
 

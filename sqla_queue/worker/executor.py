@@ -40,8 +40,8 @@ from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer
 from .service import Service
-from .work_signal import WorkSignal
 from .stats import WorkerStats
+from .work_signal import WorkSignal
 
 __all__ = ["Executor", "ExecutorPool", "Lane"]
 

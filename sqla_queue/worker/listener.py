@@ -14,8 +14,8 @@ from collections.abc import Callable, Collection
 from ..driver import DbConnection, Driver
 from .config import WorkerConfig
 from .service import Service
-from .work_signal import WorkSignal
 from .sweeper import SWEPT_PREFIX
+from .work_signal import WorkSignal
 
 __all__ = ["Listener"]
 

@@ -17,8 +17,8 @@ from ..model import QueueTable
 from .config import WorkerConfig
 from .producer import Producer
 from .service import Service
-from .work_signal import WorkSignal
 from .stats import WorkerStats
+from .work_signal import WorkSignal
 
 __all__ = ["SWEPT_PREFIX", "Sweeper"]
 
