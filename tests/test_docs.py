@@ -9,6 +9,7 @@ options and statement builders list exactly what the code has.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -151,16 +152,15 @@ def test_the_builders_table_lists_every_public_builder() -> None:
 
 
 def test_the_cli_reference_is_rendered_from_the_parser() -> None:
-    sys.path.insert(0, str(DOCS / "hooks"))
-    try:
-        import cli_reference
-    finally:
-        sys.path.remove(str(DOCS / "hooks"))
+    spec = importlib.util.spec_from_file_location("cli_reference", DOCS / "hooks" / "cli_reference.py")
+    assert spec and spec.loader
+    cli_reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_reference)
     page = (DOCS / "reference" / "cli.md").read_text()
     assert cli_reference.MARKER in page
     rendered = cli_reference.cli_reference()
     parser = build_parser()
-    subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0]
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, sub in subcommands.choices.items():
         assert f"## `sqla-queue {name}`" in rendered
         for action in sub._actions:
