@@ -35,12 +35,9 @@ class WelcomeEmail(Base, JobMixin):  # the queue columns and indexes come from t
 # --8<-- [end:model]
 
 
-sent: list[str] = []
-
-
 # --8<-- [start:handler]
 def send_welcome(job: WelcomeEmail) -> None:
-    sent.append(job.to)  # your mail client here; it may run twice: see "Handlers"
+    print(f"welcome mail to {job.to}")  # your mail client; a job may run twice: see the docs
 # --8<-- [end:handler]
 
 
@@ -63,8 +60,8 @@ def main(url: str) -> None:
     try:
         with Session() as session:
             status = session.scalar(select(WelcomeEmail.status))
-        print(f"sent to {sent}; job {status}")
-        assert sent == ["ada@example.com"] and status == "done"
+        print(f"job {status}")
+        assert status == "done"
     finally:
         Base.metadata.drop_all(engine)
         engine.dispose()
