@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import re
 import shlex
@@ -149,6 +150,20 @@ def test_the_builders_table_lists_every_public_builder() -> None:
     rows.pop("builder", None)
     public = {name for name in q.__all__ if name not in {"Backoff", "ClaimToken"}}
     assert set(rows) == public
+
+
+def test_every_builder_of_sql_py_is_on_the_builders_page() -> None:
+    """Public builders in the table and the API section; the worker's own under "What the worker runs"."""
+    page = (DOCS / "reference" / "sql.md").read_text()
+    public, internal = page.split("## What the worker runs", 1)
+    functions = {
+        name
+        for name, obj in vars(q).items()
+        if inspect.isfunction(obj) and obj.__module__ == q.__name__ and not name.startswith("_")
+    }
+    for name in functions:
+        where = public if name in q.__all__ else internal
+        assert f"        - {name}\n" in where, name
 
 
 def test_the_cli_reference_is_rendered_from_the_parser() -> None:
