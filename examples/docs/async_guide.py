@@ -53,7 +53,7 @@ async def main(url: str) -> None:
     async with engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
     try:
-        # --8<-- [start:enqueue]
+        # --8<-- [start:enqueue-session]
 
         async with Session() as session:
             order = Order(customer="ada")
@@ -63,7 +63,7 @@ async def main(url: str) -> None:
             rows = more_rows(order.id)  # any iterable, or an async iterable
             await session.enqueue_many(EmailJob, rows, queue="emails")
             await session.commit()  # the order, the jobs and one NOTIFY per queue, or none of them
-        # --8<-- [end:enqueue]
+        # --8<-- [end:enqueue-session]
         async with engine.connect() as c:
             order_id = await c.scalar(select(Order.id))
         assert order_id is not None

@@ -18,10 +18,10 @@ from sqla_queue import QueueSession
 
 
 def main(url: str) -> None:
-    # --8<-- [start:session]
+    # --8<-- [start:engine]
     engine = create_engine(url)  # "postgresql+psycopg://app:secret@localhost/shop": psycopg 3
     Session = sessionmaker(engine, class_=QueueSession)
-    # --8<-- [end:session]
+    # --8<-- [end:engine]
     Base.metadata.create_all(engine)
     try:
         # --8<-- [start:enqueue]
