@@ -140,7 +140,7 @@ def test_the_worker_options_table_lists_every_option_with_type_and_default() -> 
     expected = {f.name for f in fields(WorkerConfig)} | {"session_factory", "job_context", "config"}
     assert set(rows) == expected
     for f in fields(WorkerConfig):
-        kind, default, meaning = rows[f.name]
+        kind, default, meaning, _flag = rows[f.name]
         assert kind and default and meaning, f.name
     defaults = WorkerConfig()
     for name in ("concurrency", "sweep_interval", "poll_interval", "shutdown_grace", "max_error_length"):
