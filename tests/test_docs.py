@@ -148,6 +148,16 @@ def test_the_worker_options_table_lists_every_option_with_type_and_default() -> 
         assert number == getattr(defaults, name), (name, rows[name][1])
 
 
+def test_the_worker_options_table_names_the_worker_command_s_flags() -> None:
+    rows = _table_rows("reference/worker-options.md", "## Options")
+    rows.pop("option", None)
+    shown = {flag for *_, cell in rows.values() for flag in re.findall(r"`(--[a-z-]+)`", cell)}
+    worker = build_parser().parse_args(["worker", "x:y"]).parser
+    flags = {flag for action in worker._actions for flag in action.option_strings}
+    options = flags - {"-h", "--help", "--log-level", "--until-idle"}  # not worker options
+    assert shown == options
+
+
 def test_the_builders_table_lists_every_public_builder() -> None:
     rows = _table_rows("reference/sql.md", "## The builders")
     rows.pop("builder", None)
