@@ -59,13 +59,3 @@ def test_alembic_project_example(server: Server) -> None:
     assert "check welcome_emails_status_check" in out
     assert "-- downgraded" in out
 
-
-def test_testing_jobs_example(server: Server, tmp_path: Path) -> None:
-    env = {**os.environ, "DATABASE_URL": server.url.render_as_string(hide_password=False)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-         "-c", os.devnull, str(EXAMPLES / "testing_jobs.py")],
-        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 passed" in result.stdout

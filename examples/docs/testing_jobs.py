@@ -1,6 +1,7 @@
 """Testing code that enqueues jobs, and the handlers that run them, with pytest.
 
-Run it as a test module: ``DATABASE_URL=postgresql://… python -m pytest examples/testing_jobs.py``.
+Run it with pytest (``DATABASE_URL=postgresql://… python -m pytest examples/docs/testing_jobs.py``),
+or as a script, which runs pytest on itself.
 The queue table is real (created in the test database, dropped afterwards); the helpers of
 ``sqla_queue.testing`` look at what was enqueued and run a worker until nothing is left.
 """
@@ -8,6 +9,7 @@ The queue table is real (created in the test database, dropped afterwards); the 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -71,3 +73,7 @@ def test_the_worker_sends_it(engine: Engine) -> None:
     assert stats.done == 1
     assert sent == ["ada@example.com"]
     assert_not_enqueued(engine, WelcomeEmail)  # nothing left pending
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
