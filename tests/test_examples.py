@@ -58,3 +58,4 @@ def test_alembic_project_example(server: Server) -> None:
     assert "index welcome_emails_lease_idx ['lease_expires_at'] WHERE ((status)::text = 'running'::text)" in out
     assert "check welcome_emails_status_check" in out
     assert "-- downgraded" in out
+

@@ -46,10 +46,11 @@ from .executor import Executor, ExecutorPool, Lane
 from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
-from .producer import Producer, WorkSignal
+from .producer import Producer
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .work_signal import WorkSignal
 
 __all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
 
