@@ -197,7 +197,13 @@ class TablePlan:
 
     # -- enqueue(): an ORM object -------------------------------------------------------
 
-    def check_job(self, job: Any, options: dict[str, Any], serializer: Callable[[], Callable[[Any], Any]]) -> None:
+    def check_job(
+        self,
+        job: Any,
+        mapper: Mapper[Any],
+        options: dict[str, Any],
+        serializer: Callable[[], Callable[[Any], Any]],
+    ) -> None:
         """A new ORM object's values, with ``options`` over them, through the rules
         ``enqueue_many()`` applies to its rows too: what would only fail at flush or
         commit, taking the caller's transaction with it, fails here, naming the column.
@@ -206,17 +212,17 @@ class TablePlan:
         from the INSERT, and evaluates Python and contextual defaults itself) and SQL
         expressions to the database; a discriminator of single-table inheritance set to
         None gets the model's identity (added to ``options``, set on the job with them),
-        and one naming another model is refused. ``serializer()`` gives the JSON
-        serializer of the session's dialect, asked for only when a JSON value is set.
+        and one naming another model is refused. ``mapper`` is the job's own (a
+        subclass's, with inheritance); ``serializer()`` gives the JSON serializer of the
+        session's dialect, asked for only when a JSON value is set.
         """
-        violation = managed_violation(orm_attributes.instance_state(job).dict)
+        data = orm_attributes.instance_state(job).dict
+        violation = managed_violation(data)
         if violation is not None:
             key, value = violation
             raise EnqueueError(
                 f"{_describe(job)} has {key}={value!r}; the queue manages {key}, leave it unset"
             )
-        mapper = object_mapper(job)
-        data = orm_attributes.instance_state(job).dict
         rules = self.rules
         dumps: Callable[[Any], Any] | None = None
         texts: list[str] = []
@@ -242,7 +248,7 @@ class TablePlan:
                     if isinstance(value, str):
                         texts.append(value)
             check_row_size(texts, jsons)
-            polymorphic = polymorphic_rule(mapper, self.table)
+            polymorphic = self.polymorphic if mapper is self.mapper else polymorphic_rule(mapper, self.table)
             if polymorphic is not None:
                 given = data.get(polymorphic.attr)
                 identity = polymorphic.resolve(given)

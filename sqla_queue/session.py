@@ -59,7 +59,7 @@ def enqueue(session: Any, job: J, **options: Unpack[EnqueueKwargs]) -> J:
     checked = enqueue_options(options)
     values = dict(checked.values)
     mapper = object_mapper(job)
-    table_plan(mapper.class_).check_job(job, values, lambda: _json_serializer(sync, mapper))
+    table_plan(mapper.class_).check_job(job, mapper, values, lambda: _json_serializer(sync, mapper))
     if checked.delay_seconds is not None:
         # From the moment of the INSERT, in seconds (not a calendar interval).
         values["run_after"] = delay_from_insert(checked.delay_seconds)
