@@ -1,8 +1,8 @@
-"""The one bounded cache of the enqueue side: plans and the statements they compile.
+"""The one bounded cache: resolved queue tables, row plans, the statements they compile.
 
-Everything an enqueue path works out once per model, dialect and shape of call (a
-table's rules and defaults, the INSERT of ``enqueue_values()`` for a set of columns, the
-NOTIFY statements of a commit) is kept here, under keys that say what it depends on, so
+Everything worked out once per model, dialect and shape of call (a model's queue table,
+a table's rules and defaults, the INSERT of ``enqueue_values()`` for a set of columns,
+the NOTIFY statements of a commit) is kept here, under keys that say what it depends on, so
 that no path grows a cache of its own and none grows without bound: past
 :data:`MAX_ENTRIES` the oldest entry goes (a plan is rebuilt on its next use; a caller
 holding one keeps using it).
