@@ -213,3 +213,52 @@ def test_a_handlers_own_read_only_error_is_its_failure_with_the_backoff(
     assert (row.attempts, effects.of(job_id)) == (2, 2)
     assert "read-only transaction" in (row.last_error or "")
     assert effects_of(engine, job_id) == ["attempt 2"]
+
+
+def test_a_job_whose_connection_cannot_be_had_goes_back_unspent(
+    server: Server, engine: Engine, Sessions: Any, make_worker: Any
+) -> None:
+    """A batch whose first transactional job loses the worker's connection, while the
+    server refuses new ones for a moment (a failover): the next job of the batch, whose
+    handler never ran, goes back with its attempt refunded, not failed with one spent."""
+    worker_engine = engine_with(server.url)
+    runs: Counter[int] = Counter()
+    refusals = {"left": 0}
+    tasks = Tasks()
+
+    @tasks.task
+    def effect(job: Any, session: Session) -> None:
+        runs[job.id] += 1
+        if job.payload.get("kill") and runs[job.id] == 1:
+            refusals["left"] = 3  # the next connections are refused, as during a promotion
+            session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+        session.add(Effect(job_id=job.id, worker="test", note=f"attempt {job.attempts}"))
+
+    worker = make_worker(worker_engine, Task, tasks, **_options(reconnect_backoff=0.2, batch_size=8))
+    made = worker.engine
+    connecting = getattr(made, "sync_engine", made)
+
+    @event.listens_for(connecting, "connect")
+    def refuse(dbapi_connection: Any, record: Any) -> None:
+        if refusals["left"] > 0:
+            refusals["left"] -= 1
+            raise psycopg.OperationalError("the database system is in recovery mode (from the test)")
+
+    try:
+        worker.start()
+        warm = add(Sessions, "effect", 30)  # measured fast: the executor claims batches
+        wait_for(lambda: all(job(engine, i).status == "done" for i in warm), what="the warm-up jobs done")
+        wait_for(worker.idle, what="the worker idle")
+        with Sessions() as session:
+            jobs = [session.enqueue(Task(task="effect", payload={"kill": n == 0})) for n in range(4)]
+            session.commit()
+            ids = [j.id for j in jobs]
+        wait_for(lambda: all(job(engine, i).status == "done" for i in ids), timeout=SETTLED_WITHIN,
+                 what="the batch done")
+        assert refusals["left"] == 0
+        assert {i: job(engine, i).attempts for i in ids} == dict.fromkeys(ids, 1)
+        assert all(effects_of(engine, i) == ["attempt 1"] for i in ids)
+        assert worker.stats.retried == 0
+    finally:
+        worker.stop(grace=1)
+        worker_engine.dispose()

@@ -225,7 +225,18 @@ class Executor:
         handler's transaction takes, its final writes and the job's completion commit
         together, or neither does.
         """
-        conn = lane.connect()
+        try:
+            conn = lane.connect()
+        except Exception as exc:
+            if not self.driver.is_connection_error(exc):
+                raise
+            # The handler never ran: the job goes back at once, its attempt refunded (the
+            # release is made on a new connection, once one can be had). Not its failure,
+            # and not a loss under its handler.
+            log.warning("job %s: no connection to run its transactional handler on (%s); handed back",
+                        held.token.job_id, _first_line(exc))
+            return Outcome(held, Kind.RELEASE, storable(f"no connection: {_first_line(exc)}",
+                                                        self.config.max_error_length))
         conn.set_autocommit(False)
         sa: Connection = conn.sa
         trans = sa.begin()
