@@ -30,8 +30,14 @@ import psycopg
 from .helpers import wait_for
 from .proxy import Proxy
 
+
+def _version(bin_dir: str) -> tuple[int, ...]:
+    name = Path(bin_dir).parent.name
+    return tuple(int(part) for part in name.split(".")) if name.replace(".", "").isdigit() else ()
+
+
 #: Where Debian and Ubuntu install the server binaries, newest version first.
-_BIN_DIRS = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(Path(d).parent.name), reverse=True)
+_BIN_DIRS = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version, reverse=True)
 
 
 def find_bin_dir() -> Path | None:

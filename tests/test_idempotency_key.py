@@ -10,13 +10,22 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from alembic.autogenerate import produce_migrations, render_python_code
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
-from sqlalchemy import Column, Engine, Uuid, func, insert, select, text
+from sqlalchemy import Engine, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import DeclarativeBase, sessionmaker
 
-from sqla_queue import AsyncQueueSession, QueueSession, enqueue, enqueue_many, enqueue_values
+from sqla_queue import (
+    AsyncQueueSession,
+    IdempotencyKeyMixin,
+    JobMixin,
+    QueueSession,
+    enqueue,
+    enqueue_many,
+    enqueue_values,
+)
 
 from .helpers import Server, table_of
 from .models import EmailJob, KeyedJob, KeyedTask, Task
@@ -171,18 +180,43 @@ def test_a_reused_id_gets_a_new_key(Sessions: sessionmaker[QueueSession], engine
 
 
 def test_a_migration_adding_the_key_gives_existing_rows_distinct_keys(engine: Engine) -> None:
-    """Opting in on a table with rows: the server default fills each row with its own key
-    (as Alembic's ``add_column`` of the mixin's column does)."""
-    with engine.begin() as conn:
-        conn.execute(text("DROP TABLE IF EXISTS keyed_migration"))
-        conn.execute(text("CREATE TABLE keyed_migration (id bigint PRIMARY KEY)"))
-        conn.execute(text("INSERT INTO keyed_migration SELECT generate_series(1, 200)"))
-        Operations(MigrationContext.configure(conn)).add_column(
-            "keyed_migration",
-            Column("idempotency_key", Uuid(), server_default=func.gen_random_uuid(), nullable=False),
-        )
-        keys = list(conn.scalars(text("SELECT idempotency_key FROM keyed_migration")))
-        conn.execute(text("DROP TABLE keyed_migration"))
+    """Opting in on a table with rows: Alembic's autogenerate writes one ``add_column``
+    with the server default, and running it fills each existing row with its own key."""
+
+    class Before(DeclarativeBase):
+        pass
+
+    class After(DeclarativeBase):
+        pass
+
+    class Plain(Before, JobMixin):
+        __tablename__ = "keyed_migration"
+
+    class Keyed(After, JobMixin, IdempotencyKeyMixin):
+        __tablename__ = "keyed_migration"
+
+    try:
+        with engine.begin() as conn:
+            Before.metadata.create_all(conn)
+            conn.execute(text("INSERT INTO keyed_migration (queue) SELECT 'q' FROM generate_series(1, 200)"))
+            context = MigrationContext.configure(conn, opts={
+                "target_metadata": After.metadata,
+                # This table only: the database holds the suite's other tables too.
+                "include_name": lambda name, kind, parent: kind != "table" or name == "keyed_migration",
+            })
+            ops = produce_migrations(context, After.metadata).upgrade_ops
+            assert ops is not None
+            (change,) = ops.as_diffs()
+            assert change[0] == "add_column" and change[3].name == "idempotency_key", change
+            assert "gen_random_uuid()" in render_python_code(ops)
+            operations = Operations(context)
+            for table_ops in ops.ops:  # one ModifyTableOps: the add_column
+                for op in getattr(table_ops, "ops", [table_ops]):
+                    operations.invoke(op)
+            keys = list(conn.scalars(text("SELECT idempotency_key FROM keyed_migration")))
+    finally:
+        with engine.begin() as conn:
+            Before.metadata.drop_all(conn)
     assert len(keys) == 200
     assert_random_keys(keys)
 
