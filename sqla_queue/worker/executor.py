@@ -28,10 +28,9 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
-from ..model import QueueTable
+from ..ops import Operations
 from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
@@ -105,7 +104,7 @@ class Executor:
         config: WorkerConfig,
         ledger: Ledger,
         driver: Driver,
-        qt: QueueTable,
+        ops: Operations,
         owner: str,
         handler: ResolvedHandler | Tasks,
         session_factory: Callable[[], Any],
@@ -119,7 +118,7 @@ class Executor:
         self.session_factory = session_factory
         self.job_context = job_context
         self.runtime = driver.runtime
-        self._complete_one = q.complete_template(qt.table, single=True)
+        self.ops = ops
         #: Job id -> losses of the worker's connection in a row under its handler.
         self._losses: dict[Any, int] = {}
 
@@ -268,12 +267,9 @@ class Executor:
                 return self.failure(held, exc, conn)
             if not self.ledger.finishing([held]):
                 return Outcome(held, Kind.LOST)
-            params = {q.OWNER_PARAM: held.owner, q.JOB_PARAM: held.token.job_id,
-                      q.ATTEMPT_PARAM: held.token.attempt}
             try:
                 with self.driver.deadline(conn, self.config.statement_deadline):
-                    row = sa.execute(self._complete_one, params).first()
-                    if row is None:
+                    if not self.ops.complete_in_transaction(sa, held.owner, held.token):
                         return Outcome(held, Kind.LOST)
                     trans.commit()
             except Exception as exc:  # noqa: BLE001
@@ -457,8 +453,7 @@ class ExecutorPool(Service):
             try:
                 owner = self.ledger.lane_owner(lane.prefix)
                 request = self.producer.request(limit, owner) if entered else None
-                then = (request, self.producer.indexes) if request is not None else None
-                rows = self.completer.record(lane.connect, outcomes, then=then)
+                rows = self.completer.record(lane.connect, outcomes, then=request)
                 if request is None or rows is None:  # no claim ran with the completion
                     return [], ran, busy
                 nxt = self.producer.accept(request, rows)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import sql as q
-from ..driver import DbConnection, Driver, tokens_params
-from ..model import QueueTable
+from ..driver import DbConnection, Driver
+from ..ops import Operations
+from ..sql import ClaimToken
 from .config import WorkerConfig
 from .ledger import Ledger
 from .service import Service
@@ -35,7 +35,7 @@ class Heartbeat(Service):
     own_thread = True
 
     def __init__(
-        self, config: WorkerConfig, ledger: Ledger, driver: Driver, qt: QueueTable, owner: str, stats: WorkerStats
+        self, config: WorkerConfig, ledger: Ledger, driver: Driver, ops: Operations, owner: str, stats: WorkerStats
     ) -> None:
         super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.config = config
@@ -43,9 +43,8 @@ class Heartbeat(Service):
         self.driver = driver
         self.owner = owner
         self.stats = stats
+        self.ops = ops
         # Every executor claims under a name of its own, each starting with "{owner}/".
-        self._extend = driver.compile(q.extend_unlocked_leases_if_owner(qt.table, owner_prefix=True))
-        self._owned = driver.compile(q.owned_tokens(qt.table, owner_prefix=True))
         self._owners = f"{owner}/"
         self._conn: DbConnection | None = None
         self._last_ok = time.monotonic()
@@ -67,24 +66,24 @@ class Heartbeat(Service):
             self.ledger.set_healthy(True)
         self.stats.add("heartbeats")
 
-    def _beat(self, tokens: list[q.ClaimToken], since: float | None) -> set[q.ClaimToken]:
+    def _beat(self, tokens: list[ClaimToken], since: float | None) -> set[ClaimToken]:
         conn = self._conn
         if conn is None or conn.broken:
             self.close()
             self._conn = conn = self.driver.connect("sqla_queue heartbeat")
-        values = {**tokens_params(self._owners, tokens), q.LEASE_PARAM: float(self.config.lease)}
+        window = None
         if since is not None:
             # The claim's leases were set on the server after it was sent; half a beat
             # of margin covers the two connections' latencies. No more: a lease one beat
             # set is out of the next one's window unless a claim then in flight is older
             # than half a beat, so a job the worker let go still lapses.
-            values[q.SINCE_PARAM] = time.monotonic() - since + self.interval / 2
+            window = time.monotonic() - since + self.interval / 2
         with self.driver.deadline(conn, self.interval):
-            extended = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._extend, values)}
+            extended = self.ops.extend_leases(conn, self._owners, tokens, since=window)
             missing = [t for t in tokens if t not in extended]
             if not missing:
                 return set()
-            owned = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._owned, tokens_params(self._owners, missing))}
+            owned = self.ops.owned_tokens(conn, self._owners, missing)
         return {t for t in missing if t not in owned}
 
     def _check_health(self) -> None:

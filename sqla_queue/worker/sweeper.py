@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from .. import sql as q
 from ..driver import DbConnection, Driver
-from ..model import QueueTable
+from ..ops import Operations
 from .config import WorkerConfig
 from .producer import Producer
 from .service import Service
@@ -38,7 +37,7 @@ class Sweeper(Service):
         self,
         config: WorkerConfig,
         driver: Driver,
-        qt: QueueTable,
+        ops: Operations,
         stats: WorkerStats,
         producer: Producer,
         signal: WorkSignal,
@@ -48,10 +47,8 @@ class Sweeper(Service):
         self.stats = stats
         self.producer = producer
         self.signal = signal
-        self.channel = driver.channel(qt.table)
-        table = qt.table
-        sweep = q.sweep_expired(table, limit=SWEEP_LIMIT).returning(table.c.queue)
-        self._sweep = driver.compile(sweep)
+        self.ops = ops
+        self.channel = ops.channel
         self._conn: DbConnection | None = None
 
     def tick(self) -> float | None:
@@ -60,23 +57,22 @@ class Sweeper(Service):
             self.close()
             self._conn = conn = self.driver.connect("sqla_queue sweeper")
         with self.driver.deadline(conn, SWEEP_DEADLINE):
-            swept = conn.execute(self._sweep, {})
-            if swept:
-                queues = sorted({row[2] for row in swept})
+            swept = self.ops.sweep(conn, limit=SWEEP_LIMIT)
+            queues = swept.queues
+            if queues:
                 # The queue names wake idle workers; the marked ones also tell them that
                 # isolated jobs wait (a claim of one each, at once, not at the next poll).
                 self.driver.notify(conn, self.channel, [*queues, *(SWEPT_PREFIX + queue for queue in queues)])
-        if swept:
-            self.stats.add("swept", len(swept))
-            back = sum(1 for row in swept if row[1] == "pending")
-            dead = [row[0] for row in swept if row[1] == "failed"]
+        if swept.total:
+            self.stats.add("swept", swept.total)
+            dead = swept.dead
             log.warning(
                 "sweeper: %d expired lease(s): %d back to pending (isolated), %d dead-lettered %s",
-                len(swept), back, len(dead), dead[:20] if dead else "",
+                swept.total, swept.back, len(dead), dead[:20] if dead else "",
             )
             self.producer.look_for_isolated()
             self.signal.wake()
-        return 0.0 if len(swept) == SWEEP_LIMIT else None
+        return 0.0 if swept.total == SWEEP_LIMIT else None
 
     def on_error(self, exc: BaseException) -> None:
         self.close()
