@@ -7,6 +7,7 @@ tokens, keys passed over, tokens kept."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -58,9 +59,10 @@ class On:
         return result
 
 
-@pytest.fixture(params=["thread", "asyncio"])
-def on(request: pytest.FixtureRequest, engine: Engine) -> Iterator[On]:
-    if request.param == "thread":
+@contextmanager
+def on_driver(kind: str, engine: Engine) -> Iterator[On]:
+    """The driver ``kind`` ("thread" or "asyncio") on ``engine``'s database."""
+    if kind == "thread":
         driver = Driver(engine)
 
         def run(fn: Callable[[DbConnection], Any]) -> Any:
@@ -88,6 +90,12 @@ def on(request: pytest.FixtureRequest, engine: Engine) -> Iterator[On]:
     finally:
         loop.run(async_engine.dispose())
         loop.close()
+
+
+@pytest.fixture(params=["thread", "asyncio"])
+def on(request: pytest.FixtureRequest, engine: Engine) -> Iterator[On]:
+    with on_driver(request.param, engine) as found:
+        yield found
 
 
 # -- the table, read and written apart from the layer under test -------------------------------

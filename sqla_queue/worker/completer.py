@@ -1,18 +1,18 @@
 """The completer: the one path by which every outcome reaches the database.
 
-Outcomes are recorded in batches, one fenced statement per kind (built once by
-:mod:`sqla_queue.sql`, tokens as arrays), on the executor's own connection. A statement
-that moves fewer tokens than it was given tells which leases were lost meanwhile. One
-retry policy covers the database: connection errors are retried (the statements are
-fenced, so a repeat cannot do harm) until the lease would have lapsed anyway; when an
-earlier try may have landed (its answer lost with its connection), the rows the repeat
-did not move are read, and those in the state it would have left them in count as
-recorded, not lost; any other
-error falls back to recording each job alone with a minimal error text, and a job that
-still cannot be recorded is let go, so its lease expires and the sweeper returns it.
-Every statement runs under the executors' deadline (``statement_deadline``), so a
-connection that stops answering is dropped and the statement retried on a new one. Each
-statement is fenced by the lease owner its jobs were claimed under (their executor's).
+Outcomes are recorded in batches, one fenced statement per kind (a call of the
+operations layer, :mod:`sqla_queue.ops`, tokens as arrays), on the executor's own
+connection. A statement that moves fewer tokens than it was given tells which leases
+were lost meanwhile. One retry policy covers the database: connection errors are
+retried (the statements are fenced, so a repeat cannot do harm) until the lease would
+have lapsed anyway; when an earlier try may have landed (its answer lost with its
+connection), the rows the repeat did not move are read, and those in the state it would
+have left them in count as recorded, not lost; any other error falls back to recording
+each job alone with a minimal error text, and a job that still cannot be recorded is let
+go, so its lease expires and the sweeper returns it. Every statement runs under the
+executors' deadline (``statement_deadline``), so a connection that stops answering is
+dropped and the statement retried on a new one. Each statement is fenced by the lease
+owner its jobs were claimed under (their executor's).
 """
 
 from __future__ import annotations
