@@ -38,7 +38,7 @@ from .config import WorkerConfig
 from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer
-from .service import Service
+from .service import Reconnecting, Service
 from .stats import WorkerStats
 from .work_signal import WorkSignal
 
@@ -70,30 +70,15 @@ def batch_size(per_job: float | None, took: float, max_batch: int) -> tuple[floa
     return smoothed, max(1, min(max_batch, int(BATCH_TARGET_SECONDS / max(smoothed, 1e-6))))
 
 
-class Lane:
+class Lane(Reconnecting):
     """An executor thread's connection, reconnected on demand, and the start of the
     lease owner names it claims under: ``{owner}/{index}.{n}`` (see :mod:`.ledger`)."""
 
     def __init__(self, driver: Driver, name: str, owner: str = "") -> None:
-        self.driver = driver
+        super().__init__(driver, name)
         self.name = name
-        self.conn: DbConnection | None = None
         #: Every owner name of this lane starts with it (and no other lane's does).
         self.prefix = f"{owner}."
-
-    def connect(self) -> DbConnection:
-        conn = self.conn
-        if conn is None or conn.broken:
-            if conn is not None:
-                conn.close()
-            self.conn = conn = None
-            self.conn = conn = self.driver.connect(self.name)
-        return conn
-
-    def reset(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            conn.close()
 
 
 class Executor:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import time
 
-from ..driver import DbConnection, Driver
+from ..driver import Driver
 from ..ops import Operations
 from ..sql import ClaimToken
 from .config import WorkerConfig
 from .ledger import Ledger
-from .service import Service
+from .service import Reconnecting, Service
 from .stats import WorkerStats
 
 __all__ = ["Heartbeat"]
@@ -33,6 +33,7 @@ log = logging.getLogger("sqla_queue.worker")
 class Heartbeat(Service):
     name = "heartbeat"
     own_thread = True
+    link: Reconnecting
 
     def __init__(
         self, config: WorkerConfig, ledger: Ledger, driver: Driver, ops: Operations, owner: str, stats: WorkerStats
@@ -46,7 +47,7 @@ class Heartbeat(Service):
         self.ops = ops
         # Every executor claims under a name of its own, each starting with "{owner}/".
         self._owners = f"{owner}/"
-        self._conn: DbConnection | None = None
+        self.link = Reconnecting(driver, "sqla_queue heartbeat")
         self._last_ok = time.monotonic()
 
     def tick(self) -> None:
@@ -67,10 +68,7 @@ class Heartbeat(Service):
         self.stats.add("heartbeats")
 
     def _beat(self, tokens: list[ClaimToken], since: float | None) -> set[ClaimToken]:
-        conn = self._conn
-        if conn is None or conn.broken:
-            self.close()
-            self._conn = conn = self.driver.connect("sqla_queue heartbeat")
+        conn = self.link.connect()
         window = None
         if since is not None:
             # The claim's leases were set on the server after it was sent; half a beat
@@ -100,10 +98,5 @@ class Heartbeat(Service):
                             "result will not be recorded", h.token.job_id, h.token.attempt)
 
     def on_error(self, exc: BaseException) -> None:
-        self.close()
+        super().on_error(exc)
         self._check_health()
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 
-from ..driver import DbConnection, Driver
+from ..driver import Driver
 from ..ops import Operations
 from .config import WorkerConfig
 from .producer import Producer
-from .service import Service
+from .service import Reconnecting, Service
 from .stats import WorkerStats
 from .work_signal import WorkSignal
 
@@ -32,6 +32,7 @@ SWEEP_DEADLINE = 10.0
 
 class Sweeper(Service):
     name = "sweeper"
+    link: Reconnecting
 
     def __init__(
         self,
@@ -49,13 +50,10 @@ class Sweeper(Service):
         self.signal = signal
         self.ops = ops
         self.channel = ops.channel
-        self._conn: DbConnection | None = None
+        self.link = Reconnecting(driver, "sqla_queue sweeper")
 
     def tick(self) -> float | None:
-        conn = self._conn
-        if conn is None or conn.broken:
-            self.close()
-            self._conn = conn = self.driver.connect("sqla_queue sweeper")
+        conn = self.link.connect()
         with self.driver.deadline(conn, SWEEP_DEADLINE):
             swept = self.ops.sweep(conn, limit=SWEEP_LIMIT)
             queues = swept.queues
@@ -73,11 +71,3 @@ class Sweeper(Service):
             self.producer.look_for_isolated()
             self.signal.wake()
         return 0.0 if swept.total == SWEEP_LIMIT else None
-
-    def on_error(self, exc: BaseException) -> None:
-        self.close()
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
