@@ -22,14 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..driver import DbConnection, Driver
-from ..ops import Claimed, ClaimRequest, Moved, Operations, TokenState
+from ..driver import DbConnection
+from ..ops import Claimed, ClaimRequest, Moved, TokenState
 from ..runtime import sleep
-from .config import WorkerConfig
-from .ledger import Held, Ledger
+from .context import WorkerContext
+from .ledger import Held
 from .outcome import Kind, Outcome
-from .stats import WorkerStats
-from .work_signal import WorkSignal
 
 __all__ = ["Completer"]
 
@@ -37,23 +35,14 @@ log = logging.getLogger("sqla_queue.worker")
 
 
 class Completer:
-    def __init__(
-        self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        ops: Operations,
-        owner: str,
-        stats: WorkerStats,
-        signal: WorkSignal,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.driver = driver
-        self.ops = ops
-        self.owner = owner
-        self.stats = stats
-        self.signal = signal
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.config = config = ctx.config
+        self.ledger = ctx.ledger
+        self.driver = ctx.driver
+        self.ops = ctx.ops
+        self.owner = ctx.owner
+        self.stats = ctx.stats
+        self.signal = ctx.signal
         self._deadline = config.statement_deadline
 
     def record(

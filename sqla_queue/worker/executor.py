@@ -30,17 +30,14 @@ from sqlalchemy.orm import Session
 
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
-from ..ops import Operations
 from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
-from .config import WorkerConfig
-from .ledger import Held, Ledger, Start
+from .context import WorkerContext
+from .ledger import Held, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer
 from .service import Reconnecting, Service
-from .stats import WorkerStats
-from .work_signal import WorkSignal
 
 __all__ = ["Executor", "ExecutorPool", "Lane"]
 
@@ -86,24 +83,20 @@ class Executor:
 
     def __init__(
         self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        ops: Operations,
-        owner: str,
+        ctx: WorkerContext,
         handler: ResolvedHandler | Tasks,
         session_factory: Callable[[], Any],
         job_context: Callable[[], AbstractContextManager[Any] | AbstractAsyncContextManager[Any]] | None,
     ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.driver = driver
-        self.owner = owner
+        self.config = ctx.config
+        self.ledger = ctx.ledger
+        self.driver = ctx.driver
+        self.owner = ctx.owner
         self.handler = handler
         self.session_factory = session_factory
         self.job_context = job_context
-        self.runtime = driver.runtime
-        self.ops = ops
+        self.runtime = ctx.driver.runtime
+        self.ops = ctx.ops
         #: Job id -> losses of the worker's connection in a row under its handler.
         self._losses: dict[Any, int] = {}
 
@@ -315,26 +308,17 @@ class ExecutorPool(Service):
 
     name = "executor"
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        producer: Producer,
-        executor: Executor,
-        completer: Completer,
-        signal: WorkSignal,
-        stats: WorkerStats,
-    ) -> None:
-        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
+    def __init__(self, ctx: WorkerContext, producer: Producer, executor: Executor, completer: Completer) -> None:
+        config = ctx.config
+        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff, runtime=ctx.driver.runtime)
         self.config = config
-        self.ledger = ledger
-        self.driver = driver
+        self.ledger = ctx.ledger
+        self.driver = ctx.driver
         self.producer = producer
         self.executor = executor
         self.completer = completer
-        self.signal = signal
-        self.stats = stats
+        self.signal = ctx.signal
+        self.stats = ctx.stats
 
     def start(self) -> None:
         if self._threads:

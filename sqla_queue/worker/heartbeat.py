@@ -17,13 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ..driver import Driver
-from ..ops import Operations
 from ..sql import ClaimToken
-from .config import WorkerConfig
-from .ledger import Ledger
+from .context import WorkerContext
 from .service import Reconnecting, Service
-from .stats import WorkerStats
 
 __all__ = ["Heartbeat"]
 
@@ -35,18 +31,17 @@ class Heartbeat(Service):
     own_thread = True
     link: Reconnecting
 
-    def __init__(
-        self, config: WorkerConfig, ledger: Ledger, driver: Driver, ops: Operations, owner: str, stats: WorkerStats
-    ) -> None:
+    def __init__(self, ctx: WorkerContext) -> None:
+        config, driver = ctx.config, ctx.driver
         super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.config = config
-        self.ledger = ledger
+        self.ledger = ctx.ledger
         self.driver = driver
-        self.owner = owner
-        self.stats = stats
-        self.ops = ops
+        self.owner = ctx.owner
+        self.stats = ctx.stats
+        self.ops = ctx.ops
         # Every executor claims under a name of its own, each starting with "{owner}/".
-        self._owners = f"{owner}/"
+        self._owners = f"{ctx.owner}/"
         self.link = Reconnecting(driver, "sqla_queue heartbeat")
         self._last_ok = time.monotonic()
 

@@ -9,13 +9,11 @@ idle executors poll on their own timer regardless.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
-from ..driver import Driver
-from .config import WorkerConfig
+from .context import WorkerContext
 from .service import Reconnecting, Service
 from .sweeper import SWEPT_PREFIX
-from .work_signal import WorkSignal
 
 __all__ = ["Listener"]
 
@@ -27,14 +25,13 @@ class Listener(Service):
     link: Reconnecting
 
     def __init__(
-        self, config: WorkerConfig, driver: Driver, channel: str, signal: WorkSignal,
-        *, queues: Collection[str] | None = None, timeout: float = 0.25,
-        on_swept: Callable[[], None] | None = None,
+        self, ctx: WorkerContext, *, timeout: float = 0.25, on_swept: Callable[[], None] | None = None
     ) -> None:
-        super().__init__(0.0, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
+        driver, queues = ctx.driver, ctx.config.queues
+        super().__init__(0.0, reconnect_backoff=ctx.config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
-        self.channel = channel
-        self.signal = signal
+        self.channel = channel = ctx.ops.channel
+        self.signal = ctx.signal
         self.queues = set(queues) if queues is not None else None
         self.timeout = timeout
         #: Called when a sweeper says it returned jobs of these queues (isolated now).

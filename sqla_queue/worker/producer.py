@@ -32,12 +32,11 @@ from typing import Any
 import psycopg
 
 from ..driver import DbConnection, Driver
-from ..ops import Claimed, ClaimRequest, Operations, RowProblem
+from ..ops import Claimed, ClaimRequest, RowProblem
 from ..runtime import Semaphore
-from .config import WorkerConfig
-from .ledger import Held, Ledger
+from .context import WorkerContext
+from .ledger import Held
 from .outcome import describe_error, storable
-from .work_signal import WorkSignal
 
 __all__ = ["Producer"]
 
@@ -63,21 +62,13 @@ _NOT_THE_ROWS_FAULT = frozenset({"08", "40", "53", "55", "57", "58", "XX"})
 class Producer:
     """Claims for an executor thread: statements compiled once, rows loaded one by one."""
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        ops: Operations,
-        owner: str,
-        signal: WorkSignal,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.signal = signal
-        self.owner = owner
-        self.driver = driver
-        self.ops = ops
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.config = config = ctx.config
+        self.ledger = ctx.ledger
+        self.signal = ctx.signal
+        self.owner = ctx.owner
+        self.driver = ctx.driver
+        self.ops = ctx.ops
         self._deadline = config.statement_deadline
         #: Keys of rows no claim can update, passed over until the time given.
         self._skip: dict[Any, float] = {}

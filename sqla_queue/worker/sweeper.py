@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from ..driver import Driver
-from ..ops import Operations
-from .config import WorkerConfig
+from .context import WorkerContext
 from .producer import Producer
 from .service import Reconnecting, Service
-from .stats import WorkerStats
-from .work_signal import WorkSignal
 
 __all__ = ["SWEPT_PREFIX", "Sweeper"]
 
@@ -34,22 +30,15 @@ class Sweeper(Service):
     name = "sweeper"
     link: Reconnecting
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        driver: Driver,
-        ops: Operations,
-        stats: WorkerStats,
-        producer: Producer,
-        signal: WorkSignal,
-    ) -> None:
+    def __init__(self, ctx: WorkerContext, producer: Producer) -> None:
+        config, driver = ctx.config, ctx.driver
         super().__init__(config.sweep_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
-        self.stats = stats
+        self.stats = ctx.stats
         self.producer = producer
-        self.signal = signal
-        self.ops = ops
-        self.channel = ops.channel
+        self.signal = ctx.signal
+        self.ops = ctx.ops
+        self.channel = ctx.ops.channel
         self.link = Reconnecting(driver, "sqla_queue sweeper")
 
     def tick(self) -> float | None:

@@ -11,6 +11,7 @@ import pytest
 from sqla_queue import ClaimToken
 from sqla_queue.worker.completer import Completer
 from sqla_queue.worker.config import WorkerConfig
+from sqla_queue.worker.context import WorkerContext
 from sqla_queue.worker.ledger import Held, Ledger
 from sqla_queue.worker.outcome import Kind, Outcome
 from sqla_queue.worker.stats import WorkerStats
@@ -34,8 +35,9 @@ class Setup:
         self.stats = WorkerStats()
         self.connections: list[FakeConn] = []
         config = WorkerConfig(lease=5.0, reconnect_backoff=0.01)
-        self.completer = Completer(config, self.ledger, FakeDriver(), self.ops, "w",  # type: ignore[arg-type]
-                                   self.stats, WorkSignal(1))
+        ctx = WorkerContext(config, self.ledger, FakeDriver(), self.ops, WorkSignal(1), self.stats,  # type: ignore[arg-type]
+                            "w")
+        self.completer = Completer(ctx)
 
     def connect(self) -> Any:
         conn = FakeConn()
