@@ -158,7 +158,8 @@ def enqueue_many(
     instances of the queue model. Instances are read, **not** added to the session:
     the rows bypass the identity map, so the objects stay transient, their ``id`` is
     never set, relationships on them are refused (set the foreign key column) and mapper
-    events such as ``before_insert`` do not run.
+    events such as ``before_insert`` do not run. As in the ORM's INSERT, an instance's
+    attribute set to None is left to the column's default (a JSON column stores it).
 
     Options (``queue``, ``priority``, ``delay`` in seconds or a timedelta measured by the
     database clock at the call, ``run_at``, ``max_attempts``) apply to every row **that does not set
@@ -419,6 +420,8 @@ class _RowPlan:
             and key not in options
         )
         self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
+        #: Columns whose type writes a None as a value (JSON's 'null'), not as "unset".
+        self.evaluates_none = frozenset(key for key, c in self.columns.items() if c.type.should_evaluate_none)
         self.rules = table_rules(table)  # the options met them already, in enqueue_many
         serializer = dialect_json_serializer(dialect)
         self.json: dict[str, tuple[Callable[[Any], Any], bool]] = {}
@@ -575,7 +578,15 @@ class _RowPlan:
                     f"relationship {rel!r} is set; enqueue_many does not follow "
                     "relationships, set the foreign key column instead"
                 )
-        return {column_key: data[attr] for attr, column_key in attrs if attr in data}
+        # An attribute set to None is left out, as the ORM's INSERT leaves it out (unless
+        # the type stores None, as JSON does): the column's default then applies, as in
+        # enqueue(). SQLModel instances hold None for every field the user did not set.
+        evaluates_none = self.evaluates_none
+        return {
+            column_key: data[attr]
+            for attr, column_key in attrs
+            if attr in data and (data[attr] is not None or column_key in evaluates_none)
+        }
 
     def _instance_plan(self, mapper: Mapper[Any]) -> tuple[list[tuple[str, str]], list[str]]:
         if mapper.local_table is not self.table:
