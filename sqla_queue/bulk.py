@@ -159,7 +159,8 @@ def enqueue_many(
     the rows bypass the identity map, so the objects stay transient, their ``id`` is
     never set, relationships on them are refused (set the foreign key column) and mapper
     events such as ``before_insert`` do not run. As in the ORM's INSERT, an instance's
-    attribute set to None is left to the column's default (a JSON column stores it).
+    attribute set to None is left to the column's default (a JSON column stores it); of
+    a SQLModel instance, only the fields the caller set are read.
 
     Options (``queue``, ``priority``, ``delay`` in seconds or a timedelta measured by the
     database clock at the call, ``run_at``, ``max_attempts``) apply to every row **that does not set
@@ -578,14 +579,18 @@ class _RowPlan:
                     f"relationship {rel!r} is set; enqueue_many does not follow "
                     "relationships, set the foreign key column instead"
                 )
+        # A Pydantic model (SQLModel) holds a value for every field, its default where
+        # the caller set none: only the fields set count, so options apply to the rest.
+        explicit = getattr(obj, "__pydantic_fields_set__", None)
         # An attribute set to None is left out, as the ORM's INSERT leaves it out (unless
-        # the type stores None, as JSON does): the column's default then applies, as in
-        # enqueue(). SQLModel instances hold None for every field the user did not set.
+        # the type stores None, as JSON does): the column's default then applies.
         evaluates_none = self.evaluates_none
         return {
             column_key: data[attr]
             for attr, column_key in attrs
-            if attr in data and (data[attr] is not None or column_key in evaluates_none)
+            if attr in data
+            and (explicit is None or attr in explicit)
+            and (data[attr] is not None or column_key in evaluates_none)
         }
 
     def _instance_plan(self, mapper: Mapper[Any]) -> tuple[list[tuple[str, str]], list[str]]:

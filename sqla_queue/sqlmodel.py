@@ -91,7 +91,8 @@ def mixin_field(name: str, mixin: type[Any] = JobMixin, **field_options: Any) ->
 
     The column's type, nullability, primary key, Python default, server default and
     identity are the mixin's. A column without a Python default defaults to None on the
-    Pydantic side (the database fills it in). ``field_options`` go to ``Field`` (a
+    Pydantic side when the database fills it in (or it is nullable); a NOT NULL column
+    that nothing fills in is a required field. ``field_options`` go to ``Field`` (a
     ``default_factory``, a ``description``...).
     """
     table = _REFERENCES.get(mixin)
@@ -115,7 +116,8 @@ def mixin_field(name: str, mixin: type[Any] = JobMixin, **field_options: Any) ->
     default = column.default
     if "default_factory" not in field_options:
         if default is None:
-            options["default"] = None
+            if column.nullable or column.server_default is not None or column.identity is not None:
+                options["default"] = None  # else required: the caller must give it
         elif default.is_scalar:
             options["default"] = getattr(default, "arg", None)
         else:
