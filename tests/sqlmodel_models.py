@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
-from sqlalchemy import CheckConstraint, Index
+import os
+
+from sqlalchemy import CheckConstraint, Index, create_engine
+from sqlalchemy.orm import sessionmaker
 from sqlmodel import Field, SQLModel
 
-from sqla_queue.sqlmodel import JobModel, TaskModel
+from sqla_queue import Worker
+from sqla_queue.sqlmodel import JobModel, QueueSession, TaskModel
 
 
 class Shipment(SQLModel, table=True):
@@ -54,3 +58,14 @@ class Handled(SQLModel, table=True):
 
 
 TABLES = [SQLModel.metadata.tables[m.__tablename__] for m in (Shipment, ShipJob, BareJob, SqlTask, Handled)]
+
+
+def make_worker() -> Worker:
+    """The CLI's worker target: a thread Worker whose SQLModel handler records each job."""
+    engine = create_engine(os.environ["SQLA_QUEUE_TEST_URL"])
+    sessions = sessionmaker(engine, class_=QueueSession)
+
+    def ship(job: ShipJob, session: QueueSession) -> None:
+        session.add(Handled(job_id=job.id or 0, note=f"cli {job.carrier}"))
+
+    return Worker(engine, ShipJob, ship, session_factory=sessions)

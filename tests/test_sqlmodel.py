@@ -7,10 +7,12 @@ Alembic autogenerate on a SQLModel project is in ``test_sqlmodel_alembic.py``.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any, get_type_hints
 
 import psycopg
@@ -35,6 +37,7 @@ from sqlmodel.sql.sqltypes import AutoString
 
 from sqla_queue import (
     AsyncWorker,
+    BulkRowError,
     EnqueueError,
     JobMixin,
     TaskMixin,
@@ -45,10 +48,12 @@ from sqla_queue import (
     enqueue_values,
     queue_table,
 )
+from sqla_queue.cli import main as cli_main
 from sqla_queue.sqlmodel import AsyncQueueSession, JobModel, QueueSession, TaskModel
 
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, wait_for
 from .sqlmodel_models import TABLES, BareJob, Handled, ShipJob, Shipment, SqlTask
+from .test_sqlmodel_alembic import ENV_TARGET, MAKO_IMPORTS
 from .workers import FAST
 
 SHIP_CHANNEL = queue_table(ShipJob).channel
@@ -344,6 +349,15 @@ def test_enqueue_many_of_instances_and_dicts(
     ]
 
 
+def test_enqueue_many_checks_the_users_text_fields(sm_engine: Engine) -> None:
+    with QueueSession(sm_engine) as session:
+        for row in ({"carrier": "x" * 51}, ShipJob(carrier="nul\x00")):
+            with pytest.raises(BulkRowError, match=r"^row 1: .*carrier"):
+                session.enqueue_many(ShipJob, [{"carrier": "fine"}, row])
+        session.commit()
+    assert jobs(sm_engine) == []
+
+
 def test_async_queue_session(sm_engine: Engine, server: Server) -> None:
     async def main() -> list[int]:
         engine = create_async_engine(server.url)
@@ -491,3 +505,28 @@ def test_queue_table_reads_the_sqlmodel_model() -> None:
     assert qt.mapped_class is ShipJob and qt.pk is table_of(ShipJob).c.id
     assert qt.channel == "sqla_queue.sqlmodel_ship_jobs_jobs"
     assert queue_table(SqlTask).is_task_table and not qt.is_task_table
+
+
+def test_cli_stats_and_worker_on_a_sqlmodel_model(sm_engine: Engine, server: Server, capsys: Any) -> None:
+    with QueueSession(sm_engine) as session:
+        session.enqueue_many(ShipJob, [{"carrier": "a"}, {"carrier": "b", "queue": "slow"}])
+        session.commit()
+    url = server.url.render_as_string(hide_password=False)
+    assert cli_main(["stats", "tests.sqlmodel_models:ShipJob", "--url", url]) == 0
+    lines = [line.split()[:3] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert lines == [["default", "pending", "1"], ["slow", "pending", "1"]]
+    assert cli_main(["worker", "tests.sqlmodel_models:make_worker", "--until-idle", "--queue", "slow"]) == 0
+    assert [(j.carrier, j.status) for j in jobs(sm_engine)] == [("a", "pending"), ("b", "done")]
+    assert [note for _, note in handled(sm_engine)] == ["cli b"]
+
+
+def test_guide_snippets_come_from_files_the_suite_runs() -> None:
+    """Each Python block of docs/guides/sqlmodel.md is a verbatim excerpt of the example
+    (run by test_examples.py) or an edit test_sqlmodel_alembic.py makes and runs."""
+    repo = Path(__file__).resolve().parent.parent
+    guide = (repo / "docs" / "guides" / "sqlmodel.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    example = (repo / "examples" / "fastapi_sqlmodel.py").read_text()
+    assert len(blocks) >= 6
+    for block in blocks:
+        assert block in example or block in (ENV_TARGET, MAKO_IMPORTS), block

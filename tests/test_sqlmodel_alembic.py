@@ -72,6 +72,19 @@ MIXIN_MODELS = """
 """
 
 
+#: What the SQLModel guide tells users to put in ``env.py`` for ``target_metadata = None``.
+ENV_TARGET = """\
+import models  # noqa: F401  (defines the tables)
+from sqlmodel import SQLModel
+target_metadata = SQLModel.metadata
+"""
+#: And in ``script.py.mako`` after ``import sqlalchemy as sa``.
+MAKO_IMPORTS = """\
+import sqlalchemy as sa
+import sqlmodel
+"""
+
+
 def sqlmodel_project(root: Path, url: object) -> Project:
     """``sqla-queue alembic init``, then the two edits the SQLModel guide tells users to make."""
     project = sqla_queue_init(root, url)  # type: ignore[arg-type]
@@ -81,16 +94,14 @@ def sqlmodel_project(root: Path, url: object) -> Project:
     env.write_text(
         source.replace(
             "\nfrom models import Base\ntarget_metadata = Base.metadata\n",
-            "\nimport models  # noqa: F401  (defines the tables)\n"
-            "from sqlmodel import SQLModel\n"
-            "target_metadata = SQLModel.metadata\n",
+            "\n" + ENV_TARGET,
         )
     )
     # SQLModel's str fields are sqlmodel.sql.sqltypes.AutoString: migrations import sqlmodel.
     mako = root / "migrations" / "script.py.mako"
     template = mako.read_text()
     assert "\nimport sqlalchemy as sa\n" in template
-    mako.write_text(template.replace("\nimport sqlalchemy as sa\n", "\nimport sqlalchemy as sa\nimport sqlmodel\n"))
+    mako.write_text(template.replace("\nimport sqlalchemy as sa\n", "\n" + MAKO_IMPORTS))
     project.models(SQLMODEL_MODELS)
     return project
 
