@@ -23,7 +23,9 @@ from sqlalchemy import (
     Engine,
     ForeignKey,
     Index,
+    Integer,
     MetaData,
+    String,
     Table,
     create_engine,
     text,
@@ -49,7 +51,7 @@ from sqla_queue import (
     queue_table,
 )
 from sqla_queue.cli import main as cli_main
-from sqla_queue.sqlmodel import AsyncQueueSession, JobModel, QueueSession, TaskModel
+from sqla_queue.sqlmodel import AsyncQueueSession, JobModel, QueueSession, TaskModel, mixin_field
 
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, wait_for
 from .sqlmodel_models import TABLES, BareJob, Handled, ShipJob, Shipment, SqlTask
@@ -122,7 +124,7 @@ def described(table: Table) -> dict[str, Any]:
         "columns": {
             c.name: (
                 str(CreateColumn(c).compile(dialect=DIALECT)),
-                c.type.python_type,
+                getattr(c.type, "impl_instance", c.type).python_type,  # SQLAlchemy 2.0: not of a TypeDecorator
                 c.nullable,
                 c.primary_key,
                 repr(c.identity),
@@ -191,6 +193,30 @@ def test_fields_are_the_mixins_columns_with_their_python_types() -> None:
             if server_filled:
                 assert field.default is None, name
             assert field.is_required() == (column.default is None and not column.nullable and not server_filled)
+
+
+class LabelMixin:
+    """A declarative mixin of the user's: what ``mixin_field`` copies from it."""
+
+    label: Mapped[str | None] = mapped_column(String(20), unique=True, comment="a label")
+    rank: Mapped[int] = mapped_column(Integer, index=True, default=3, server_default=text("3"))
+
+
+class LabelledJob(JobModel, table=True):
+    __tablename__ = "sqlmodel_labelled_jobs"
+
+    label: str | None = mixin_field("label", LabelMixin)
+    rank: int = mixin_field("rank", LabelMixin)
+
+
+class TwinLabelledJob(Twin, JobMixin, LabelMixin):
+    __tablename__ = "sqlmodel_labelled_jobs"
+
+
+def test_mixin_field_copies_any_declarative_mixins_column() -> None:
+    """The way a column added to a mixin gets its SQLModel field."""
+    assert described(table_of(LabelledJob)) == described(table_of(TwinLabelledJob))
+    assert LabelledJob().rank == 3 and LabelledJob().label is None
 
 
 def test_importing_sqla_queue_does_not_need_sqlmodel() -> None:
