@@ -143,5 +143,20 @@ def test_autogenerate_of_sqlmodel_tables_is_the_mixins_schema(tmp_path: Path, ne
     project.alembic("upgrade", "head")
     project.alembic("check")
 
+    # An index added to the existing queue table is built concurrently, as on a mixin's.
+    project.models(
+        SQLMODEL_MODELS.replace(
+            'Index("ix_email_jobs_order", "order_id"),',
+            'Index("ix_email_jobs_order", "order_id"), Index("ix_email_jobs_recipient", "recipient"),',
+        )
+    )
+    upgrade = project.upgrade_body(project.autogenerate("an index"))
+    assert "sq_ops.create_index_concurrently('ix_email_jobs_recipient', 'email_jobs', ['recipient']" in upgrade
+    project.alembic("upgrade", "head")
+    assert schema(project.url)["pg_indexes"]["ix_email_jobs_recipient"] == (
+        "CREATE INDEX ix_email_jobs_recipient ON public.email_jobs USING btree (recipient)",
+        True,
+    )
+
     project.alembic("downgrade", "base")
     assert set(schema(project.url)) == {"pg_indexes"} and schema(project.url)["pg_indexes"] == {}
