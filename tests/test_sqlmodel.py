@@ -376,6 +376,28 @@ def test_enqueue_many_of_instances_and_dicts(
     ]
 
 
+@pytest.mark.parametrize("method", ["copy", "insert"])
+@pytest.mark.parametrize("options", [{}, {"queue": "q", "priority": -4, "max_attempts": 3}])
+def test_every_path_writes_the_same_row(sm_engine: Engine, method: Any, options: dict[str, Any]) -> None:
+    """enqueue(), enqueue_many() of a dict and of an instance, and enqueue_values(), in one
+    transaction (one now()): the same row but for its id."""
+    with QueueSession(sm_engine) as session:
+        session.enqueue(ShipJob(carrier="same"), **options)
+        session.flush()
+        session.enqueue_many(ShipJob, [{"carrier": "same"}, ShipJob(carrier="same")], method=method, **options)
+        enqueue_values(session, ShipJob, {"carrier": "same"}, **options)
+        table = table_of(ShipJob)
+        rows = [dict(r._mapping) for r in session.connection().execute(table.select().order_by(table.c.id))]
+        first, *others = [{k: v for k, v in row.items() if k != "id"} for row in rows]
+        assert len(others) == 3 and others == [first] * 3
+        assert (first["queue"], first["priority"], first["max_attempts"]) == (
+            options.get("queue", "default"),
+            options.get("priority", 0),
+            options.get("max_attempts", 20),
+        )
+        session.rollback()
+
+
 def test_enqueue_many_checks_the_users_text_fields(sm_engine: Engine) -> None:
     with QueueSession(sm_engine) as session:
         for row in ({"carrier": "x" * 51}, ShipJob(carrier="nul\x00")):
