@@ -98,10 +98,11 @@ def mixin_field(name: str, mixin: type[Any] = JobMixin, **field_options: Any) ->
     """A SQLModel ``Field`` for the column ``name`` of a declarative ``mixin``.
 
     The column's type, nullability, primary key, uniqueness, index, comment, Python
-    default, server default and identity are the mixin's. A column without a Python default defaults to None on the
-    Pydantic side when the database fills it in (or it is nullable); a NOT NULL column
-    that nothing fills in is a required field. ``field_options`` go to ``Field`` (a
-    ``default_factory``, a ``description``...).
+    default, server default and identity are the mixin's. A column without a Python
+    default defaults to None on the Pydantic side when the database fills it in (or it
+    is nullable); a NOT NULL column that nothing fills in is a required field.
+    ``field_options`` go to ``Field`` (a ``default_factory``, a ``description``...); a
+    callable Python default needs its ``default_factory`` given here.
     """
     table = _REFERENCES.get(mixin)
     if table is None:
