@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import MappingProxyType
 from typing import Any, Final, NamedTuple, TypeAlias
 
 from sqlalchemy import (
@@ -40,7 +43,6 @@ from sqlalchemy import (
     case,
     cast,
     delete,
-    exists,
     false,
     func,
     insert,
@@ -55,9 +57,9 @@ from sqlalchemy import (
     type_coerce,
     union_all,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import ARRAY, array
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
-from sqlalchemy.sql.elements import ColumnElement, Grouping
+from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
 from .model import FINISHED_STATUSES, JobStatus, QueueTable, queue_table, status_literal
 
@@ -67,17 +69,34 @@ __all__ = [
     "archive_finished",
     "cancel_pending",
     "claim",
+    "claim_candidates",
+    "claim_template",
     "complete_if_owner",
+    "complete_many_if_owner",
+    "complete_many_if_owner_then_claim",
     "complete_template",
+    "delay_from_insert",
     "extend_leases_if_owner",
+    "extend_unlocked_leases_if_owner",
     "fail_if_owner",
+    "fail_many_if_owner",
+    "fail_unclaimable",
+    "is_solitary",
     "isolated_waiting",
+    "next_run_after",
+    "owned_tokens",
     "prune_finished",
     "queue_stats",
     "release_if_owner",
+    "release_lost_claims",
+    "release_many_if_owner",
     "requeue_failed",
     "retry_if_owner",
+    "retry_many_if_owner",
+    "seconds_interval",
+    "still_fresh",
     "sweep_expired",
+    "token_states",
 ]
 
 #: A queue model class or its Table.
@@ -153,24 +172,6 @@ def _tokens(tokens: ClaimToken | Iterable[tuple[Any, int]]) -> list[tuple[Any, i
     return [(job_id, int(attempt)) for job_id, attempt in tokens]
 
 
-def _fence(qt: QueueTable, owner: str, tokens: list[tuple[Any, int]]) -> ColumnElement[bool]:
-    """The guard of every post-claim transition: running, this owner, this attempt."""
-    if len(tokens) == 1:
-        (job_id, attempt), = tokens
-        match: ColumnElement[bool] = and_(qt.pk == job_id, qt.c.attempts == attempt)
-    else:
-        # Two arrays, not a row-value IN list: that took two parameters per token and
-        # failed above about 7,700 tokens (parameter limit, then the server's stack).
-        ids = bindparam("ids", [t[0] for t in tokens], type_=ARRAY(qt.pk.type), unique=True)
-        attempts = bindparam("attempts", [t[1] for t in tokens], type_=ARRAY(qt.c.attempts.type), unique=True)
-        listed = func.unnest(ids, attempts).table_valued("pk", "attempt").render_derived(name="tokens")
-        match = and_(
-            qt.pk == any_(ids),  # finds the rows by primary key
-            exists().where(listed.c.pk == qt.pk, listed.c.attempt == qt.c.attempts),
-        )
-    return and_(_status(qt, RUNNING), qt.c.lease_owner == owner, match)
-
-
 def _pk_in(qt: QueueTable, ids: Iterable[Any]) -> ColumnElement[bool]:
     """``pk = ANY(:ids)``; for no ids a plain ``false``, so that empty means none.
 
@@ -229,6 +230,32 @@ def _kind_filter(qt: QueueTable) -> list[ColumnElement[bool]]:
     return [on == any_(bindparam("identities", identities, type_=ARRAY(on.type), unique=True))]
 
 
+#: Values the parameters of the statement being built take (see :func:`_param`).
+_BOUND: ContextVar[Mapping[str, Any]] = ContextVar("sqla_queue_bound", default=MappingProxyType({}))
+
+
+def _param(name: str, type_: Any, *default: Any) -> BindParameter[Any]:
+    """A named parameter of the worker's statements, bound at execution; or, while a
+    single-call builder (:func:`claim`, :func:`complete_if_owner`, …) builds its
+    statement, the value that builder was given. So each is the worker's statement with
+    values filled in: one statement, one SET clause, one fence, whichever way it runs."""
+    bound = _BOUND.get()
+    if name in bound:
+        return bindparam(name, bound[name], type_=type_)
+    if default:
+        return bindparam(name, default[0], type_=type_)
+    return bindparam(name, type_=type_)
+
+
+@contextmanager
+def _values(values: Mapping[str, Any]) -> Iterator[None]:
+    token = _BOUND.set(values)
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
+
+
 def claim(
     model: QueueModel,
     *,
@@ -248,18 +275,14 @@ def claim(
 
     ``isolated=True`` claims (one at a time) the jobs whose last attempt ended with an
     expired lease; the default claim leaves them alone so they never share a batch.
+
+    This is :func:`claim_template`, the statement the worker runs, with the values bound.
     """
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    qt = queue_table(model)
-    return _claim(
-        qt,
-        queues,
-        isolated,
-        limit=1 if isolated else limit,
-        owner=owner,
-        lease_expires_at=_clock() + _interval(lease, "lease"),
-    )
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
+    seconds = _seconds(lease, "lease")
+    with _values({OWNER_PARAM: owner, LIMIT_PARAM: 1 if isolated else limit, LEASE_PARAM: seconds}):
+        return claim_template(model, queues=queues, isolated=isolated)
 
 
 def _claim(
@@ -369,20 +392,26 @@ def isolated_waiting(model: QueueModel, *, queues: Sequence[str] | None = None) 
     return select(found.exists())
 
 
+def _token_values(owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]], **values: Any) -> dict[str, Any]:
+    """The bound values of a token statement, for the single-call conveniences."""
+    listed = _tokens(tokens)
+    return {OWNER_PARAM: owner, IDS_PARAM: [t[0] for t in listed], ATTEMPTS_PARAM: [t[1] for t in listed], **values}
+
+
 def extend_leases_if_owner(
     model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]], lease: Duration
-) -> ReturningUpdate[Any]:
+) -> CompoundSelect[Any]:
     """Push the leases of ``owner``'s current attempts forward: one statement per heartbeat.
 
-    Returns the ids it extended; an id missing from the result is a lease already lost.
+    Returns ``(pk, attempts)`` of each job it extended; a job missing from the result has
+    lost its lease, or its row is locked by another transaction right now (the handler's
+    own update of it): the heartbeat steps over it rather than wait. This is
+    :func:`extend_unlocked_leases_if_owner`, the statement the worker runs, with the
+    values bound.
     """
-    qt = queue_table(model)
-    return (
-        qt.table.update()
-        .where(_fence(qt, owner, _tokens(tokens)))
-        .values(lease_expires_at=_clock() + _interval(lease, "lease"))
-        .returning(qt.pk)
-    )
+    seconds = _seconds(lease, "lease")
+    with _values(_token_values(owner, tokens, **{LEASE_PARAM: seconds})):
+        return extend_unlocked_leases_if_owner(model)
 
 
 def complete_if_owner(
@@ -391,13 +420,15 @@ def complete_if_owner(
     """Mark jobs ``done`` if ``owner`` still holds their current attempt.
 
     Run it in the handler's own transaction to make the handler's writes and the
-    completion one atomic step: if it returns no row, roll back.
+    completion one atomic step: if it returns no row, roll back. Returns ``(pk,
+    attempts)`` of each job it completed. This is :func:`complete_many_if_owner`, the
+    statement the worker runs, with the values bound.
     """
-    qt = queue_table(model)
-    return _complete(qt, _fence(qt, owner, _tokens(tokens)))
+    with _values(_token_values(owner, tokens)):
+        return complete_many_if_owner(model)
 
 
-#: Bound-parameter names of :func:`complete_template`'s statement.
+#: Bound-parameter names of the token statements (see the templates below).
 OWNER_PARAM: Final = "sqla_queue_owner"
 IDS_PARAM: Final = "sqla_queue_ids"
 ATTEMPTS_PARAM: Final = "sqla_queue_attempts"
@@ -406,55 +437,16 @@ ATTEMPT_PARAM: Final = "sqla_queue_attempt"
 
 
 def complete_template(model: QueueModel, *, single: bool = False) -> ReturningUpdate[Any]:
-    """:func:`complete_if_owner` with the owner and tokens given at execution time.
-
-    Build it once, then run it for every batch::
-
-        stmt = complete_template(EmailJob)
-        conn.scalars(stmt, {OWNER_PARAM: owner, IDS_PARAM: [id1, id2, ...],
-                            ATTEMPTS_PARAM: [attempt1, attempt2, ...]})
-
-    ``single=True`` takes one token as ``{JOB_PARAM: job_id, ATTEMPT_PARAM: attempt}``
-    instead. The fence and the effect are those of ``complete_if_owner``; the tokens
-    travel as two PostgreSQL arrays (ids without duplicates), so the statement text does
-    not depend on the batch size. Reusing one statement object spares building it and
-    computing its cache key for every batch, and one fixed text spares psycopg parsing
-    a new query for every batch: each cost more Python time than the round trip to a
-    nearby server.
-    """
+    """:func:`complete_many_if_owner` (kept under this name): the owner and tokens bound
+    at execution, ``{OWNER_PARAM: owner, IDS_PARAM: [id1, ...], ATTEMPTS_PARAM:
+    [attempt1, ...]}``; ``single=True`` takes one token as ``{JOB_PARAM: job_id,
+    ATTEMPT_PARAM: attempt}`` instead. The same statement, fence and effect."""
+    if not single:
+        return complete_many_if_owner(model)
     qt = queue_table(model)
-    owner = bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type)
-    if single:
-        match: ColumnElement[bool] = and_(
-            qt.pk == bindparam(JOB_PARAM, type_=qt.pk.type),
-            qt.c.attempts == bindparam(ATTEMPT_PARAM, type_=qt.c.attempts.type),
-        )
-    else:
-        # The tokens as two arrays, not an expanded IN list: the SQL text is the same for
-        # every batch size, so psycopg converts it once (an expanded list of more than 25
-        # tokens was re-parsed on every call) and the server can prepare it. The attempt
-        # is looked up by the id's position, in C: no join whose generic plan could
-        # compare every running row with every token.
-        ids = bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))
-        attempts = bindparam(ATTEMPTS_PARAM, type_=ARRAY(qt.c.attempts.type))
-        match = and_(
-            qt.pk == any_(ids),
-            qt.c.attempts == Grouping(attempts)[func.array_position(ids, qt.pk)],
-        )
-    return _complete(qt, and_(_status(qt, RUNNING), qt.c.lease_owner == owner, match))
-
-
-def _complete(qt: QueueTable, fence: ColumnElement[bool]) -> ReturningUpdate[Any]:
-    return (
-        qt.table.update()
-        .where(fence)
-        .values(
-            status=status_literal(DONE),
-            finished_at=_clock(),
-            lease_expires_at=null(),
-        )
-        .returning(qt.pk)
-    )
+    ids = array([_param(JOB_PARAM, qt.pk.type)])
+    attempts = array([_param(ATTEMPT_PARAM, qt.c.attempts.type)])
+    return _complete_many(qt, ids, attempts)
 
 
 def retry_if_owner(
@@ -463,45 +455,22 @@ def retry_if_owner(
     """Record a failed attempt: back to ``pending`` after ``delay``, or to ``failed``.
 
     A job that has used ``max_attempts`` becomes ``failed`` (the dead letter). Returns
-    ``(pk, status)`` so the caller knows which it was, or nothing if the lease was lost.
+    ``(pk, attempts, status)`` so the caller knows which it was, or nothing if the lease
+    was lost. This is :func:`retry_many_if_owner`, the statement the worker runs, with
+    the values bound.
     """
-    qt = queue_table(model)
-    c = qt.c
-    exhausted = c.attempts >= c.max_attempts
-    return (
-        qt.table.update()
-        .where(_fence(qt, owner, _tokens([token])))
-        .values(
-            status=case(
-                (exhausted, status_literal(FAILED)), else_=status_literal(PENDING)
-            ),
-            run_after=case((exhausted, c.run_after), else_=_clock() + _interval(delay, "delay")),
-            finished_at=case((exhausted, _clock()), else_=null()),
-            last_error=error,
-            lease_owner=case((exhausted, c.lease_owner), else_=null()),
-            lease_expires_at=null(),
-            isolated=False,
-        )
-        .returning(qt.pk, c.status)
-    )
+    seconds = _seconds(delay, "delay")
+    with _values(_token_values(owner, [token], **{ERRORS_PARAM: [error], DELAYS_PARAM: [seconds]})):
+        return retry_many_if_owner(model)
 
 
 def fail_if_owner(
     model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str
 ) -> ReturningUpdate[Any]:
-    """Dead-letter a job now (``failed``), whatever attempts remain."""
-    qt = queue_table(model)
-    return (
-        qt.table.update()
-        .where(_fence(qt, owner, _tokens([token])))
-        .values(
-            status=status_literal(FAILED),
-            finished_at=_clock(),
-            last_error=error,
-            lease_expires_at=null(),
-        )
-        .returning(qt.pk)
-    )
+    """Dead-letter a job now (``failed``), whatever attempts remain; returns ``(pk,
+    attempts)``. This is :func:`fail_many_if_owner` with the values bound."""
+    with _values(_token_values(owner, [token], **{ERRORS_PARAM: [error]})):
+        return fail_many_if_owner(model)
 
 
 def release_if_owner(
@@ -515,21 +484,11 @@ def release_if_owner(
 
     ``refund_attempt`` gives back the attempt of a job whose handler never started.
     Only a worker that will not claim again may refund: the refunded attempt number is
-    handed out again by the next claim.
+    handed out again by the next claim. Returns ``(pk, attempts)``. This is
+    :func:`release_many_if_owner` with the values bound.
     """
-    qt = queue_table(model)
-    c = qt.c
-    return (
-        qt.table.update()
-        .where(_fence(qt, owner, _tokens(tokens)))
-        .values(
-            status=status_literal(PENDING),
-            lease_owner=null(),
-            lease_expires_at=null(),
-            attempts=c.attempts - 1 if refund_attempt else c.attempts,
-        )
-        .returning(qt.pk)
-    )
+    with _values(_token_values(owner, tokens)):
+        return release_many_if_owner(model, refund_attempt=refund_attempt)
 
 
 #: How ``last_error`` begins when a job's lease expired on two attempts in a row: its
@@ -815,26 +774,41 @@ DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 SINCE_PARAM: Final = "sqla_queue_since_seconds"
 
 
-def _token_table(qt: QueueTable, *extra: tuple[str, Any]) -> Any:
+def _id_arrays(qt: QueueTable) -> tuple[ColumnElement[Any], ColumnElement[Any]]:
+    return (
+        _param(IDS_PARAM, ARRAY(qt.pk.type)),
+        _param(ATTEMPTS_PARAM, ARRAY(qt.c.attempts.type)),
+    )
+
+
+def _token_table(
+    qt: QueueTable,
+    *extra: tuple[str, Any],
+    arrays: tuple[ColumnElement[Any], ColumnElement[Any]] | None = None,
+) -> Any:
     """``unnest(:ids, :attempts, ...) AS tokens(pk, attempt, ...)``: tokens as a relation,
-    joined to the table by primary key (an index lookup per token)."""
-    arrays: list[ColumnElement[Any]] = [
-        bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type)),
-        bindparam(ATTEMPTS_PARAM, type_=ARRAY(qt.c.attempts.type)),
-    ]
+    joined to the table by primary key (an index lookup per token). ``arrays``: the ids
+    and attempts arrays, if not the bound ``IDS_PARAM``/``ATTEMPTS_PARAM``."""
+    ids, attempts = arrays or _id_arrays(qt)
+    columns: list[ColumnElement[Any]] = [ids, attempts]
     names = ["pk", "attempt"]
     for name, kind in extra:
         element_type = Text() if kind == "text" else Float()
-        arrays.append(bindparam(name, type_=ARRAY(element_type)))
+        columns.append(_param(name, ARRAY(element_type)))
         names.append(name)
-    return func.unnest(*arrays).table_valued(*names).render_derived(name="tokens")
+    return func.unnest(*columns).table_valued(*names).render_derived(name="tokens")
 
 
-def _token_fence(qt: QueueTable, tokens: Any, *, owner_prefix: bool = False) -> ColumnElement[bool]:
+def _token_fence(
+    qt: QueueTable, tokens: Any, *, owner_prefix: bool = False, ids: ColumnElement[Any] | None = None
+) -> ColumnElement[bool]:
+    """The guard of every post-claim transition: the job is running, under this owner,
+    on this attempt (the token's). ``ids``: the array ``tokens`` was made of, if not
+    ``IDS_PARAM``."""
     # ``pk = ANY(:ids)`` besides the join: it lets every plan, generic ones included, find
     # the rows by primary key rather than scan the running jobs (or a bloated index of them).
     return and_(
-        qt.pk == any_(bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))),
+        qt.pk == any_(ids if ids is not None else _id_arrays(qt)[0]),
         qt.pk == tokens.c.pk,
         qt.c.attempts == tokens.c.attempt,
         _status(qt, RUNNING),
@@ -844,7 +818,7 @@ def _token_fence(qt: QueueTable, tokens: Any, *, owner_prefix: bool = False) -> 
 
 def _owner_match(qt: QueueTable, *, owner_prefix: bool) -> ColumnElement[bool]:
     """``lease_owner = :owner``, or with ``owner_prefix`` every owner starting with it."""
-    owner = bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type)
+    owner = _param(OWNER_PARAM, qt.c.lease_owner.type)
     if owner_prefix:
         prefixed: ColumnElement[bool] = func.starts_with(qt.c.lease_owner, owner, type_=Boolean())
         return prefixed
@@ -874,16 +848,16 @@ def claim_template(
     if fresh:
         extra.append(still_fresh())
     if skip:
-        extra.append(qt.pk != all_(bindparam(SKIP_PARAM, type_=ARRAY(qt.pk.type))))
+        extra.append(qt.pk != all_(_param(SKIP_PARAM, ARRAY(qt.pk.type))))
     if by_key:
-        extra.append(qt.pk == bindparam(KEY_PARAM, type_=qt.pk.type))
+        extra.append(qt.pk == _param(KEY_PARAM, qt.pk.type))
     return _claim(
         qt,
         queues,
         isolated,
-        limit=bindparam(LIMIT_PARAM, type_=qt.c.attempts.type),
-        owner=bindparam(OWNER_PARAM, type_=qt.c.lease_owner.type),
-        lease_expires_at=_clock() + seconds_interval(bindparam(LEASE_PARAM, type_=Float())),
+        limit=_param(LIMIT_PARAM, qt.c.attempts.type),
+        owner=_param(OWNER_PARAM, qt.c.lease_owner.type),
+        lease_expires_at=_clock() + seconds_interval(_param(LEASE_PARAM, Float())),
         extra=extra,
     )
 
@@ -900,7 +874,7 @@ def still_fresh() -> ColumnElement[bool]:
     message, after a lock wait during the Parse.
     """
     elapsed = select(func.clock_timestamp() - func.transaction_timestamp()).scalar_subquery()
-    return elapsed < seconds_interval(bindparam(FRESH_PARAM, type_=Float()))
+    return elapsed < seconds_interval(_param(FRESH_PARAM, Float()))
 
 
 def claim_candidates(
@@ -918,10 +892,10 @@ def claim_candidates(
             c.run_after <= func.now(),
             c.isolated if isolated else not_(c.isolated),
             *_queue_filter(qt, queues),
-            qt.pk != all_(bindparam(SKIP_PARAM, type_=ARRAY(qt.pk.type))),
+            qt.pk != all_(_param(SKIP_PARAM, ARRAY(qt.pk.type))),
         )
         .order_by(c.priority.desc(), c.run_after, qt.pk)
-        .limit(bindparam(LIMIT_PARAM, type_=qt.c.attempts.type))
+        .limit(_param(LIMIT_PARAM, qt.c.attempts.type))
     )
 
 
@@ -932,11 +906,11 @@ def fail_unclaimable(model: QueueModel) -> ReturningUpdate[Any]:
     qt = queue_table(model)
     return (
         qt.table.update()
-        .where(qt.pk == bindparam(KEY_PARAM, type_=qt.pk.type), _status(qt, PENDING))
+        .where(qt.pk == _param(KEY_PARAM, qt.pk.type), _status(qt, PENDING))
         .values(
             status=status_literal(FAILED),
             finished_at=_clock(),
-            last_error=bindparam(ERROR_PARAM, type_=Text()),
+            last_error=_param(ERROR_PARAM, Text()),
         )
         .returning(qt.pk)
     )
@@ -946,10 +920,14 @@ def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
     """``done`` for every token still running under its owner and attempt:
     ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``; returns ``(pk, attempts)`` of each."""
     qt = queue_table(model)
-    tokens = _token_table(qt)
+    return _complete_many(qt, *_id_arrays(qt))
+
+
+def _complete_many(qt: QueueTable, ids: ColumnElement[Any], attempts: ColumnElement[Any]) -> ReturningUpdate[Any]:
+    tokens = _token_table(qt, arrays=(ids, attempts))
     return (
         qt.table.update()
-        .where(_token_fence(qt, tokens))
+        .where(_token_fence(qt, tokens, ids=ids))
         .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
         .returning(qt.pk, tokens.c.attempt)
     )
@@ -1075,7 +1053,7 @@ def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = F
         .with_for_update(skip_locked=True, of=qt.table)
         .subquery("lockable")
     )
-    lease = bindparam(LEASE_PARAM, type_=Float())
+    lease = _param(LEASE_PARAM, Float())
     extended = _clock() + seconds_interval(lease)
     known = (
         qt.table.update()
@@ -1084,7 +1062,7 @@ def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = F
         .returning(qt.pk, qt.c.attempts)
         .cte("sqla_queue_known")
     )
-    since = bindparam(SINCE_PARAM, None, type_=Float())
+    since = _param(SINCE_PARAM, Float(), None)
     recent = (
         select(qt.pk)
         .where(
@@ -1133,14 +1111,14 @@ def release_lost_claims(model: QueueModel) -> ReturningUpdate[Any]:
     """
     qt = queue_table(model)
     c = qt.c
-    ids = bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type))
-    attempts = bindparam(ATTEMPTS_PARAM, type_=ARRAY(c.attempts.type))
+    ids = _param(IDS_PARAM, ARRAY(qt.pk.type))
+    attempts = _param(ATTEMPTS_PARAM, ARRAY(c.attempts.type))
     kept_attempt = func.coalesce(Grouping(attempts)[func.array_position(ids, qt.pk)], -1)
     return (
         qt.table.update()
         .where(
             _status(qt, RUNNING),
-            c.lease_owner == bindparam(OWNER_PARAM, type_=c.lease_owner.type),
+            c.lease_owner == _param(OWNER_PARAM, c.lease_owner.type),
             c.attempts != kept_attempt,
             still_fresh(),
         )
@@ -1161,7 +1139,7 @@ def token_states(model: QueueModel) -> Select[Any]:
     qt = queue_table(model)
     c = qt.c
     return select(qt.pk, c.attempts, c.status, c.lease_owner, c.isolated, c.last_error).where(
-        qt.pk == any_(bindparam(IDS_PARAM, type_=ARRAY(qt.pk.type)))
+        qt.pk == any_(_param(IDS_PARAM, ARRAY(qt.pk.type)))
     )
 
 

@@ -1,4 +1,4 @@
-"""Through a real PgBouncer in transaction pooling mode, with the settings the README gives.
+"""Through a real PgBouncer in transaction pooling mode, with the settings docs/guides/pgbouncer.md gives.
 
 Behind transaction pooling, consecutive transactions of one client may run on different
 server connections and one server connection serves many clients, so psycopg's automatic

@@ -7,13 +7,10 @@ Alembic autogenerate on a SQLModel project is in ``test_sqlmodel_alembic.py``.
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any, get_type_hints
 
 import psycopg
@@ -56,7 +53,6 @@ from sqla_queue.sqlmodel import AsyncQueueSession, JobModel, QueueSession, TaskM
 
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, wait_for
 from .sqlmodel_models import TABLES, BareJob, Handled, ShipJob, Shipment, SqlTask
-from .test_sqlmodel_alembic import ENV_TARGET, MAKO_IMPORTS
 from .workers import FAST
 
 SHIP_CHANNEL = queue_table(ShipJob).channel
@@ -568,16 +564,3 @@ def test_cli_stats_and_worker_on_a_sqlmodel_model(sm_engine: Engine, server: Ser
     assert [(j.carrier, j.status) for j in jobs(sm_engine)] == [("a", "pending"), ("b", "done")]
     assert [note for _, note in handled(sm_engine)] == ["cli b"]
 
-
-def test_guide_snippets_come_from_files_the_suite_runs() -> None:
-    """Each Python block of docs/guides/sqlmodel.md is an excerpt of the example
-    (run by test_examples.py) or an edit test_sqlmodel_alembic.py makes and runs."""
-    repo = Path(__file__).resolve().parent.parent
-    guide = (repo / "docs" / "guides" / "sqlmodel.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
-    example = (repo / "examples" / "fastapi_sqlmodel.py").read_text()
-    assert len(blocks) >= 6
-    for block in blocks:
-        # at the indentation it has in the file (the guide shows it dedented)
-        excerpt = any(textwrap.indent(block, " " * n) in example for n in (0, 4, 8))
-        assert excerpt or block in (ENV_TARGET, MAKO_IMPORTS), block

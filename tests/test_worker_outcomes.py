@@ -34,7 +34,7 @@ from .workers import add, effects, engine_with, job
 LOW = 0.5
 SEEN_BACKOFF = Backoff(base=LOW, factor=1.0, cap=LOW, jitter=0)
 #: Losses of the worker's connection in a row under one job that are handed back for free
-#: (README, Running workers: Failures).
+#: (docs/guides/workers.md, What a worker does: Failures).
 FREE_HAND_BACKS = 2
 #: A backoff no test waits for: a retry within seconds did not go through it.
 MINUTE = Backoff(base=60, factor=2, cap=600, jitter=0)

@@ -145,7 +145,10 @@ def test_cli_worker_serves_the_queues_named_by_repeated_flags(
     other = enqueue(engine, "work", OTHER, 2, priority=10)
     ids = [i for queue in served for i in enqueue(engine, "record", queue, 2)]
     process = worker_processes(*flags, "--poll-interval", "0.5s", "--sweep-interval", "0.2s")
-    wait_for(all_status(engine, ids, "done"), timeout=60, what="the served queues' jobs done")
+    try:
+        wait_for(all_status(engine, ids, "done"), timeout=60, what="the served queues' jobs done")
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}; the worker's log:\n{process.log()}") from None
     delayed = enqueue(engine, "work", served[-1], delay=0.5)
     wait_for(all_status(engine, delayed, "done"), timeout=60)
     assert still_pending(engine, other)

@@ -46,10 +46,11 @@ from .executor import Executor, ExecutorPool, Lane
 from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
-from .producer import Producer, WorkSignal
+from .producer import Producer
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .work_signal import WorkSignal
 
 __all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
 
@@ -75,7 +76,7 @@ class Worker:
 
     ``session_factory`` makes the sessions of transactional handlers (default: a
     :class:`~sqla_queue.QueueSession` on ``engine``, so handlers can enqueue follow-ups);
-    they are joined to the worker's transaction on ``engine`` (see the README).
+    they are joined to the worker's transaction on ``engine`` (see the handlers guide).
     ``job_context`` makes a context manager entered around every job in its thread
     (Flask's ``app.app_context``, a tracing span...); it sees what the handler raised,
     and a job whose exception it swallows has still failed. Every connection the worker uses is made by

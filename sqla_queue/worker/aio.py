@@ -34,10 +34,10 @@ from .executor import ExecutorPool
 from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
-from .producer import WorkSignal
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .work_signal import WorkSignal
 
 __all__ = ["AsyncWorker"]
 

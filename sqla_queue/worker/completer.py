@@ -29,8 +29,8 @@ from ..runtime import sleep
 from .config import WorkerConfig
 from .ledger import Held, Ledger
 from .outcome import Kind, Outcome
-from .producer import WorkSignal
 from .stats import WorkerStats
+from .work_signal import WorkSignal
 
 __all__ = ["Completer"]
 

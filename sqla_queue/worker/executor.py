@@ -38,9 +38,10 @@ from .completer import Completer
 from .config import WorkerConfig
 from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
-from .producer import Producer, WorkSignal
+from .producer import Producer
 from .service import Service
 from .stats import WorkerStats
+from .work_signal import WorkSignal
 
 __all__ = ["Executor", "ExecutorPool", "Lane"]
 
@@ -58,6 +59,16 @@ MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 FREE_HAND_BACKS = 2
 #: Jobs whose losses in a row are remembered at most (the oldest are forgotten first).
 MAX_REMEMBERED_LOSSES = 10_000
+
+
+def batch_size(per_job: float | None, took: float, max_batch: int) -> tuple[float, int]:
+    """After a batch whose handlers took ``took`` seconds per job: the smoothed time per
+    job (``per_job`` is the one before, None at first) and the next batch's size.
+
+    The size aims the batch's handler time at :data:`BATCH_TARGET_SECONDS`, between one
+    job and ``max_batch``; the smoothing keeps one odd job from swinging it."""
+    smoothed = took if per_job is None else 0.7 * per_job + 0.3 * took
+    return smoothed, max(1, min(max_batch, int(BATCH_TARGET_SECONDS / max(smoothed, 1e-6))))
 
 
 class Lane:
@@ -378,9 +389,7 @@ class ExecutorPool(Service):
                 if ran:
                     # Handler time only: the round trip is what a batch amortises, so
                     # counting it would keep small batches small on a slow link.
-                    took = busy / ran
-                    per_job = took if per_job is None else 0.7 * per_job + 0.3 * took
-                    limit = max(1, min(self.config.max_batch, int(BATCH_TARGET_SECONDS / max(per_job, 1e-6))))
+                    per_job, limit = batch_size(per_job, busy / ran, self.config.max_batch)
                 if isolated:
                     self.producer.look_for_isolated()
                 if solitary:

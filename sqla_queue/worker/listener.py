@@ -13,9 +13,9 @@ from collections.abc import Callable, Collection
 
 from ..driver import DbConnection, Driver
 from .config import WorkerConfig
-from .producer import WorkSignal
 from .service import Service
 from .sweeper import SWEPT_PREFIX
+from .work_signal import WorkSignal
 
 __all__ = ["Listener"]
 

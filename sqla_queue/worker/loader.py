@@ -78,7 +78,7 @@ class _MapperPlan:
             except UnmappedColumnError:
                 continue
             coltype = type_codes.get(column.name) if type_codes is not None else None
-            process = column.type._cached_result_processor(dialect, coltype)
+            process = column.type.dialect_impl(dialect).result_processor(dialect, coltype)
             json_kind = _json_kind(column.type, dialect)
             if process is None and not json_kind:
                 plain.append((prop.key, index))

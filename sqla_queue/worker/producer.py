@@ -25,7 +25,6 @@ dead-lettered with the database's message where an update of it is possible).
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from typing import Any
@@ -35,14 +34,15 @@ import psycopg
 from .. import sql as q
 from ..driver import ClaimRequest, DbConnection, Driver, RowError, Statement, tokens_params
 from ..model import QueueTable
-from ..runtime import Condition, Semaphore
+from ..runtime import Semaphore
 from ..sql import ClaimToken
 from .config import WorkerConfig
 from .ledger import Held, Ledger
 from .loader import RowLoader
 from .outcome import describe_error, storable
+from .work_signal import WorkSignal
 
-__all__ = ["Producer", "WorkSignal"]
+__all__ = ["Producer"]
 
 #: Most threads of one worker claiming at the same moment. Concurrent SKIP LOCKED claims
 #: step over each other's freshly locked rows, so past a few they cost more than they get:
@@ -64,76 +64,6 @@ MAX_SKIPPED = 1000
 #: Error classes that are not a row's fault (connection, transaction rollback, resources,
 #: object state such as a lock timeout, operator intervention, system and internal errors).
 _NOT_THE_ROWS_FAULT = frozenset({"08", "40", "53", "55", "57", "58", "XX"})
-
-
-class WorkSignal:
-    """Wakes idle executor threads: one per NOTIFY, at due times, or at the poll."""
-
-    def __init__(self, threads: int) -> None:
-        self._cond = Condition()
-        #: Pending wake-ups, never more than there are threads to wake: a busy thread
-        #: claims again anyway, and piled-up tokens would cost as many empty claims.
-        self._threads = threads
-        self._tokens = 0
-        self._due: list[float] = []
-        self._stopped = False
-        self.idle = 0
-        #: Bumped by every wake-up; lets one idle thread per wake-up ask for due times.
-        self.generation = 0
-
-    def wake(self, count: int = 1) -> None:
-        with self._cond:
-            self._tokens = min(self._tokens + count, self._threads)
-            self.generation += 1
-            self._cond.notify(count)
-
-    def wake_at(self, when: float) -> None:
-        """Wake one idle thread at ``when`` (``time.monotonic()``)."""
-        with self._cond:
-            if len(self._due) > 1024:  # bounded: keep the soonest
-                self._due = heapq.nsmallest(512, self._due)
-                heapq.heapify(self._due)
-            if not any(abs(due - when) < 0.005 for due in self._due):
-                heapq.heappush(self._due, when)
-            self._cond.notify(1)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-
-    def next_due(self) -> float | None:
-        with self._cond:
-            return self._due[0] if self._due else None
-
-    def wait(self, poll: float) -> None:
-        """Idle until woken, a due time, the poll, or stop."""
-        with self._cond:
-            self.idle += 1
-            try:
-                deadline = time.monotonic() + poll
-                while not self._stopped:
-                    if self._tokens:
-                        self._tokens -= 1
-                        return
-                    now = time.monotonic()
-                    if self._due and self._due[0] <= now:
-                        heapq.heappop(self._due)
-                        self.generation += 1
-                        return
-                    if now >= deadline:
-                        self.generation += 1
-                        return
-                    until = min(deadline, self._due[0]) if self._due else deadline
-                    self._cond.wait(until - now)
-            finally:
-                self.idle -= 1
-
-    def quiet(self, threads: int, within: float) -> bool:
-        """Every thread idle, no wake-up pending, and nothing due within ``within``."""
-        with self._cond:
-            due_soon = bool(self._due) and self._due[0] - time.monotonic() <= within
-            return self.idle == threads and not self._tokens and not due_soon
 
 
 class Producer:

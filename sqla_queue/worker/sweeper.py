@@ -15,9 +15,10 @@ from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..model import QueueTable
 from .config import WorkerConfig
-from .producer import Producer, WorkSignal
+from .producer import Producer
 from .service import Service
 from .stats import WorkerStats
+from .work_signal import WorkSignal
 
 __all__ = ["SWEPT_PREFIX", "Sweeper"]
 

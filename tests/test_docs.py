@@ -1,0 +1,235 @@
+"""The documentation site's promises that can be checked mechanically.
+
+Every Python snippet on a page is a section of a file under ``examples/docs/``
+(pymdownx.snippets includes it at build time), and every such file runs here, against a
+database of its own. Command lines shown run the real parser; the tables of worker
+options and statement builders list exactly what the code has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from sqla_queue import WorkerConfig
+from sqla_queue import sql as q
+from sqla_queue.cli import build_parser
+
+from .helpers import Server
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+SNIPPETS = REPO / "examples" / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
+INCLUDE = re.compile(r'^[ \t]*--8<-- "(?P<file>[^":]+)(?::(?P<section>[\w-]+))?"[ \t]*$', re.M)
+SCRIPTS = sorted(p for p in SNIPPETS.glob("*.py") if p.name not in {"_db.py", "shop_models.py"})
+
+
+def blocks(lang: str) -> Iterator[tuple[Path, str]]:
+    for page in PAGES:
+        for match in FENCE.finditer(page.read_text()):
+            if match.group("lang") == lang:
+                yield page, match.group("body")
+
+
+def test_there_are_pages_and_snippets() -> None:
+    assert len(PAGES) > 20 and len(SCRIPTS) >= 8
+    assert sum(1 for _ in blocks("python")) > 15
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_python_block_is_included_from_a_file_the_suite_runs(page: Path) -> None:
+    for match in FENCE.finditer(page.read_text()):
+        if match.group("lang") != "python":
+            continue
+        lines = [line for line in match.group("body").splitlines() if line.strip()]
+        assert lines, f"{page.name}: an empty Python block"
+        for line in lines:
+            include = INCLUDE.fullmatch(line)
+            assert include, f"{page.name}: a Python line written inline, not included from examples/docs/: {line}"
+            target = SNIPPETS / include["file"] if (SNIPPETS / include["file"]).exists() else REPO / include["file"]
+            assert target.is_file(), f"{page.name}: {include['file']} does not exist"
+            assert target.parent == SNIPPETS or target.is_relative_to(REPO / "alembic_templates"), target
+            if include["section"]:
+                source = target.read_text()
+                for mark in ("start", "end"):
+                    # pymdownx.snippets takes the first section of a name only: one per name
+                    assert source.count(f"# --8<-- [{mark}:{include['section']}]") == 1, (page.name, line)
+
+
+@pytest.fixture
+def scratch_database(server: Server) -> Iterator[str]:
+    """An empty database: autogenerate compares the models with everything in view."""
+    admin = create_engine(server.admin_url, isolation_level="AUTOCOMMIT")
+    name = f"sqla_queue_docs_{uuid.uuid4().hex[:8]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        yield server.url.set(database=name).render_as_string(hide_password=False)
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_snippet_file_runs(script: Path, scratch_database: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "DATABASE_URL": scratch_database},
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip(), "each snippet file prints what it checked"
+
+
+def test_every_sqla_queue_command_shown_is_accepted_by_the_parser() -> None:
+    parser = build_parser()
+    shown = [
+        (page, line.split("#", 1)[0].strip())
+        for page, body in blocks("sh")
+        for line in body.splitlines()
+        if line.strip().startswith("sqla-queue ")
+    ]
+    assert len(shown) >= 8
+    for page, line in shown:
+        argv = shlex.split(line)[1:]
+        try:
+            parser.parse_args(argv)
+        except SystemExit as exc:
+            raise AssertionError(f"{page.name}: {line!r} is refused by the parser") from exc
+
+
+def _table_rows(page: str, heading: str) -> dict[str, list[str]]:
+    """First column (without backticks, up to the first '(') -> the other cells, of the
+    table under ``heading`` on ``page``."""
+    source = (DOCS / page).read_text()
+    section = source.split(heading, 1)[1]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        if not line.startswith("|") or set(line) <= set("|- "):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.sub(r"\(.*", "", cells[0].strip("`")).strip("`")
+        rows[name] = cells[1:]
+    return rows
+
+
+def test_the_worker_options_table_lists_every_option_with_type_and_default() -> None:
+    rows = _table_rows("reference/worker-options.md", "## Options")
+    rows.pop("option", None)
+    expected = {f.name for f in fields(WorkerConfig)} | {"session_factory", "job_context", "config"}
+    assert set(rows) == expected
+    for f in fields(WorkerConfig):
+        kind, default, meaning, _flag = rows[f.name]
+        assert kind and default and meaning, f.name
+    defaults = WorkerConfig()
+    for name in ("concurrency", "sweep_interval", "poll_interval", "shutdown_grace", "max_error_length"):
+        number = float(re.sub(r"[^\d.]", "", rows[name][1]))
+        assert number == getattr(defaults, name), (name, rows[name][1])
+
+
+def test_the_worker_options_table_names_the_worker_command_s_flags() -> None:
+    rows = _table_rows("reference/worker-options.md", "## Options")
+    rows.pop("option", None)
+    shown = {flag for *_, cell in rows.values() for flag in re.findall(r"`(--[a-z-]+)`", cell)}
+    worker = build_parser().parse_args(["worker", "x:y"]).parser
+    flags = {flag for action in worker._actions for flag in action.option_strings}
+    options = flags - {"-h", "--help", "--log-level", "--until-idle"}  # not worker options
+    assert shown == options
+
+
+def test_the_builders_tables_list_every_statement_builder_once() -> None:
+    listed: list[str] = []
+    for heading in ("## What the worker runs", "## Single calls", "## Administration"):
+        rows = _table_rows("reference/sql.md", heading)
+        rows.pop("builder", None)
+        listed += rows
+    assert sorted(listed) == sorted(_statement_builders())
+
+
+def test_every_builder_of_sql_py_is_public_and_on_the_builders_page() -> None:
+    page = (DOCS / "reference" / "sql.md").read_text()
+    functions = {
+        name
+        for name, obj in vars(q).items()
+        if inspect.isfunction(obj) and obj.__module__ == q.__name__ and not name.startswith("_")
+    }
+    assert functions <= set(q.__all__), functions - set(q.__all__)
+    for name in functions:
+        assert f"        - {name}\n" in page, name
+
+
+def _statement_builders() -> set[str]:
+    """The functions of sql.py that build a statement (their return annotation says so)."""
+    return {
+        name
+        for name, obj in vars(q).items()
+        if inspect.isfunction(obj) and obj.__module__ == q.__name__ and not name.startswith("_")
+        and re.search(r"^(Returning)?(Select|Update|CompoundSelect|Delete|Insert)\b",
+                      str(obj.__annotations__.get("return", "")))
+    }
+
+
+def _builders_the_worker_calls() -> set[str]:
+    """Every ``sql.<builder>(...)`` call in the worker's modules (they import sql as a module)."""
+    called: set[str] = set()
+    for path in (REPO / "sqla_queue" / "worker").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        aliases = {
+            alias.asname or alias.name
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module is None and node.level == 2
+            for alias in node.names if alias.name == "sql"
+        }
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases):
+                called.add(node.func.attr)
+            if isinstance(node, ast.ImportFrom) and node.module == "sql" and node.level == 2:
+                called.update(alias.name for alias in node.names)
+    return called & _statement_builders()
+
+
+def test_the_table_of_what_the_worker_runs_lists_exactly_its_statements() -> None:
+    rows = _table_rows("reference/sql.md", "## What the worker runs")
+    rows.pop("builder", None)
+    worker = _builders_the_worker_calls()
+    assert len(worker) >= 10, worker  # the scan finds the worker's statements
+    assert set(rows) == worker
+
+
+def test_the_cli_reference_is_rendered_from_the_parser() -> None:
+    spec = importlib.util.spec_from_file_location("cli_reference", DOCS / "hooks" / "cli_reference.py")
+    assert spec and spec.loader
+    cli_reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_reference)
+    page = (DOCS / "reference" / "cli.md").read_text()
+    assert cli_reference.MARKER in page
+    rendered = cli_reference.cli_reference()
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subcommands.choices.items():
+        assert f"## `sqla-queue {name}`" in rendered
+        for action in sub._actions:
+            for flag in action.option_strings:
+                assert flag in rendered, (name, flag)
