@@ -7,8 +7,10 @@ caller's transaction, business rows included) is refused here instead, with a ty
 naming the column: wrong types and ranges, characters text cannot hold, sizes PostgreSQL
 cannot take, a discriminator of single-table inheritance naming another model.
 
-Per table the rules are resolved once (:func:`table_rules`); checking a value is then a
-dict lookup and a few comparisons, because ``enqueue()`` of one job is a hot path.
+Per table the rules are resolved once (:class:`TableRules`, kept by the row plans of
+:mod:`sqla_queue.rows`); checking a value is then a dict lookup and a few comparisons,
+because ``enqueue()`` of one job is a hot path. The enqueue options themselves are
+checked by :class:`sqla_queue.options.EnqueueOptions`, with the checks defined here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Final
 from sqlalchemy import JSON, Column, String, Table, TypeDecorator
 from sqlalchemy.orm import Mapper
 
+from .cache import plans
 from .errors import EnqueueError, InvalidPayload
 from .model import JobStatus
 
@@ -30,6 +33,7 @@ __all__ = [
     "MAX_DELAY_SECONDS",
     "MAX_JSONB_BYTES",
     "MAX_ROW_BYTES",
+    "Check",
     "Polymorphic",
     "TableRules",
     "check_json",
@@ -46,9 +50,7 @@ __all__ = [
     "managed_violation",
     "polymorphic_rule",
     "python_default",
-    "table_rules",
     "text_bytes",
-    "validate_options",
 ]
 
 _INT32: Final = 2**31
@@ -137,40 +139,6 @@ def delay_seconds(delay: Any) -> float:
     if seconds > MAX_DELAY_SECONDS:
         raise EnqueueError(f"delay must be at most 1000 years, got {delay!r}")
     return seconds
-
-
-def validate_options(
-    *,
-    queue: str | None,
-    priority: int | None,
-    delay: timedelta | float | None,
-    run_at: datetime | None,
-    max_attempts: int | None,
-) -> tuple[dict[str, Any], float | None]:
-    """The column values the enqueue options ask for, and the delay in seconds, checked.
-
-    The delay is returned apart, not as a ``run_after`` value: it is measured by the
-    database clock at the insert, which only the caller's connection can read. The
-    values still go through the table's rules (:meth:`TableRules.check`), which know the
-    column lengths.
-    """
-    values: dict[str, Any] = {}
-    if queue is not None:
-        check_queue(queue)
-        values["queue"] = queue
-    if priority is not None:
-        check_priority(priority)
-        values["priority"] = priority
-    if max_attempts is not None:
-        check_max_attempts(max_attempts)
-        values["max_attempts"] = max_attempts
-    if delay is not None and run_at is not None:
-        raise EnqueueError("give either delay or run_at, not both")
-    seconds = delay_seconds(delay) if delay is not None else None
-    if run_at is not None:
-        check_run_at(run_at)
-        values["run_after"] = run_at
-    return values, seconds
 
 
 def managed_violation(values: Any) -> tuple[str, Any] | None:
@@ -487,7 +455,8 @@ class Polymorphic:
             values[self.key] = identity
 
 
-_polymorphic: dict[Mapper[Any], Polymorphic | None] = {}
+#: Key of the polymorphic rules in the shared cache.
+_POLYMORPHIC: Final = "sqla_queue.rules.polymorphic"
 
 
 def polymorphic_rule(mapper: Mapper[Any] | None, table: Table) -> Polymorphic | None:
@@ -495,16 +464,15 @@ def polymorphic_rule(mapper: Mapper[Any] | None, table: Table) -> Polymorphic | 
     a column of ``table``; None for a Table, or a mapping without one."""
     if mapper is None:
         return None
-    try:
-        return _polymorphic[mapper]
-    except KeyError:
-        pass
-    column = mapper.polymorphic_on
-    rule = None
-    if isinstance(column, Column) and table.c.contains_column(column):
-        rule = Polymorphic(mapper, column)
-    _polymorphic[mapper] = rule
-    return rule
+    key = (_POLYMORPHIC, mapper, table)
+    found: tuple[Polymorphic | None] | None = plans.get(key)
+    if found is None:
+        column = mapper.polymorphic_on
+        rule = None
+        if isinstance(column, Column) and table.c.contains_column(column):
+            rule = Polymorphic(mapper, column)
+        found = plans.put(key, (rule,))
+    return found[0]
 
 
 # -- Python-side defaults -----------------------------------------------------------------
@@ -604,12 +572,3 @@ class TableRules:
             check(value, key)
 
 
-_rules: dict[Table, TableRules] = {}
-
-
-def table_rules(table: Table) -> TableRules:
-    """The (cached) rules of ``table``."""
-    rules = _rules.get(table)
-    if rules is None:
-        rules = _rules[table] = TableRules(table)
-    return rules

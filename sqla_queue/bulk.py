@@ -28,9 +28,8 @@ loop, so the bridge costs nothing per row.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from datetime import datetime, timedelta
 from itertools import groupby, islice
 from operator import itemgetter
 from types import TracebackType
@@ -38,29 +37,17 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import JSON, Column, Connection, Table, insert, inspect, select
-from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import Mapper, Session
-from sqlalchemy.orm import attributes as orm_attributes
-from sqlalchemy.sql.elements import ClauseElement, Null
+from sqlalchemy import Connection, Table, insert, select
+from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
+from typing_extensions import Unpack
 
-from ._rules import (
-    MANAGED_KEYS,
-    check_json,
-    check_row_size,
-    check_task_name,
-    dialect_json_serializer,
-    managed_violation,
-    polymorphic_rule,
-    python_default,
-    table_rules,
-    validate_options,
-)
-from .driver import reraise_as_sqlalchemy
-from .errors import BulkRowError, EnqueueError
-from .model import DEFAULT_QUEUE, QueueTable, queue_table
-from .session import _resolve_session, notify_on_commit
+from .binds import resolve_session
+from .dbapi import reraise_as_sqlalchemy
+from .errors import EnqueueError
+from .options import EnqueueKwargs, enqueue_options
+from .outbox import notify_on_commit
+from .rows import RowWriter, table_plan
 from .sql import delay_from_insert
 
 if TYPE_CHECKING:
@@ -102,8 +89,6 @@ DEFAULT_BATCH_SIZE: Final = 1000
 
 Method = Literal["auto", "copy", "insert"]
 _METHODS: Final = ("auto", "copy", "insert")
-#: Caps the cache of row shapes (which columns a row sets), in case every row differs.
-_MAX_SHAPES: Final = 256
 
 
 @overload
@@ -112,13 +97,9 @@ def enqueue_many(
     model: Any,
     rows: Iterable[Any] | AsyncIterable[Any],
     *,
-    queue: str | None = None,
-    priority: int | None = None,
-    delay: timedelta | float | None = None,
-    run_at: datetime | None = None,
-    max_attempts: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
+    **options: Unpack[EnqueueKwargs],
 ) -> Coroutine[Any, Any, int]: ...
 
 
@@ -128,13 +109,9 @@ def enqueue_many(
     model: Any,
     rows: Iterable[Any],
     *,
-    queue: str | None = None,
-    priority: int | None = None,
-    delay: timedelta | float | None = None,
-    run_at: datetime | None = None,
-    max_attempts: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
+    **options: Unpack[EnqueueKwargs],
 ) -> int: ...
 
 
@@ -143,13 +120,9 @@ def enqueue_many(
     model: Any,
     rows: Iterable[Any] | AsyncIterable[Any],
     *,
-    queue: str | None = None,
-    priority: int | None = None,
-    delay: timedelta | float | None = None,
-    run_at: datetime | None = None,
-    max_attempts: int | None = None,
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
+    **options: Unpack[EnqueueKwargs],
 ) -> int | Coroutine[Any, Any, int]:
     """Insert many jobs into ``model``'s queue table in ``session``'s transaction.
 
@@ -208,18 +181,9 @@ def enqueue_many(
     ``AsyncConnection``. Nothing happens until it is awaited; errors raise from the
     ``await``. ``await session.run_sync(enqueue_many, Model, rows)`` works as well.
     """
-    session = _resolve_session(session)
-    options: dict[str, Any] = {
-        "queue": queue,
-        "priority": priority,
-        "delay": delay,
-        "run_at": run_at,
-        "max_attempts": max_attempts,
-        "batch_size": batch_size,
-        "method": method,
-    }
+    session = resolve_session(session)
     if hasattr(session, "sync_session"):  # an AsyncSession: I/O only when awaited
-        return _enqueue_many_async(session, model, rows, options)
+        return _enqueue_many_async(session, model, rows, batch_size, method, options)
     if not isinstance(session, Session):
         raise TypeError(f"expected a SQLAlchemy Session, got {type(session).__qualname__}")
     if isinstance(rows, AsyncIterable) and not isinstance(rows, Iterable):
@@ -227,54 +191,44 @@ def enqueue_many(
             "rows is an async iterable, which only an AsyncSession can read: "
             "`await enqueue_many(async_session, Model, rows)`"
         )
-    return _enqueue_many(session, model, rows, **options)
+    return _enqueue_many(session, model, rows, batch_size, method, options)
 
 
 async def _enqueue_many_async(
-    session: AsyncSession, model: Any, rows: Iterable[Any] | AsyncIterable[Any], options: dict[str, Any]
+    session: AsyncSession,
+    model: Any,
+    rows: Iterable[Any] | AsyncIterable[Any],
+    batch_size: int,
+    method: Method,
+    options: EnqueueKwargs,
 ) -> int:
     if isinstance(rows, AsyncIterable) and not isinstance(rows, Iterable):
-        rows = _awaited_rows(rows, options["batch_size"])
-    return await session.run_sync(_enqueue_many, model, rows, **options)
+        rows = _awaited_rows(rows, batch_size)
+    return await session.run_sync(_enqueue_many, model, rows, batch_size, method, options)
 
 
 def _enqueue_many(
-    sync: Session,
-    model: Any,
-    rows: Iterable[Any],
-    *,
-    queue: str | None,
-    priority: int | None,
-    delay: timedelta | float | None,
-    run_at: datetime | None,
-    max_attempts: int | None,
-    batch_size: int,
-    method: Method,
+    sync: Session, model: Any, rows: Iterable[Any], batch_size: int, method: Method, options: EnqueueKwargs
 ) -> int:
     """The one load of :func:`enqueue_many`, sync or (inside ``run_sync``) async."""
-    qt = queue_table(model)
-    options, delay_by = validate_options(
-        queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
-    )
+    plan = table_plan(model)
+    checked = enqueue_options(options)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise EnqueueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if method not in _METHODS:
         raise EnqueueError(
             f"method must be one of {', '.join(map(repr, _METHODS))}, got {method!r}"
         )
-    rules = table_rules(qt.table)
-    for key, value in options.items():  # the options' values meet the columns' rules too
-        rules.check(key, value)
+    values = dict(checked.values)
+    plan.check_options(values)
     if isinstance(rows, (Mapping, str, bytes)) or not isinstance(rows, Iterable):
         raise TypeError(
             f"rows must be an iterable of rows, got {type(rows).__qualname__}"
             " (wrap a single row in a list)"
         )
-    bind_arguments: dict[str, Any] = (
-        {"mapper": qt.mapped_class} if qt.mapped_class is not None else {"clause": qt.table}
-    )
-    dialect = sync.get_bind(**bind_arguments).dialect
-    no_copy = _copy_impossible(dialect, qt.table)
+    bind_arguments = plan.bind_arguments
+    dialect_plan = plan.dialect(sync.get_bind(**bind_arguments).dialect)
+    no_copy = dialect_plan.copy_impossible
     if method == "copy" and no_copy is not None:
         raise EnqueueError(f"method='copy' is impossible here: {no_copy}")
 
@@ -286,17 +240,17 @@ def _enqueue_many(
     use_copy = no_copy is None and (
         method == "copy" or (method == "auto" and (more or len(first) >= COPY_MIN_ROWS))
     )
-    if delay_by is not None:
+    if checked.delay_seconds is not None:
         # Measured by the database clock at this moment, in seconds, as enqueue() measures
         # from its INSERT (COPY cannot evaluate an expression per row, so one value for all).
-        options["run_after"] = (
+        values["run_after"] = (
             sync.connection(bind_arguments=bind_arguments)
-            .execute(select(delay_from_insert(delay_by)))
+            .execute(select(delay_from_insert(checked.delay_seconds)))
             .scalar_one()
         )
 
-    plan = _RowPlan(qt, dialect, options, for_copy=use_copy)
-    batches = plan.batches(first, rows_iter, batch_size)
+    writer = RowWriter(dialect_plan, values, for_copy=use_copy)
+    batches = writer.batches(first, rows_iter, batch_size)
     del first  # the generator owns the first batch now: keep memory bounded
     first_batch = next(batches)  # a bad row here raises before anything is written
 
@@ -311,13 +265,14 @@ def _enqueue_many(
         rest = _prepend(first_batch, batches)
         del first_batch
         write = _copy_rows if use_copy else _insert_rows
-        written = write(conn, qt.table, rest)
+        written = write(conn, plan.table, rest)
     except BaseException:
         savepoint.rollback()
         raise
     savepoint.commit()
+    qt = plan.qt
     target = qt.mapped_class if qt.mapped_class is not None else qt.table
-    for name in sorted(plan.queues):
+    for name in sorted(writer.queues):
         notify_on_commit(sync, target, name)
     return written
 
@@ -350,281 +305,7 @@ async def _take(iterator: AsyncIterator[Any], size: int) -> list[Any]:
     return chunk
 
 
-def _copy_impossible(dialect: Dialect, table: Table) -> str | None:
-    """Why COPY cannot write to ``table`` through ``dialect``, or None if it can."""
-    if dialect.name != "postgresql":
-        return f"COPY needs PostgreSQL, the session's database is {dialect.name}"
-    if dialect.driver != "psycopg":
-        return f"COPY needs the psycopg 3 driver, the session uses {dialect.driver}"
-    sql_defaults = [c.key for c in table.c if python_default(c)[0] in ("sql", "context")]
-    if sql_defaults:
-        return (
-            f"column(s) {', '.join(sql_defaults)} of {table.fullname} have defaults that only "
-            "an INSERT can evaluate (SQL expressions, sequences or context-sensitive functions)"
-        )
-    expressions = [c.key for c in table.c if _has_bind_expression(c, dialect)]
-    if expressions:
-        return (
-            f"column(s) {', '.join(expressions)} of {table.fullname} have a type whose "
-            "bind_expression wraps the value in SQL (pgp_sym_encrypt(), …), which only an "
-            "INSERT applies: COPY would store the value as given"
-        )
-    return None
-
-
-def _has_bind_expression(column: Column[Any], dialect: Dialect) -> bool:
-    """The column's type puts SQL around its bound value (``TypeDecorator.bind_expression``)."""
-    return bool(column.type.dialect_impl(dialect)._has_bind_expression)
-
-
-class _RowPlan:
-    """How the rows of one call become column values: resolved once, applied per row."""
-
-    def __init__(
-        self, qt: QueueTable, dialect: Dialect, options: dict[str, Any], *, for_copy: bool
-    ) -> None:
-        table = qt.table
-        self.table = table
-        self.for_copy = for_copy
-        self.columns: dict[str, Column[Any]] = {c.key: c for c in table.c}
-        self.order = {key: n for n, key in enumerate(self.columns)}
-        self.pk_key = qt.pk.key
-        self.is_task_table = qt.is_task_table
-        mapper = inspect(qt.mapped_class) if qt.mapped_class is not None else None
-        #: The discriminator of single-table inheritance: the model's identity, as the ORM.
-        self.polymorphic = polymorphic_rule(mapper, table)
-        self.options = list(options.items())
-        self.defaults: list[tuple[str, bool, Any]] = []
-        for key, column in self.columns.items():
-            kind, value = python_default(column)
-            if kind in ("scalar", "callable"):
-                self.defaults.append((key, kind == "callable", value))
-        queue_default = getattr(table.c.queue.default, "arg", None)
-        self.default_queue = queue_default if isinstance(queue_default, str) else DEFAULT_QUEUE
-        #: Written by the database only: COPY or INSERT into them fails.
-        self.generated = frozenset(
-            key
-            for key, c in self.columns.items()
-            if c.computed is not None or (c.identity is not None and c.identity.always)
-        )
-        autoincrement = table.autoincrement_column
-        #: NOT NULL and nothing fills them when the row does not.
-        self.required = frozenset(
-            key
-            for key, c in self.columns.items()
-            if not c.nullable
-            and c.default is None
-            and c.server_default is None
-            and c.identity is None
-            and c is not autoincrement
-            and key not in self.generated
-            and key not in options
-        )
-        self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
-        #: Columns whose type writes a None as a value (JSON's 'null'), not as "unset".
-        self.evaluates_none = frozenset(key for key, c in self.columns.items() if c.type.should_evaluate_none)
-        self.rules = table_rules(table)  # the options met them already, in enqueue_many
-        serializer = dialect_json_serializer(dialect)
-        self.json: dict[str, tuple[Callable[[Any], Any], bool]] = {}
-        self.processors: dict[str, Callable[[Any], Any]] = {}
-        for key, column in self.columns.items():
-            impl = column.type.dialect_impl(dialect)
-            if isinstance(column.type, JSON):
-                self.json[key] = (serializer, bool(getattr(impl, "none_as_null", False)))
-                continue
-            if _has_bind_expression(column, dialect):
-                continue  # bound inside the expression, as its type says: left to the INSERT
-            processor = impl.bind_processor(dialect)
-            if processor is not None:
-                self.processors[key] = processor
-        self.queues: set[str] = set()
-        self._mappers: dict[Mapper[Any], tuple[list[tuple[str, str]], list[str]]] = {}
-        self._shapes: dict[tuple[str, ...], tuple[tuple[str, ...], Callable[[Any], Any]]] = {}
-
-    def batches(
-        self, first: list[Any], rows: Iterator[Any], size: int
-    ) -> Iterator[list[tuple[tuple[str, ...], Any]]]:
-        """Validated batches: (shape, values) per row; the raw rows are dropped as we go."""
-        index = 0
-        chunk = first
-        del first
-        while chunk:
-            out = [self.row(index + n, raw) for n, raw in enumerate(chunk)]
-            index += len(chunk)
-            chunk = []
-            yield out
-            del out
-            chunk = list(islice(rows, size))
-
-    def row(self, index: int, raw: Any) -> tuple[tuple[str, ...], Any]:
-        try:
-            return self._row(raw)
-        except EnqueueError as exc:
-            raise BulkRowError(index, str(exc)) from exc
-
-    def _row(self, raw: Any) -> tuple[tuple[str, ...], Any]:
-        if type(raw) is dict or isinstance(raw, Mapping):
-            values = dict(raw)
-            unknown = values.keys() - self.columns.keys()
-            if unknown:
-                names = ", ".join(sorted(map(repr, unknown)))
-                raise EnqueueError(f"unknown column(s) for table {self.table.fullname}: {names}")
-        else:
-            values = self._instance_values(raw)
-        if self.pk_key in values and values[self.pk_key] is None:
-            del values[self.pk_key]  # as the ORM does: None means "generate it"
-        if self.polymorphic is not None:
-            self.polymorphic.fill(values)
-        given = list(values)
-        json_columns = self.json
-        checks = self.rules.checks
-        generated, not_null = self.generated, self.not_null
-        texts: list[str] = []
-        for key in given:
-            value = values[key]
-            if key in generated:
-                raise EnqueueError(f"column {key} is generated by the database, leave it unset")
-            if type(value) not in _PLAIN and isinstance(value, ClauseElement):
-                if not isinstance(value, Null):
-                    raise EnqueueError(
-                        f"{key} is a SQL expression; enqueue_many writes plain values "
-                        "(for run_after use delay= or run_at=)"
-                    )
-                if key not in json_columns:
-                    values[key] = value = None
-            if value is None:
-                if key in not_null and key not in json_columns:
-                    raise EnqueueError(f"{key} is NOT NULL, got None")
-            else:
-                check = checks.get(key)
-                if check is not None:
-                    check(value, key)
-                    if isinstance(value, str):
-                        texts.append(value)
-        if not values.keys().isdisjoint(MANAGED_KEYS):
-            violation = managed_violation(values)
-            if violation is not None:
-                key, value = violation
-                raise EnqueueError(f"{key}={value!r}: the queue manages {key}, leave it unset")
-        for key, value in self.options:
-            if key not in values:
-                values[key] = value
-        for key, is_callable, default in self.defaults:
-            if key not in values:
-                values[key] = default() if is_callable else default
-        if self.is_task_table:
-            check_task_name(values.get("task"))
-        if self.required:
-            missing = self.required - values.keys()
-            if missing:
-                raise EnqueueError(
-                    f"missing a value for NOT NULL column(s) {', '.join(sorted(missing))}"
-                )
-        jsons: list[str] = []
-        for key, (serializer, none_as_null) in json_columns.items():
-            if key in values:
-                encoded = self._json(key, values[key], serializer, none_as_null)
-                if encoded is not None:
-                    jsons.append(encoded)
-                if self.for_copy:
-                    values[key] = encoded
-        check_row_size(texts, jsons, copy=self.for_copy)
-        for key, processor in self.processors.items():
-            value = values.get(key)
-            if value is not None:
-                try:
-                    processed = processor(value)
-                except (TypeError, ValueError, LookupError) as exc:
-                    raise EnqueueError(f"{key}: {exc}") from exc
-                if self.for_copy:
-                    values[key] = processed
-        self.queues.add(values.get("queue") or self.default_queue)
-        shape, getter = self._shape(values)
-        return shape, (getter(values) if self.for_copy else values)
-
-    def _json(
-        self, key: str, value: Any, serializer: Callable[[Any], Any], none_as_null: bool
-    ) -> str | None:
-        """The JSON text COPY writes (None: SQL NULL), with SQLAlchemy's NULL rules."""
-        if isinstance(value, Null) or (value is None and none_as_null):
-            if key in self.not_null:
-                raise EnqueueError(f"{key} is NOT NULL, got SQL NULL")
-            return None
-        if value is JSON.NULL:
-            value = None
-        return check_json(value, key, serializer)
-
-    def _instance_values(self, obj: Any) -> dict[str, Any]:
-        try:
-            state = orm_attributes.instance_state(obj)
-        except AttributeError:
-            raise EnqueueError(
-                f"expected a dict of column values or a new instance of the queue model, "
-                f"got {type(obj).__qualname__}"
-            ) from None
-        mapper = state.mapper
-        plan = self._mappers.get(mapper)
-        if plan is None:
-            plan = self._instance_plan(mapper)
-        if not state.transient:
-            raise EnqueueError(
-                f"{type(obj).__qualname__} is already in a session or persistent; "
-                "enqueue_many writes new rows only"
-            )
-        attrs, relationships = plan
-        data = state.dict
-        for rel in relationships:
-            if data.get(rel):
-                raise EnqueueError(
-                    f"relationship {rel!r} is set; enqueue_many does not follow "
-                    "relationships, set the foreign key column instead"
-                )
-        # A Pydantic model (SQLModel) holds a value for every field, its default where
-        # the caller set none: only the fields set count, so options apply to the rest.
-        explicit = getattr(obj, "__pydantic_fields_set__", None)
-        # An attribute set to None is left out, as the ORM's INSERT leaves it out (unless
-        # the type stores None, as JSON does): the column's default then applies.
-        evaluates_none = self.evaluates_none
-        return {
-            column_key: data[attr]
-            for attr, column_key in attrs
-            if attr in data
-            and (explicit is None or attr in explicit)
-            and (data[attr] is not None or column_key in evaluates_none)
-        }
-
-    def _instance_plan(self, mapper: Mapper[Any]) -> tuple[list[tuple[str, str]], list[str]]:
-        if mapper.local_table is not self.table:
-            raise EnqueueError(
-                f"a {mapper.class_.__qualname__} is not a row of table {self.table.fullname}"
-            )
-        attrs = [
-            (prop.key, prop.columns[0].key)
-            for prop in mapper.column_attrs
-            if prop.columns[0].table is self.table
-        ]
-        plan = (attrs, [rel.key for rel in mapper.relationships])
-        self._mappers[mapper] = plan
-        return plan
-
-    def _shape(self, values: dict[str, Any]) -> tuple[tuple[str, ...], Callable[[Any], Any]]:
-        """The columns a row sets, in table order (one COPY or executemany per shape)."""
-        seen = tuple(values)
-        cached = self._shapes.get(seen)
-        if cached is None:
-            shape = tuple(sorted(seen, key=self.order.__getitem__))
-            getter = itemgetter(*shape) if len(shape) > 1 else (lambda v: (v[shape[0]],))
-            if len(self._shapes) >= _MAX_SHAPES:
-                self._shapes.clear()
-            cached = self._shapes[seen] = (shape, getter)
-        return cached
-
-
 # -- writing ------------------------------------------------------------------------------
-
-
-#: Values that are never SQL expressions: the common case skips the isinstance check.
-_PLAIN: Final = frozenset({int, str, float, bool, type(None), dict, list})
 
 
 def _prepend(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Final, cast
+from typing import Any
 
 import psycopg
 from psycopg import sql as pgsql
@@ -30,16 +29,16 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
-from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.util.concurrency import await_only
 
+from .dbapi import CompileOnceError, SchemaMapKey, Statement, compile_statement, reraise_as_sqlalchemy, schema_map_key
 from .errors import SqlaQueueError
 from .model import REQUIRED_COLUMNS, notify_channel, table_problem, translated_schema
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 
 __all__ = [
     "AsyncDbConnection", "AsyncDriver", "ClaimRequest", "CompileOnceError", "DbConnection", "Driver", "RowError",
-    "Statement", "WorkerStartError", "compile_statement", "schema_map_key",
+    "SchemaMapKey", "Statement", "WorkerStartError", "compile_statement", "reraise_as_sqlalchemy", "schema_map_key",
 ]
 
 log = logging.getLogger("sqla_queue.worker")
@@ -48,23 +47,6 @@ log = logging.getLogger("sqla_queue.worker")
 
 class WorkerStartError(SqlaQueueError, RuntimeError):
     """The worker cannot start: no connection, not PostgreSQL, or no usable queue table."""
-
-
-@dataclass(frozen=True)
-class Statement:
-    """A SQLAlchemy statement compiled once for psycopg: SQL text, defaults, processors."""
-
-    sql: str
-    defaults: Mapping[str, Any]
-    processors: Mapping[str, Any]
-
-    def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        params = dict(self.defaults)
-        params.update(values)
-        for name, process in self.processors.items():
-            if name in params and params[name] is not None:
-                params[name] = process(params[name])
-        return params
 
 
 @dataclass(frozen=True)
@@ -643,167 +625,6 @@ def _joined(session: Session, sa: Connection, engine: Engine) -> Session:
 
     session.get_bind = get_bind  # type: ignore[method-assign]
     return session
-
-
-# -- NOTIFY in the COMMIT's round trip -------------------------------------------------------
-
-_ON_COMMIT_KEY: Final = "sqla_queue.notify_with_commit"
-
-
-def notify_with_commit(conn: Connection, pairs: set[tuple[str, str]]) -> bool:
-    """Send ``pg_notify(channel, payload)`` for ``pairs`` together with the COMMIT of the
-    transaction ``conn`` is in, in one round trip (one simple-protocol query, on psycopg
-    and its asyncio flavour alike); False when the driver cannot (then send them
-    yourself). PostgreSQL delivers them only if it commits.
-    """
-    if conn.dialect.driver != "psycopg":
-        return False
-    transaction = conn.get_transaction()
-    if transaction is None:
-        return False
-    root = transaction
-    while getattr(root, "_parent", None) not in (None, root):  # a savepoint's root
-        root = root._parent  # type: ignore[attr-defined]
-    info = conn.info
-    waiting: tuple[Any, set[tuple[str, str]]] | None = info.get(_ON_COMMIT_KEY)
-    if waiting is None or waiting[0] is not root:
-        waiting = info[_ON_COMMIT_KEY] = (root, set())
-    waiting[1].update(pairs)
-    _listen_for_commits(conn.engine)
-    return True
-
-
-def _on_commit(conn: Connection) -> None:
-    waiting = conn.info.pop(_ON_COMMIT_KEY, None)
-    if waiting is None or waiting[0] is not conn.get_transaction():
-        return
-    raw: Any = conn.connection.dbapi_connection
-    query = _notify_and_commit(tuple(sorted(waiting[1])))
-    try:
-        # One simple-protocol query: the notifications and the COMMIT in one round trip.
-        if conn.dialect.is_async:  # SQLAlchemy's adapter: run it on the asyncio connection
-            raw.run_async(lambda driver_conn: driver_conn.execute(query))
-        else:
-            raw.execute(query)
-    except psycopg.Error as exc:
-        raise sa_exc.DBAPIError.instance(
-            "COMMIT", None, exc, psycopg.Error, dialect=conn.dialect
-        ) from exc
-    # The connection is committed: SQLAlchemy's own commit() that follows is a no-op.
-
-
-@lru_cache(maxsize=256)
-def _notify_and_commit(pairs: tuple[tuple[str, str], ...]) -> bytes:
-    """``SELECT pg_notify('c', 'q'); …; COMMIT`` with quoted literals, built once per set."""
-    notifies = pgsql.SQL("; ").join(
-        pgsql.SQL("SELECT pg_notify({}, {})").format(pgsql.Literal(channel), pgsql.Literal(payload))
-        for channel, payload in pairs
-    )
-    return pgsql.SQL("{}; COMMIT").format(notifies).as_bytes(None)
-
-
-def reraise_as_sqlalchemy(conn: Connection, error: BaseException, statement: str, parameters: Any) -> None:
-    """Raise ``error``, from ``statement`` run on ``conn``'s psycopg connection directly,
-    as ``conn.execute()`` would have raised it; return if SQLAlchemy would let it pass.
-
-    A psycopg error becomes SQLAlchemy's class for it (``IntegrityError``,
-    ``OperationalError``, …, the psycopg error as ``.orig``), after the engine's
-    ``handle_error`` hooks; an error that means the connection is gone, or an exit
-    exception (``KeyboardInterrupt``, a cancellation) in the middle of the statement,
-    invalidates the connection as SQLAlchemy does, so ``rollback()`` then works and the
-    next use gets a new one. SQLAlchemy's own handler does all that, to stay exact.
-    """
-    if isinstance(error, psycopg.Error) or not isinstance(error, Exception):
-        try:
-            raise error  # the handler reads sys.exc_info(), which a new greenlet lacks
-        except BaseException as raised:  # noqa: BLE001 - handed to SQLAlchemy, which raises it
-            conn._handle_dbapi_exception(raised, statement, parameters, None, None)
-
-
-def _on_rollback(conn: Connection) -> None:
-    with suppress(Exception):  # an invalidated connection has no info left to clear
-        conn.info.pop(_ON_COMMIT_KEY, None)
-
-
-_listening: set[int] = set()
-
-
-def _listen_for_commits(engine: Engine) -> None:
-    key = id(engine)
-    if key in _listening:
-        return
-    from sqlalchemy import event
-
-    if not event.contains(engine, "commit", _on_commit):
-        event.listen(engine, "commit", _on_commit)
-        event.listen(engine, "rollback", _on_rollback)
-    _listening.add(key)
-
-
-class CompileOnceError(SqlaQueueError, ValueError):
-    """A statement that cannot be compiled once and run as text on the DBAPI cursor: it
-    keeps a placeholder that only SQLAlchemy's execution fills in (an expanding ``IN``
-    list, a ``literal_execute`` parameter, an untranslated schema)."""
-
-
-#: What SQLAlchemy leaves in a compiled string for its own execution to fill in.
-_LATE_PLACEHOLDERS: Final = ("__[POSTCOMPILE_", "__[SCHEMA_")
-
-#: A ``schema_translate_map`` as a hashable key (None for no map or an empty one).
-SchemaMapKey = tuple[tuple[str | None, str | None], ...] | None
-
-
-def schema_map_key(schema_translate_map: Mapping[str | None, str | None] | None) -> SchemaMapKey:
-    """``schema_translate_map`` frozen, for keys of caches of compiled statements."""
-    if not schema_translate_map:
-        return None
-    return tuple(sorted(schema_translate_map.items(), key=lambda item: (item[0] is not None, item[0] or "")))
-
-
-def compile_statement(
-    stmt: ClauseElement,
-    dialect: Any,
-    schema_translate_map: Mapping[str | None, str | None] | None = None,
-) -> Statement:
-    """``stmt`` compiled once by SQLAlchemy for ``dialect``, to run on the DBAPI connection.
-
-    The text must be complete as compiled: ``schema_translate_map`` (an execution option
-    SQLAlchemy applies only on its own execution path) is rendered into it, and a
-    statement that still holds a placeholder for SQLAlchemy's execution to expand (an
-    expanding ``IN``: use ``= ANY(array)``) raises :class:`CompileOnceError` here, when
-    it is compiled, rather than failing on the server at every run.
-    """
-    kwargs: dict[str, Any] = {}
-    if schema_translate_map:
-        kwargs = {"schema_translate_map": dict(schema_translate_map), "render_schema_translate": True}
-    compiled = cast(SQLCompiler, stmt.compile(dialect=dialect, **kwargs))
-    text = compiled.string
-    late = sorted(
-        {compiled.bind_names.get(bind, bind.key) for bind in compiled.binds.values()
-         if bind.expanding or bind.literal_execute}
-    )
-    if late or any(marker in text for marker in _LATE_PLACEHOLDERS):
-        raise CompileOnceError(
-            "this statement cannot run as compiled once on the DBAPI cursor: "
-            + (f"its parameter(s) {', '.join(late)} are expanded (IN lists) or rendered "
-               "by SQLAlchemy at execution; bind an array (column = ANY(:array)) instead"
-               if late else f"its SQL keeps a placeholder for SQLAlchemy's execution: {text[:200]!r}")
-        )
-    defaults = compiled.construct_params(_check=False) or {}
-    processors = {
-        name: proc
-        for name, proc in (compiled._bind_processors or {}).items()
-        if proc and not _plain_array(compiled.binds.get(name), dialect)
-    }
-    return Statement(text, dict(defaults), processors)
-
-
-def _plain_array(bind: Any, dialect: Any) -> bool:
-    """An ARRAY parameter whose items need no conversion: psycopg adapts the list itself,
-    and SQLAlchemy's processor would only walk it."""
-    kind = getattr(bind, "type", None)
-    item = getattr(kind, "item_type", None)
-    return item is not None and item.dialect_impl(dialect).bind_processor(dialect) is None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,21 +26,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any, Literal, TypeVar
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import click
 from flask import Flask, current_app
 from flask.cli import AppGroup
 from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
+from typing_extensions import Unpack
 
 from . import admin
 from ._rules import check_queue
-from .bulk import DEFAULT_BATCH_SIZE, enqueue_many
+from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
 from .cli import LOG_FORMAT, check_database, parse_duration, worker_overrides
 from .driver import WorkerStartError
 from .model import queue_table
+from .options import EnqueueKwargs
 from .session import enqueue
 from .tasks import Handler, Tasks
 from .worker import Worker
@@ -85,47 +87,21 @@ class FlaskQueue:
         Worker.check_options(**options)
         self._workers[key] = _Registration(model, handler, options)
 
-    def enqueue(
-        self,
-        job: J,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        delay: timedelta | float | None = None,
-        run_at: datetime | None = None,
-        max_attempts: int | None = None,
-    ) -> J:
+    def enqueue(self, job: J, **options: Unpack[EnqueueKwargs]) -> J:
         """:func:`sqla_queue.enqueue` with the current ``db.session``: the job commits with it."""
-        return enqueue(
-            self._session(), job, queue=queue, priority=priority, delay=delay, run_at=run_at, max_attempts=max_attempts
-        )
+        return enqueue(self._session(), job, **options)
 
     def enqueue_many(
         self,
         model: Any,
         rows: Iterable[Any],
         *,
-        queue: str | None = None,
-        priority: int | None = None,
-        delay: timedelta | float | None = None,
-        run_at: datetime | None = None,
-        max_attempts: int | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
-        method: Literal["auto", "copy", "insert"] = "auto",
+        method: Method = "auto",
+        **options: Unpack[EnqueueKwargs],
     ) -> int:
         """:func:`sqla_queue.enqueue_many` with the current ``db.session`` (COPY on psycopg)."""
-        return enqueue_many(
-            self._session(),
-            model,
-            rows,
-            queue=queue,
-            priority=priority,
-            delay=delay,
-            run_at=run_at,
-            max_attempts=max_attempts,
-            batch_size=batch_size,
-            method=method,
-        )
+        return enqueue_many(self._session(), model, rows, batch_size=batch_size, method=method, **options)
 
     def _session(self) -> Session:
         if self.db is None:

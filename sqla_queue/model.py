@@ -42,6 +42,7 @@ from sqlalchemy.orm import Mapped, Mapper, mapped_column
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.naming import conv
 
+from .cache import plans
 from .errors import NotAQueueModel
 
 __all__ = [
@@ -292,7 +293,8 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
     _attach_schema_objects(table)
 
 
-_cache: dict[Table, QueueTable] = {}
+#: Key of the resolved queue tables in the shared cache.
+_QUEUE_TABLE: Final = "sqla_queue.model.queue_table"
 
 
 def queue_table(model: Any) -> QueueTable:
@@ -312,7 +314,7 @@ def queue_table(model: Any) -> QueueTable:
             raise NotAQueueModel(f"{cls.__qualname__} is not mapped to a single Table")
         table = mapper.local_table
         mapped_class = cls
-    cached = _cache.get(table)
+    cached: QueueTable | None = plans.get((_QUEUE_TABLE, table))
     if cached is not None and (mapped_class is None or cached.mapped_class is mapped_class):
         return cached
     missing = [col for col in REQUIRED_COLUMNS if col not in table.c]
@@ -329,8 +331,7 @@ def queue_table(model: Any) -> QueueTable:
     resolved = QueueTable(
         table=table, pk=pk[0], channel=notify_channel(table), mapped_class=mapped_class
     )
-    _cache[table] = resolved
-    return resolved
+    return plans.put((_QUEUE_TABLE, table), resolved)
 
 
 def archive_table(model: Any, name: str, metadata: MetaData | None = None) -> Table:

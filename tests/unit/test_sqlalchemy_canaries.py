@@ -58,6 +58,19 @@ def test_connection_handle_dbapi_exception_raises_sqlalchemy_s_class() -> None:
     engine.dispose()
 
 
+def test_get_transaction_is_the_outermost_transaction_inside_savepoints() -> None:
+    """outbox.notify_with_commit: the NOTIFY goes with the COMMIT of the outermost
+    transaction, found with the public get_transaction() even inside a savepoint."""
+    engine = create_engine("sqlite://")
+    with engine.connect() as conn:
+        root = conn.begin()
+        conn.begin_nested()
+        conn.begin_nested()
+        assert conn.get_transaction() is root
+        root.rollback()
+    engine.dispose()
+
+
 def test_compiler_bind_processors_map_bind_names_to_callables() -> None:
     """driver.compile_statement: the processors of a statement compiled once are applied
     by hand when it runs on the DBAPI cursor."""

@@ -1,0 +1,165 @@
+"""The package's module edges, read from the source: no import circle inside
+``sqla_queue``, and the enqueue side never reaches the worker.
+
+Pure Python (``ast``), no import of the package and no database. Every import counts,
+a function-level one too (that is how a circle usually hides), except those under
+``if TYPE_CHECKING:``, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "sqla_queue"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+#: The modules of the enqueue side: what a web request that enqueues imports.
+ENQUEUE_SIDE = (
+    "sqla_queue.session",
+    "sqla_queue.bulk",
+    "sqla_queue.values",
+    "sqla_queue.options",
+    "sqla_queue.rows",
+    "sqla_queue.outbox",
+)
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, skipping the bodies of ``if TYPE_CHECKING:``."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _resolve(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules of the package that ``node``, in ``module``, imports."""
+    targets: set[str] = set()
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            is_package = MODULES[module].name == "__init__.py"
+            base = module.split(".")
+            base = base[: len(base) - node.level + (1 if is_package else 0)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        # ``from pkg import name``: the submodule pkg.name when there is one, else pkg.
+        names = [
+            f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in MODULES else prefix for alias in node.names
+        ]
+    for name in names:
+        if name in MODULES:
+            targets.add(name)
+        elif name.startswith(PACKAGE + ".") and name.rsplit(".", 1)[0] in MODULES:
+            targets.add(name.rsplit(".", 1)[0])  # a name defined in a module
+    return targets
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        edges: set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            edges |= _resolve(module, node)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component: list[str] = []
+            while True:
+                item = stack.pop()
+                on_stack.discard(item)
+                component.append(item)
+                if item == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_reader_sees_the_imports_it_must() -> None:
+    """The graph is built from real edges (else the tests below would pass on nothing)."""
+    graph = _graph()
+    assert "sqla_queue.worker" in graph["sqla_queue"]
+    assert "sqla_queue.sql" in graph["sqla_queue.admin"]  # from . import sql as q
+    assert "sqla_queue.driver" in graph["sqla_queue.worker.executor"]  # from ..driver import …
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+def test_no_import_circle_in_the_package() -> None:
+    assert _cycles(_graph()) == []
+
+
+@pytest.mark.parametrize("module", ENQUEUE_SIDE)
+def test_the_enqueue_side_never_imports_the_worker(module: str) -> None:
+    graph = _graph()
+    assert module in graph
+    worker = {m for m in _reachable(graph, module) if m == "sqla_queue.worker" or m.startswith("sqla_queue.worker.")}
+    assert not worker, f"{module} reaches {sorted(worker)}"
+    assert "sqla_queue.driver" not in _reachable(graph, module), f"{module} reaches the worker's driver"
