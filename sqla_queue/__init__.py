@@ -24,7 +24,7 @@ from .errors import (
     SqlaQueueError,
     UnknownTask,
 )
-from .model import FINISHED_STATUSES, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
+from .model import FINISHED_STATUSES, IdempotencyKeyMixin, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
 from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
@@ -41,6 +41,7 @@ __all__ = [
     "ClaimToken",
     "DeadLetter",
     "EnqueueError",
+    "IdempotencyKeyMixin",
     "InvalidPayload",
     "JobMixin",
     "JobStatus",

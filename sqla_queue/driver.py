@@ -516,13 +516,23 @@ class Driver:
     @staticmethod
     def is_connection_error(exc: BaseException) -> bool:
         """A lost connection or server, as opposed to an error of the statement: for the
-        worker's own statements (a handler's exception is judged by its connection's state)."""
+        worker's own statements (a handler's exception is judged by its connection's state).
+
+        A read-only transaction (SQLSTATE 25006) counts as one: the worker's statements
+        all write, so the connection reached a standby (a pooler or a virtual address
+        that still points at the old primary, now a standby, or a server being demoted).
+        The statement must be made again on a new connection, which a multi-host URL with
+        ``target_session_attrs=read-write`` sends to the primary. A server that refuses
+        connections while it starts or recovers (57P03) raises an ``OperationalError``,
+        one already."""
         if isinstance(exc, sa_exc.DBAPIError):
             if exc.connection_invalidated:
                 return True
             exc = exc.orig if exc.orig is not None else exc
         if isinstance(exc, psycopg.OperationalError):
             return not isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable)
+        if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+            return True
         return isinstance(exc, ConnectionError)
 
     # -- start-up ----------------------------------------------------------------------

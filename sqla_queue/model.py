@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,6 +31,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    Uuid,
     event,
     false,
     func,
@@ -48,6 +50,7 @@ from .errors import NotAQueueModel
 __all__ = [
     "FINISHED_STATUSES",
     "archive_table",
+    "IdempotencyKeyMixin",
     "JobMixin",
     "JobStatus",
     "QueueTable",
@@ -167,6 +170,32 @@ class TaskMixin(JobMixin):
         JSON().with_variant(JSONB(), "postgresql"),
         default=_empty_payload,
         server_default=text("'{}'"),
+    )
+
+
+class IdempotencyKeyMixin:
+    """An ``idempotency_key`` column: a random UUID each job gets when it is enqueued,
+    for the external systems a handler calls (payment, mail and other APIs that drop a
+    request whose key they have seen).
+
+    Hand this key to them, not the job's ``id``: ids come from a sequence, and after a
+    failover to an asynchronous standby that had not received the last jobs, the new
+    primary hands those ids again to different jobs, which a provider would then drop as
+    duplicates. A random key is never handed out twice (122 random bits, from
+    ``uuid.uuid4``). Opt-in: mix it in beside :class:`JobMixin` or :class:`TaskMixin`::
+
+        class EmailJob(Base, JobMixin, IdempotencyKeyMixin):
+            __tablename__ = "email_jobs"
+
+    The key is set in Python on every enqueue path (the ORM's flush, so ``job.
+    idempotency_key`` is there once the job is flushed; ``enqueue_many``'s COPY and
+    INSERT; ``enqueue_values``), and by the server (``gen_random_uuid()``) for a row
+    another program inserts, or for the rows already there when a migration adds the
+    column. No index comes with it: add a unique one if you look jobs up by key.
+    """
+
+    idempotency_key: Mapped[uuid.UUID] = mapped_column(
+        Uuid, default=uuid.uuid4, server_default=func.gen_random_uuid(), nullable=False
     )
 
 

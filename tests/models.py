@@ -9,7 +9,7 @@ from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDec
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
-from sqla_queue import JobMixin, TaskMixin
+from sqla_queue import IdempotencyKeyMixin, JobMixin, TaskMixin
 
 
 class Base(DeclarativeBase):
@@ -59,6 +59,20 @@ class UuidJob(Base, JobMixin):
     __tablename__ = "uuid_jobs"
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)  # type: ignore[assignment]
+
+
+class KeyedJob(Base, JobMixin, IdempotencyKeyMixin):
+    """A typed queue table that opted in to the idempotency key."""
+
+    __tablename__ = "keyed_jobs"
+
+    recipient: Mapped[str] = mapped_column(String(200), default="someone@example.com")
+
+
+class KeyedTask(Base, TaskMixin, IdempotencyKeyMixin):
+    """A task table with the idempotency key."""
+
+    __tablename__ = "keyed_tasks"
 
 
 class Effect(Base):

@@ -9,7 +9,11 @@ come. A test can then
 - **lose an answer** (:meth:`Proxy.lose_answer`): the next statement whose text holds a
   marker reaches the server, which runs (and commits) it; the proxy keeps the server's
   answer back until it is complete (``ReadyForQuery``), then closes the connection
-  without passing any of it on.
+  without passing any of it on;
+- **cut before a statement** (:meth:`Proxy.cut_before`): the next statement whose text
+  holds a marker never reaches the server; the proxy closes the connection instead, as
+  when the server dies just before it (the server ends that session, and rolls back the
+  transaction it was in).
 
 Connections are tagged with the markers their client sent (:attr:`Link.tags`), so a test
 can pick, say, the executors' connections (those that sent a claim). The client must not
@@ -115,6 +119,10 @@ class Link:
                 for name, marker in self.proxy.markers.items():
                     if marker in seen:
                         self.tags.add(name)
+                cut = self.proxy._take_cut(seen, len(tail))
+                if cut is not None:
+                    cut.fired.set()
+                    break  # not forwarded: the connection closes instead
                 if self._trap is None:
                     self._trap = self.proxy._take_trap(seen)
                 tail = seen[-256:]
@@ -183,6 +191,7 @@ class Proxy:
         self.markers = dict(markers or {"claim": CLAIM_MARKER})
         self.links: list[Link] = []
         self._traps: list[Trap] = []
+        self._cuts: list[Trap] = []
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -241,6 +250,26 @@ class Proxy:
         with self._lock:
             self._traps.append(trap)
         return trap
+
+    def cut_before(self, marker: bytes) -> Trap:
+        """Close the connection that sends the next statement holding ``marker``, without
+        forwarding it."""
+        trap = Trap(marker, with_rows=False)
+        with self._lock:
+            self._cuts.append(trap)
+        return trap
+
+    def _take_cut(self, sent: bytes, old: int) -> Trap | None:
+        """The cut armed for a marker that ends in ``sent``'s new bytes (past the first
+        ``old``, which were forwarded already)."""
+        if not self._cuts:
+            return None
+        with self._lock:
+            for trap in self._cuts:
+                if trap.marker in sent[max(0, old - len(trap.marker) + 1):]:
+                    self._cuts.remove(trap)
+                    return trap
+        return None
 
     def _take_trap(self, sent: bytes) -> Trap | None:
         with self._lock:

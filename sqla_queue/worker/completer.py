@@ -98,7 +98,12 @@ class Completer:
             self._lost(lost, "lease lost while running")
         done = by_kind.pop(Kind.DONE, None)
         for kind, group in by_kind.items():
-            self._record_kind(connect, kind, group)
+            sure = [o for o in group if not o.unsure]
+            unsure = [o for o in group if o.unsure]
+            if sure:
+                self._record_kind(connect, kind, sure)
+            if unsure:  # a transactional commit whose answer was lost: the row says
+                self._record_kind(connect, kind, unsure, maybe_landed=True)
         if done is None:
             return None
         if then is None:
@@ -254,6 +259,7 @@ class Completer:
         give_up = time.monotonic() + self.config.lease
         failures = 0
         while True:
+            conn: DbConnection | None = None
             try:
                 conn = connect()
                 began = time.monotonic()
@@ -262,6 +268,10 @@ class Completer:
             except Exception as exc:
                 if not self.driver.is_connection_error(exc) or time.monotonic() >= give_up:
                     raise
+                if conn is not None:
+                    # A connection that still looks sound (one to a read-only standby)
+                    # is no place to try again: the next try connects anew.
+                    conn.close()
                 failures += 1
                 delay = min(0.05 * 2**failures, self.config.reconnect_backoff)
                 log.warning("recording outcomes: %s; retrying in %.2fs", type(exc).__name__, delay)
@@ -310,6 +320,13 @@ class Completer:
         self.ledger.remove(o.held for o in recorded)
         if missed:
             self._lost(missed, "re-claimed or swept before its outcome was recorded", settled=True)
+        committed = [o for o in recorded if o.unsure and _status_of(moved[o.held.token]) == "done"]
+        if committed:  # the transactional commit had landed after all (see Outcome.unsure)
+            self.stats.add("done", len(committed))
+            for o in committed:
+                log.info("job %s attempt %d: its commit had landed; done", o.held.token.job_id, o.held.token.attempt)
+            landed = {id(o) for o in committed}
+            recorded = [o for o in recorded if id(o) not in landed]
         if kind is Kind.DONE:
             self.stats.add("done", len(recorded))
         elif kind is Kind.FAIL:
@@ -349,6 +366,8 @@ def _landed_as(kind: Kind, outcome: Outcome, state: tuple[Any, ...], owner: str,
     _, attempts, status, lease_owner, isolated, last_error = state
     attempt = outcome.held.token.attempt
     ours = lease_owner == owner and attempts == attempt  # a dead letter keeps its owner
+    if outcome.unsure and status == "done" and ours:
+        return "done"  # the handler's transaction committed the completion itself
     if kind is Kind.DONE:
         return "done" if status == "done" and ours else None
     if kind is Kind.FAIL:
@@ -364,6 +383,12 @@ def _landed_as(kind: Kind, outcome: Outcome, state: tuple[Any, ...], owner: str,
         left = attempt - 1 if refund else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
+
+
+def _status_of(row: tuple[Any, ...]) -> Any:
+    """The status a recorded row carries (the statements that return one, and rows read
+    back by :meth:`Completer._landed`); None for those that do not."""
+    return row[2] if len(row) > 2 else None
 
 
 def _first(text: str) -> str:

@@ -236,7 +236,18 @@ class Executor:
         handler's transaction takes, its final writes and the job's completion commit
         together, or neither does.
         """
-        conn = lane.connect()
+        try:
+            conn = lane.connect()
+        except Exception as exc:
+            if not self.driver.is_connection_error(exc):
+                raise
+            # The handler never ran: the job goes back at once, its attempt refunded (the
+            # release is made on a new connection, once one can be had). Not its failure,
+            # and not a loss under its handler.
+            log.warning("job %s: no connection to run its transactional handler on (%s); handed back",
+                        held.token.job_id, _first_line(exc))
+            return Outcome(held, Kind.RELEASE, storable(f"no connection: {_first_line(exc)}",
+                                                        self.config.max_error_length))
         conn.set_autocommit(False)
         sa: Connection = conn.sa
         trans = sa.begin()
@@ -267,10 +278,17 @@ class Executor:
                     trans.commit()
             except Exception as exc:  # noqa: BLE001
                 if self.driver.is_connection_error(exc):
-                    # The commit may or may not have landed: claim neither; the row says.
-                    log.warning("job %s: connection lost while committing; outcome unknown",
-                                held.token.job_id)
-                    return Outcome(held, Kind.LOST)
+                    # The commit may or may not have landed (a failover, a cut link). The
+                    # row says, once the transaction is over: the completer hands the job
+                    # back (or retries it) fenced by owner and attempt, which waits for the
+                    # old transaction's lock on the row if it still runs, and matches
+                    # nothing if it committed; then the row reads done. No waiting for the
+                    # lease to run out, and no second run of a committed job.
+                    log.warning("job %s: connection lost while committing; the job's row will tell "
+                                "whether it committed", held.token.job_id)
+                    outcome = self.failure(held, exc, conn)
+                    outcome.unsure = True
+                    return outcome
                 return self.failure(held, exc)
             return Outcome(held, Kind.COMMITTED)
         finally:

@@ -33,6 +33,11 @@ class Outcome:
     kind: Kind
     error: str = ""
     delay: float = 0.0
+    #: The handler's transaction, with the job's completion in it, may have committed: the
+    #: connection was lost at the commit, before its answer came. The completer records
+    #: ``kind`` fenced as usual, and reads the row when that matches nothing: ``done`` by
+    #: this owner and attempt means the commit had landed.
+    unsure: bool = False
 
 
 def storable(text: str, limit: int) -> str:
