@@ -19,7 +19,8 @@ of the INSERT, so the server default applies.
 
 A column added to ``JobMixin`` gets its field here in one line,
 ``name: T = mixin_field("name")`` (the tests fail until it has one); an optional mixin's
-columns get a field base of their own the same way, ``mixin_field("name", ThatMixin)``.
+columns get a field base of their own the same way, ``mixin_field("name", ThatMixin)``,
+as :class:`IdempotencyKeyModel` for :class:`~sqla_queue.IdempotencyKeyMixin`.
 
 Sessions: :class:`QueueSession` and :class:`AsyncQueueSession` are SQLModel's sessions
 (with ``exec()``) that also have ``enqueue()`` and ``enqueue_many()``.
@@ -30,6 +31,7 @@ importing :mod:`sqla_queue` does not.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, Final, overload
@@ -48,9 +50,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from . import session as _session
-from .model import JobMixin, TaskMixin, _empty_payload, _on_instrument
+from .model import IdempotencyKeyMixin, JobMixin, TaskMixin, _on_instrument
 
-__all__ = ["AsyncQueueSession", "JobModel", "QueueSession", "TaskModel", "mixin_field"]
+__all__ = ["AsyncQueueSession", "IdempotencyKeyModel", "JobModel", "QueueSession", "TaskModel", "mixin_field"]
 
 
 class _FreshItems(Sequence[Any]):
@@ -101,8 +103,8 @@ def mixin_field(name: str, mixin: type[Any] = JobMixin, **field_options: Any) ->
     default, server default and identity are the mixin's. A column without a Python
     default defaults to None on the Pydantic side when the database fills it in (or it
     is nullable); a NOT NULL column that nothing fills in is a required field.
-    ``field_options`` go to ``Field`` (a ``default_factory``, a ``description``...); a
-    callable Python default needs its ``default_factory`` given here.
+    A callable default taking no argument becomes the field's ``default_factory``.
+    ``field_options`` go to ``Field`` (a ``description``...).
     """
     table = _REFERENCES.get(mixin)
     if table is None:
@@ -134,7 +136,12 @@ def mixin_field(name: str, mixin: type[Any] = JobMixin, **field_options: Any) ->
         elif default.is_scalar:
             options["default"] = getattr(default, "arg", None)
         else:
-            raise TypeError(f"{mixin.__name__}.{name}: pass default_factory= for its callable default")
+            # SQLAlchemy wraps a callable taking no argument, keeping it as __wrapped__;
+            # one taking the execution context has no Pydantic equivalent.
+            factory = getattr(getattr(default, "arg", None), "__wrapped__", None)
+            if factory is None:
+                raise TypeError(f"{mixin.__name__}.{name}: pass default_factory= for its callable default")
+            options["default_factory"] = factory
     return Field(**options, **field_options)
 
 
@@ -176,7 +183,23 @@ class TaskModel(JobModel):
     (JSONB on PostgreSQL), as :class:`~sqla_queue.TaskMixin`."""
 
     task: str = mixin_field("task", TaskMixin)
-    payload: dict[str, Any] = mixin_field("payload", TaskMixin, default_factory=_empty_payload)
+    payload: dict[str, Any] = mixin_field("payload", TaskMixin)
+
+
+class IdempotencyKeyModel(SQLModel):
+    """The ``idempotency_key`` of :class:`~sqla_queue.IdempotencyKeyMixin` for SQLModel:
+    a random UUID per job, for the external systems a handler calls. Opt-in, beside
+    :class:`JobModel` or :class:`TaskModel`::
+
+        class EmailJob(JobModel, IdempotencyKeyModel, table=True):
+            __tablename__ = "email_jobs"
+
+    A new instance holds its key from construction (the field's ``default_factory``);
+    ``enqueue_many`` and ``enqueue_values`` give each row one too, and the server
+    (``gen_random_uuid()``) a row another program inserts.
+    """
+
+    idempotency_key: uuid.UUID = mixin_field("idempotency_key", IdempotencyKeyMixin)
 
 
 # The CHECK and partial indexes, from the listener JobMixin's tables get them from.

@@ -10,7 +10,7 @@ from sqlalchemy.orm import sessionmaker
 from sqlmodel import Field, SQLModel
 
 from sqla_queue import Worker
-from sqla_queue.sqlmodel import JobModel, QueueSession, TaskModel
+from sqla_queue.sqlmodel import IdempotencyKeyModel, JobModel, QueueSession, TaskModel
 
 
 class Shipment(SQLModel, table=True):
@@ -47,6 +47,14 @@ class SqlTask(TaskModel, table=True):
     __tablename__ = "sqlmodel_tasks"
 
 
+class KeyedJob(JobModel, IdempotencyKeyModel, table=True):
+    """A queue table with the opt-in idempotency key."""
+
+    __tablename__ = "sqlmodel_keyed_jobs"
+
+    note: str = Field(default="", max_length=50)
+
+
 class Handled(SQLModel, table=True):
     """Written by transactional handlers, in the job's transaction."""
 
@@ -57,7 +65,7 @@ class Handled(SQLModel, table=True):
     note: str = Field(max_length=200)
 
 
-TABLES = [SQLModel.metadata.tables[m.__tablename__] for m in (Shipment, ShipJob, BareJob, SqlTask, Handled)]
+TABLES = [SQLModel.metadata.tables[m.__tablename__] for m in (Shipment, ShipJob, BareJob, SqlTask, KeyedJob, Handled)]
 
 
 def make_worker() -> Worker:

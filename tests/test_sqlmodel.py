@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any, get_type_hints
@@ -39,6 +40,7 @@ from sqla_queue import (
     AsyncWorker,
     BulkRowError,
     EnqueueError,
+    IdempotencyKeyMixin,
     JobMixin,
     TaskMixin,
     Tasks,
@@ -49,10 +51,17 @@ from sqla_queue import (
     queue_table,
 )
 from sqla_queue.cli import main as cli_main
-from sqla_queue.sqlmodel import AsyncQueueSession, JobModel, QueueSession, TaskModel, mixin_field
+from sqla_queue.sqlmodel import (
+    AsyncQueueSession,
+    IdempotencyKeyModel,
+    JobModel,
+    QueueSession,
+    TaskModel,
+    mixin_field,
+)
 
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, wait_for
-from .sqlmodel_models import TABLES, BareJob, Handled, ShipJob, Shipment, SqlTask
+from .sqlmodel_models import TABLES, BareJob, Handled, KeyedJob, ShipJob, Shipment, SqlTask
 from .workers import FAST
 
 SHIP_CHANNEL = queue_table(ShipJob).channel
@@ -102,7 +111,13 @@ class TwinHandled(Twin):
     note: Mapped[str] = mapped_column(AutoString(200))
 
 
-TWINS = [(ShipJob, TwinShipJob), (BareJob, TwinBareJob), (SqlTask, TwinTask)]
+class TwinKeyedJob(Twin, JobMixin, IdempotencyKeyMixin):
+    __tablename__ = "sqlmodel_keyed_jobs"
+
+    note: Mapped[str] = mapped_column(AutoString(50), default="")
+
+
+TWINS = [(ShipJob, TwinShipJob), (BareJob, TwinBareJob), (SqlTask, TwinTask), (KeyedJob, TwinKeyedJob)]
 
 
 def python_default(column: Column[Any]) -> Any:
@@ -112,7 +127,7 @@ def python_default(column: Column[Any]) -> Any:
         return None
     if default.is_scalar:
         return ("scalar", getattr(default, "arg", None))
-    return ("callable", getattr(default, "arg", None) and default.arg(None))  # type: ignore[attr-defined]
+    return ("callable", getattr(getattr(default, "arg", None), "__wrapped__", None))  # the function SQLAlchemy wraps
 
 
 def described(table: Table) -> dict[str, Any]:
@@ -153,6 +168,16 @@ def test_schema_is_the_mixins(model: Any, twin: Any) -> None:
     if payload_default is not None:  # one dict per row, never shared between rows
         assert payload_default.arg(None) == {}  # type: ignore[attr-defined]
         assert payload_default.arg(None) is not payload_default.arg(None)  # type: ignore[attr-defined]
+
+
+def test_the_idempotency_key_field_is_the_mixins() -> None:
+    (name,) = IdempotencyKeyModel.model_fields
+    field = IdempotencyKeyModel.model_fields[name]
+    assert name == "idempotency_key" and field.annotation is uuid.UUID
+    assert field.default_factory is uuid.uuid4
+    assert "idempotency_key" not in JobModel.model_fields  # opt-in, as the mixin
+    first, second = KeyedJob().idempotency_key, KeyedJob().idempotency_key
+    assert first.version == 4 and first != second
 
 
 def test_user_table_args_are_kept_beside_the_queues() -> None:
@@ -564,3 +589,28 @@ def test_cli_stats_and_worker_on_a_sqlmodel_model(sm_engine: Engine, server: Ser
     assert [(j.carrier, j.status) for j in jobs(sm_engine)] == [("a", "pending"), ("b", "done")]
     assert [note for _, note in handled(sm_engine)] == ["cli b"]
 
+
+
+def test_every_path_gives_a_keyed_sqlmodel_job_a_key_of_its_own(sm_engine: Engine, server: Server) -> None:
+    with QueueSession(sm_engine) as session:
+        job = session.enqueue(KeyedJob(note="enqueue"))
+        held = job.idempotency_key  # from construction, before the flush
+        given = uuid.uuid4()
+        session.enqueue(KeyedJob(note="given", idempotency_key=given))
+        for method in ("copy", "insert"):
+            session.enqueue_many(KeyedJob, [KeyedJob(note=method), {"note": method}], method=method)
+        enqueue_values(session, KeyedJob, {"note": "values"})
+        session.commit()
+    seen: dict[str, uuid.UUID] = {}
+
+    def record(job: KeyedJob) -> None:
+        seen[f"{job.note}:{job.id}"] = job.idempotency_key
+
+    worker = Worker(sm_engine, KeyedJob, record, backoff=FAST, poll_interval=0.2)
+    worker.run(install_signal_handlers=False, until_idle=True)
+    with Session(sm_engine) as plain:
+        stored = {f"{j.note}:{j.id}": j.idempotency_key for j in plain.exec(select(KeyedJob))}
+    assert seen == stored and len(stored) == 7
+    keys = list(stored.values())
+    assert len(set(keys)) == 7 and all(k.version == 4 for k in keys if k != given)
+    assert stored["enqueue:1"] == held and stored["given:2"] == given
