@@ -153,6 +153,13 @@ def test_worker_refuses_a_registry_for_a_typed_table(engine: Engine, make_worker
         make_worker(engine, Task, Tasks(), lease=1, heartbeat_interval=2)
 
 
+@pytest.mark.parametrize("queues", [("sqla_queue.swept:a",), ("a", "sqla_queue.x")], ids=["one", "several"])
+def test_worker_refuses_a_queue_name_sqla_queue_reserves(engine: Engine, make_worker: Any, queues: Any) -> None:
+    """The workers' own NOTIFY messages start with ``sqla_queue.``: no queue may."""
+    with pytest.raises(ValueError, match="which sqla_queue reserves"):
+        make_worker(engine, EmailJob, lambda job: None, queues=queues)
+
+
 # -- job_context ---------------------------------------------------------------------------
 
 
