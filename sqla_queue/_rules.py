@@ -39,6 +39,7 @@ __all__ = [
     "check_json",
     "check_max_attempts",
     "check_priority",
+    "RESERVED_QUEUE_PREFIX",
     "check_queue",
     "check_row_size",
     "check_run_at",
@@ -82,9 +83,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Queue names starting with this are the library's own: the workers' NOTIFY messages
+#: other than a queue's wake-up (a sweep's, ``sqla_queue.swept:<queue>``) start with it.
+RESERVED_QUEUE_PREFIX = "sqla_queue."
+
+
 def check_queue(value: Any, name: str = "queue") -> None:
     if not isinstance(value, str) or not value:
         raise EnqueueError(f"{name} must be a non-empty string, got {value!r}")
+    if value.startswith(RESERVED_QUEUE_PREFIX):
+        raise EnqueueError(f"{name} {value!r} starts with {RESERVED_QUEUE_PREFIX!r}, which sqla_queue reserves")
 
 
 def check_priority(value: Any, name: str = "priority") -> None:

@@ -428,6 +428,7 @@ def test_bad_row_in_the_first_batch_writes_nothing(
         (EmailJob, {"priority": "high"}, "priority must be a 32-bit integer"),
         (EmailJob, {"priority": 2**40}, "priority must be a 32-bit integer"),
         (EmailJob, {"queue": ""}, "queue must be a non-empty string"),
+        (EmailJob, {"queue": "sqla_queue.swept:mail"}, "which sqla_queue reserves"),
         (EmailJob, {"max_attempts": 0}, "max_attempts must be an integer >= 1"),
         (EmailJob, {"run_after": datetime(2030, 1, 1)}, "run_after must be a timezone-aware"),
         (EmailJob, {"run_after": func.now()}, "SQL expression"),
