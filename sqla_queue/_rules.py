@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any, Final
 
-from sqlalchemy import JSON, Column, String, Table
+from sqlalchemy import JSON, Column, String, Table, TypeDecorator
 from sqlalchemy.orm import Mapper
 
 from .cache import plans
@@ -39,6 +39,7 @@ __all__ = [
     "check_json",
     "check_max_attempts",
     "check_priority",
+    "RESERVED_QUEUE_PREFIX",
     "check_queue",
     "check_row_size",
     "check_run_at",
@@ -82,9 +83,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Queue names starting with this are the library's own: the workers' NOTIFY messages
+#: other than a queue's wake-up (a sweep's, ``sqla_queue.swept:<queue>``) start with it.
+RESERVED_QUEUE_PREFIX = "sqla_queue."
+
+
 def check_queue(value: Any, name: str = "queue") -> None:
     if not isinstance(value, str) or not value:
         raise EnqueueError(f"{name} must be a non-empty string, got {value!r}")
+    if value.startswith(RESERVED_QUEUE_PREFIX):
+        raise EnqueueError(f"{name} {value!r} starts with {RESERVED_QUEUE_PREFIX!r}, which sqla_queue reserves")
 
 
 def check_priority(value: Any, name: str = "priority") -> None:
@@ -526,6 +534,22 @@ _QUEUE_CHECKS: Final[dict[str, Check]] = {
 }
 
 
+def stored_text_type(type_: Any) -> String | None:
+    """The ``String`` that stores a column's values as given: the type itself, or the
+    impl of a ``TypeDecorator`` that binds values unchanged (SQLModel's ``AutoString``,
+    every ``str`` field of a SQLModel model); None for other types, whose bound value
+    may not be the text the caller passed."""
+    while isinstance(type_, TypeDecorator):
+        cls = type(type_)
+        if (
+            cls.process_bind_param is not TypeDecorator.process_bind_param
+            or cls.bind_expression is not TypeDecorator.bind_expression
+        ):
+            return None
+        type_ = type_.impl_instance
+    return type_ if isinstance(type_, String) else None
+
+
 class TableRules:
     """The checks of one queue table's columns, resolved once per table."""
 
@@ -543,8 +567,9 @@ class TableRules:
             first = _QUEUE_CHECKS.get(column.key)
             if column.key == "task" and is_task_table:
                 first = check_task_name
-            if isinstance(column.type, String):
-                self.checks[column.key] = _text_check(column.type.length, first)
+            text_type = stored_text_type(column.type)
+            if text_type is not None:
+                self.checks[column.key] = _text_check(text_type.length, first)
             elif first is not None:
                 self.checks[column.key] = first
 

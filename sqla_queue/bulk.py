@@ -131,7 +131,9 @@ def enqueue_many(
     instances of the queue model. Instances are read, **not** added to the session:
     the rows bypass the identity map, so the objects stay transient, their ``id`` is
     never set, relationships on them are refused (set the foreign key column) and mapper
-    events such as ``before_insert`` do not run.
+    events such as ``before_insert`` do not run. As in the ORM's INSERT, an instance's
+    attribute set to None is left to the column's default (a JSON column stores it); of
+    a SQLModel instance, only the fields the caller set are read.
 
     Options (``queue``, ``priority``, ``delay`` in seconds or a timedelta measured by the
     database clock at the call, ``run_at``, ``max_attempts``) apply to every row **that does not set

@@ -163,6 +163,8 @@ class TablePlan:
             and key not in self.generated
         )
         self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
+        #: Columns whose type writes a None as a value (JSON's 'null'), not as "unset".
+        self.evaluates_none = frozenset(key for key, c in self.columns.items() if c.type.should_evaluate_none)
         self._instances: dict[Mapper[Any], tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {}
         self._dialects: dict[Dialect, DialectPlan] = {}
 
@@ -571,7 +573,19 @@ class RowWriter:
                     f"relationship {rel!r} is set; enqueue_many does not follow "
                     "relationships, set the foreign key column instead"
                 )
-        return {column_key: data[attr] for attr, column_key in attrs if attr in data}
+        # A Pydantic model (SQLModel) holds a value for every field, its default where
+        # the caller set none: only the fields set count, so options apply to the rest.
+        explicit = getattr(obj, "__pydantic_fields_set__", None)
+        # An attribute set to None is left out, as the ORM's INSERT leaves it out (unless
+        # the type stores None, as JSON does): the column's default then applies.
+        evaluates_none = self.plan.evaluates_none
+        return {
+            column_key: data[attr]
+            for attr, column_key in attrs
+            if attr in data
+            and (explicit is None or attr in explicit)
+            and (data[attr] is not None or column_key in evaluates_none)
+        }
 
 
 # -- enqueue_values(): one INSERT ---------------------------------------------------------

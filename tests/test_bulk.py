@@ -250,6 +250,22 @@ def test_rows_match_what_enqueue_writes(
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_instance_attributes_set_to_none_get_the_defaults_as_in_enqueue(
+    Sessions: sessionmaker[QueueSession], method: Any
+) -> None:
+    """The ORM's INSERT leaves a None attribute out, so the column's default applies."""
+    with Sessions() as session:
+        session.enqueue(EmailJob(queue=None, priority=None, max_attempts=None, run_after=None))
+        session.flush()
+        unset = EmailJob(queue=None, priority=None, max_attempts=None, run_after=None)
+        session.enqueue_many(EmailJob, [unset], method=method)
+        by_enqueue, by_bulk = [{k: v for k, v in row.items() if k != "id"} for row in _rows_by_id(session, EmailJob)]
+        assert by_bulk == by_enqueue
+        assert (by_bulk["queue"], by_bulk["priority"], by_bulk["max_attempts"]) == ("default", 0, 20)
+        session.rollback()
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_delay_is_measured_by_the_database_clock_at_the_call(
     Sessions: sessionmaker[QueueSession], method: Any
 ) -> None:
@@ -412,6 +428,7 @@ def test_bad_row_in_the_first_batch_writes_nothing(
         (EmailJob, {"priority": "high"}, "priority must be a 32-bit integer"),
         (EmailJob, {"priority": 2**40}, "priority must be a 32-bit integer"),
         (EmailJob, {"queue": ""}, "queue must be a non-empty string"),
+        (EmailJob, {"queue": "sqla_queue.swept:mail"}, "which sqla_queue reserves"),
         (EmailJob, {"max_attempts": 0}, "max_attempts must be an integer >= 1"),
         (EmailJob, {"run_after": datetime(2030, 1, 1)}, "run_after must be a timezone-aware"),
         (EmailJob, {"run_after": func.now()}, "SQL expression"),

@@ -144,6 +144,7 @@ MODEL = "tests.models:EmailJob"
         (["worker", WORKER, "--batch-size", "-3"], {}, "argument --batch-size"),
         (["worker", WORKER, "--lease", "0s"], {}, "argument --lease: must be longer than 0"),
         (["worker", WORKER, "--queue", ""], {}, "argument --queue: a queue name must be a non-empty string"),
+        (["worker", WORKER, "--queue", "a", "--queue", "sqla_queue.swept:a"], {}, "which sqla_queue reserves"),
         (["sweep", MODEL, "--url", "{url}", "--limit", "0"], {}, "argument --limit: must be at least 1"),
         (["prune", MODEL, "--url", "{url}", "--older-than", "99999999999d"], {}, "duration too long"),
         (["prune", MODEL, "--url", "{url}", "--older-than", "-1d"], {}, "argument --older-than"),

@@ -235,3 +235,12 @@ def test_the_cli_reference_is_rendered_from_the_parser() -> None:
         for action in sub._actions:
             for flag in action.option_strings:
                 assert flag in rendered, (name, flag)
+
+
+def test_every_public_name_is_on_the_api_page() -> None:
+    import sqla_queue
+
+    page = (DOCS / "reference" / "api.md").read_text()
+    missing = [name for name in sqla_queue.__all__ if not name.startswith("_")
+               and f"::: sqla_queue.{name}\n" not in page]
+    assert not missing, missing

@@ -162,6 +162,7 @@ def test_options_set_queue_priority_attempts_and_delay(
         ({"priority": "high"}, "32-bit"),
         ({"max_attempts": 0}, ">= 1"),
         ({"queue": ""}, "non-empty"),
+        ({"queue": "sqla_queue.swept:mail"}, "which sqla_queue reserves"),
     ],
 )
 def test_bad_options_fail_before_anything_is_added(

@@ -59,3 +59,12 @@ def test_alembic_project_example(server: Server) -> None:
     assert "check welcome_emails_status_check" in out
     assert "-- downgraded" in out
 
+
+def test_fastapi_sqlmodel_example(server: Server) -> None:
+    out = run_example("fastapi_sqlmodel.py", server)
+    assert "order by cy@example.com   x3: HTTP 409" in out  # out of stock: nothing kept
+    assert "reminders: {'enqueued': 2}" in out
+    assert "order 1: confirmed=True job=done" in out
+    assert "order 2: confirmed=True job=done" in out
+    expected = "{(1, 'confirmation'): 1, (1, 'reminder'): 1, (2, 'confirmation'): 1, (2, 'reminder'): 1}"
+    assert f"per order: {expected}" in out  # each job's effect exactly once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -9,9 +10,10 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
-from sqla_queue import Tasks
+from sqla_queue import AsyncWorker, Tasks, Worker
 from sqla_queue import sql as q
 from sqla_queue.runtime import Event
 
@@ -151,6 +153,65 @@ def test_worker_refuses_a_registry_for_a_typed_table(engine: Engine, make_worker
         make_worker(engine, EmailJob, Tasks())
     with pytest.raises(ValueError, match="heartbeat_interval"):
         make_worker(engine, Task, Tasks(), lease=1, heartbeat_interval=2)
+
+
+@pytest.mark.parametrize("queues", [("sqla_queue.swept:a",), ("a", "sqla_queue.x")], ids=["one", "several"])
+def test_worker_refuses_a_queue_name_sqla_queue_reserves(engine: Engine, make_worker: Any, queues: Any) -> None:
+    """The workers' own NOTIFY messages start with ``sqla_queue.``: no queue may."""
+    with pytest.raises(ValueError, match="which sqla_queue reserves"):
+        make_worker(engine, EmailJob, lambda job: None, queues=queues)
+
+
+# -- the public lifecycle ------------------------------------------------------------------
+
+
+def _driven(worker: Any) -> Worker:
+    """The thread Worker behind a test's worker: itself, or the one an AsyncWorker drives."""
+    while not isinstance(worker, Worker):
+        worker = worker.worker
+    return worker
+
+
+def test_the_first_signal_waits_for_running_jobs_the_second_hands_them_back(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    """``on_signal`` (what SIGTERM does) and ``abort``, called by code that installs its own
+    signal handlers: after the second, ``stop`` returns with the running job handed back,
+    its handler still blocked, instead of waiting the 60 s grace for it."""
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+    tasks = Tasks()
+
+    @tasks.task
+    def hold(job: Task) -> None:
+        entered.set()
+        release.wait(30)
+        returned.set()
+
+    worker = start_worker(tasks, shutdown_grace=60)
+    inner = _driven(worker)
+    try:
+        (job_id,) = add(Sessions, "hold")
+        wait_for(entered.is_set, what="the handler to start")
+        inner.on_signal(signal.SIGTERM)
+        inner.wait()  # returns: a stop was asked for
+        inner.on_signal(signal.SIGTERM)  # the second signal: abort
+        worker.stop()
+        assert not returned.is_set()
+        assert job(engine, job_id).status == "pending"
+    finally:
+        release.set()
+
+
+def test_the_async_worker_reads_through_to_the_worker_it_drives(server: Any) -> None:
+    async_engine = create_async_engine(server.url)
+    worker = AsyncWorker(async_engine, Task, Tasks(), concurrency=3)
+    inner = worker.worker
+    assert isinstance(inner, Worker) and inner.config.concurrency == 3
+    for name in ("engine", "model", "handler", "config", "session_factory", "owner", "stats", "ledger", "signal",
+                 "executors", "heartbeat", "sweeper", "listener"):
+        assert getattr(worker, name) is getattr(inner, name), name
+    assert worker.stopped is inner.stopped is False
+    assert worker.engine is async_engine  # the engine it was given, not a sync one
 
 
 # -- job_context ---------------------------------------------------------------------------
@@ -423,7 +484,9 @@ def test_stop_lets_running_jobs_finish_within_the_grace(
 ) -> None:
     (job_id,) = add(Sessions, "record", sleep=0.5)
     worker = start_worker()
-    wait_for(status_is(engine, job_id, "running"))
+    # Started, not only claimed: stop() hands a claimed job whose handler has not started
+    # back at once, attempt refunded (another test checks that).
+    wait_for(lambda: any(h.started for h in worker.ledger.held()), what="the handler to start")
     worker.stop(grace=10)
     assert job(engine, job_id).status == "done" and len(effects(engine)) == 1
     assert worker.stats.released == 0

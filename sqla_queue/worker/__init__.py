@@ -227,13 +227,16 @@ class Worker:
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
             self.start()
-            self._wait_for_stop(until_idle)
+            self.wait(until_idle=until_idle)
             self.stop()
         finally:
             for sig, old_handler in previous.items():
                 signal.signal(sig, old_handler)
 
-    def _wait_for_stop(self, until_idle: bool) -> None:
+    def wait(self, *, until_idle: bool = False) -> None:
+        """Block until a stop is asked for (:meth:`request_stop`, :meth:`on_signal`) or,
+        with ``until_idle``, until the worker is idle (see :meth:`idle`) for a moment.
+        :meth:`run` is :meth:`start`, this, then :meth:`stop`."""
         quiet_since: float | None = None
         while not self._stopping.is_set():
             if until_idle:
@@ -249,14 +252,25 @@ class Worker:
         """No job held, every executor waiting for work, none due within the poll."""
         return not len(self.ledger) and self.signal.quiet(self.config.concurrency, self.config.poll_interval)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def on_signal(self, signum: int) -> None:
+        """What SIGTERM/SIGINT do to a running worker: the first asks for a graceful stop,
+        a second for an :meth:`abort`. For code that installs its own handlers."""
         if self._stopping.is_set():
             log.warning("worker %s: second signal, stopping now", self.owner)
-            self._hard_stop.set()
+            self.abort()
         else:
             log.info("worker %s: %s received, finishing running jobs (grace %.1fs)",
                      self.owner, signal.Signals(signum).name, self.config.shutdown_grace)
         self._stopping.set()
+
+    def abort(self) -> None:
+        """Stop without waiting for running jobs: :meth:`stop` hands everything back at
+        once (thread-safe, returns at once)."""
+        self._hard_stop.set()
+        self._stopping.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.on_signal(signum)
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to stop gracefully (thread-safe, returns at once)."""

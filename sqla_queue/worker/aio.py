@@ -17,8 +17,9 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
+from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
@@ -56,6 +57,29 @@ class _Runtime(Worker):
 
     def _check_job_context(self, job_context: Callable[[], Any]) -> None:
         """Plain and async context managers both: an async one is awaited."""
+
+
+T = TypeVar("T")
+
+
+class _Delegated(Generic[T]):
+    """An attribute of the driven :class:`Worker`, read through: the AsyncWorker adds no
+    state of its own to what the thread Worker offers."""
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type[Any] | None = None) -> _Delegated[T]: ...
+
+    @overload
+    def __get__(self, obj: AsyncWorker, objtype: type[Any] | None = None) -> T: ...
+
+    def __get__(self, obj: AsyncWorker | None, objtype: type[Any] | None = None) -> T | _Delegated[T]:
+        if obj is None:
+            return self
+        value: T = getattr(obj._runtime, self.name)
+        return value
 
 
 class AsyncWorker:
@@ -98,61 +122,25 @@ class AsyncWorker:
 
     # -- what the thread Worker offers too ---------------------------------------------
 
-    @property
-    def engine(self) -> AsyncEngine:
-        return self._runtime.engine  # type: ignore[return-value]
+    engine: _Delegated[AsyncEngine] = _Delegated()
+    model: _Delegated[Any] = _Delegated()
+    handler: _Delegated[Handler | Tasks] = _Delegated()
+    config: _Delegated[WorkerConfig] = _Delegated()
+    session_factory: _Delegated[Callable[[], Any]] = _Delegated()
+    owner: _Delegated[str] = _Delegated()
+    stats: _Delegated[WorkerStats] = _Delegated()
+    ledger: _Delegated[Ledger] = _Delegated()
+    signal: _Delegated[WorkSignal] = _Delegated()
+    executors: _Delegated[ExecutorPool] = _Delegated()
+    heartbeat: _Delegated[Heartbeat] = _Delegated()
+    sweeper: _Delegated[Sweeper | None] = _Delegated()
+    listener: _Delegated[Listener | None] = _Delegated()
+    stopped: _Delegated[bool] = _Delegated()
 
     @property
-    def model(self) -> Any:
-        return self._runtime.model
-
-    @property
-    def handler(self) -> Handler | Tasks:
-        return self._runtime.handler
-
-    @property
-    def config(self) -> WorkerConfig:
-        return self._runtime.config
-
-    @property
-    def session_factory(self) -> Callable[[], Any]:
-        return self._runtime.session_factory
-
-    @property
-    def owner(self) -> str:
-        return self._runtime.owner
-
-    @property
-    def stats(self) -> WorkerStats:
-        return self._runtime.stats
-
-    @property
-    def ledger(self) -> Ledger:
-        return self._runtime.ledger
-
-    @property
-    def signal(self) -> WorkSignal:
-        return self._runtime.signal
-
-    @property
-    def executors(self) -> ExecutorPool:
-        return self._runtime.executors
-
-    @property
-    def heartbeat(self) -> Heartbeat:
-        return self._runtime.heartbeat
-
-    @property
-    def sweeper(self) -> Sweeper | None:
-        return self._runtime.sweeper
-
-    @property
-    def listener(self) -> Listener | None:
-        return self._runtime.listener
-
-    @property
-    def stopped(self) -> bool:
-        return self._runtime.stopped
+    def worker(self) -> Worker:
+        """The thread :class:`~sqla_queue.Worker` whose services this one runs as tasks."""
+        return self._runtime
 
     def services(self) -> list[Service]:
         return self._runtime.services()
@@ -168,6 +156,11 @@ class AsyncWorker:
     def request_stop(self) -> None:
         """Ask :meth:`run` to stop gracefully (from any thread; returns at once)."""
         self._runtime.request_stop()
+
+    def abort(self) -> None:
+        """Stop without waiting for running jobs: :meth:`stop` hands everything back at
+        once and cancels their tasks (from any thread; returns at once)."""
+        self._runtime.abort()
 
     @staticmethod
     def check_options(**options: Any) -> None:
@@ -214,14 +207,14 @@ class AsyncWorker:
         installed: list[signal.Signals] = []
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._runtime._on_signal, sig, None)
+                loop.add_signal_handler(sig, self._runtime.on_signal, sig)
                 installed.append(sig)
         try:
             await self.start()
             try:
-                await run_in_greenlet(self._runtime._wait_for_stop, until_idle)
+                await run_in_greenlet(partial(self._runtime.wait, until_idle=until_idle))
             except asyncio.CancelledError:
-                self._runtime._hard_stop.set()
+                self._runtime.abort()
                 await self.stop(grace=0)
                 raise
             await self.stop()

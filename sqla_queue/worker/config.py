@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .._rules import RESERVED_QUEUE_PREFIX
 from ..sql import Backoff
 
 __all__ = ["WorkerConfig", "check_options"]
@@ -71,6 +72,10 @@ class WorkerConfig:
             for queue in self.queues:
                 if not isinstance(queue, str) or not queue or "\x00" in queue:
                     raise ValueError(f"queue names must be non-empty strings, got {queue!r}")
+                if queue.startswith(RESERVED_QUEUE_PREFIX):
+                    raise ValueError(
+                        f"queue {queue!r} starts with {RESERVED_QUEUE_PREFIX!r}, which sqla_queue reserves"
+                    )
         if self.name is not None and len(self.name) > MAX_NAME_LENGTH:
             # The lease owner is the name, a random suffix and the executor's tag, in a
             # 200-character column.
