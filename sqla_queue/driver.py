@@ -2,8 +2,8 @@
 
 The services of :mod:`sqla_queue.worker` talk to a :class:`Driver`: it makes dedicated
 connections (kept out of the engine's pool, with keepalives and server-side timeouts),
-compiles the statements of :mod:`sqla_queue.sql` once and runs them on the psycopg
-connection, reads claimed rows so that one unreadable row cannot spoil its batch, LISTENs,
+compiles statements once (for :mod:`sqla_queue.ops`, which picks them) and runs them on
+the psycopg connection, reads claimed rows so that one unreadable row cannot spoil its batch, LISTENs,
 cuts a hung call short, and tells connection errors from the rest. An asyncio driver
 offers the same operations as coroutines.
 """
@@ -37,7 +37,7 @@ from .model import REQUIRED_COLUMNS, notify_channel, table_problem, translated_s
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 
 __all__ = [
-    "AsyncDbConnection", "AsyncDriver", "ClaimRequest", "CompileOnceError", "DbConnection", "Driver", "RowError",
+    "AsyncDbConnection", "AsyncDriver", "CompileOnceError", "DbConnection", "Driver", "RowError",
     "SchemaMapKey", "Statement", "WorkerStartError", "compile_statement", "reraise_as_sqlalchemy", "schema_map_key",
 ]
 
@@ -47,22 +47,6 @@ log = logging.getLogger("sqla_queue.worker")
 
 class WorkerStartError(SqlaQueueError, RuntimeError):
     """The worker cannot start: no connection, not PostgreSQL, or no usable queue table."""
-
-
-@dataclass(frozen=True)
-class ClaimRequest:
-    """A claim to run: the compiled statement and its values."""
-
-    statement: Statement
-    values: Mapping[str, Any]
-    isolated: bool = False
-    #: The same claim behind a completion, as one statement (its values: the claim's and
-    #: the completion's); see :meth:`DbConnection.complete_then_claim`.
-    after_completion: Statement | None = None
-    #: Its mark among the claims in flight (see :meth:`~sqla_queue.worker.ledger.Ledger.claim_began`).
-    in_flight: int = 0
-    #: The lease owner it claims for (an executor's own name; see the worker's ledger).
-    owner: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,21 +105,11 @@ class DbConnection:
     def fetch_claimed(
         self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int
     ) -> list[tuple[Any, ...] | RowError]:
-        """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`."""
+        """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`, with
+        the values of its columns ``pk_index`` and ``attempt_index`` (the caller's to know)."""
         cur = self._cursor
         cur.execute(stmt.sql, stmt.params(values))
         return self._claimed_rows(cur, pk_index, attempt_index)
-
-    def complete_then_claim(
-        self, claim: ClaimRequest, values: Mapping[str, Any], pk_index: int, attempt_index: int
-    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
-        """Record tokens done and claim the next batch in one statement (one round trip,
-        one transaction, one commit): ``claim.after_completion``, with the completion's
-        and the claim's values. Returns the (key, attempt) completed and the claimed rows."""
-        stmt = claim.after_completion
-        assert stmt is not None
-        rows = self.fetch_claimed(stmt, values, pk_index, attempt_index)
-        return _completed_and_claimed(rows, pk_index, attempt_index)
 
     def _claimed_rows(
         self, cur: psycopg.Cursor[Any], pk_index: int, attempt_index: int
@@ -194,21 +168,6 @@ def _load_one(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], row: int, col
     if data is None or loader_class is None:
         return data
     return loader_class(oid, cur).load(data)
-
-
-def _completed_and_claimed(
-    rows: list[tuple[Any, ...] | RowError], pk_index: int, attempt_index: int
-) -> tuple[list[tuple[Any, Any]], list[tuple[Any, ...] | RowError]]:
-    """The rows of :func:`~sqla_queue.sql.complete_many_if_owner_then_claim`, split by
-    their last column: the tokens completed, and the jobs claimed."""
-    done: list[tuple[Any, Any]] = []
-    claimed: list[tuple[Any, ...] | RowError] = []
-    for row in rows:
-        if isinstance(row, RowError) or not row[-1]:
-            claimed.append(row)
-        else:
-            done.append((row[pk_index], row[attempt_index]))
-    return done, claimed
 
 
 def _row_error(
@@ -640,27 +599,3 @@ def _joined(session: Session, sa: Connection, engine: Engine) -> Session:
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "orig", None) or exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _int_array(values: list[Any]) -> Any:
-    """Integers as a PostgreSQL array literal (``'{1,2,3}'``, cast by the statement):
-    psycopg dumps a list element by element in Python, the literal is built in C."""
-    if all(type(v) is int for v in values):
-        return "{" + ",".join(map(str, values)) + "}"
-    return values
-
-
-def tokens_params(
-    owner: str, tokens: Sequence[tuple[Any, int]], **arrays: Any
-) -> dict[str, Any]:
-    """Parameters of the token templates of :mod:`sqla_queue.sql`."""
-    from . import sql as q
-
-    ids = [t[0] for t in tokens]
-    params: dict[str, Any] = {
-        q.OWNER_PARAM: owner,
-        q.IDS_PARAM: _int_array(ids),
-        q.ATTEMPTS_PARAM: _int_array([t[1] for t in tokens]),
-    }
-    params.update(arrays)
-    return params

@@ -12,7 +12,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from sqla_queue import sql as q
-from sqla_queue.driver import AsyncDriver, ClaimRequest, DbConnection, Driver, tokens_params
+from sqla_queue.driver import AsyncDriver, DbConnection, Driver
+from sqla_queue.ops import token_values
 from sqla_queue.runtime import run_in_greenlet
 
 from .models import Task
@@ -75,12 +76,13 @@ def _complete_then_claim(limit: int) -> Body:
         (first,) = conn.execute(claim, values)
         job_id, attempt = first[PK], first[ATTEMPT]
         both = driver.compile(q.complete_many_if_owner_then_claim(Task))
-        request = ClaimRequest(claim, {**values, q.LIMIT_PARAM: limit}, after_completion=both)
-        params = {**tokens_params("w", [(job_id, attempt)]), **request.values}
+        params = {**token_values("w", [(job_id, attempt)]), **values, q.LIMIT_PARAM: limit}
         try:
-            return job_id, conn.complete_then_claim(request, params, PK, ATTEMPT)
+            rows: list[Any] = conn.fetch_claimed(both, params, PK, ATTEMPT)
         except psycopg.Error as exc:
             return job_id, exc
+        # The last column tells a completed token's row from a claimed one.
+        return job_id, ([(r[PK], r[ATTEMPT]) for r in rows if r[-1]], [r for r in rows if not r[-1]])
 
     return body
 

@@ -426,7 +426,7 @@ def _raw(engine: Engine) -> Any:
 
 def test_release_lost_claims_gives_back_the_unheld_rows_of_one_owner(engine: Engine) -> None:
     """Compiled once and run on the psycopg cursor, as the worker runs it."""
-    from sqla_queue.driver import tokens_params
+    from sqla_queue.ops import token_values as tokens_params
 
     with engine.begin() as conn:
         add_jobs(conn, 6)
@@ -522,7 +522,7 @@ def test_the_heartbeat_with_an_owner_prefix_extends_every_executors_tokens(engin
         add_jobs(conn, 3)
         a = [(r.id, r.attempts) for r in claim(conn, owner="w:1/0.0", limit=2)]
         b = [(r.id, r.attempts) for r in claim(conn, owner="w:1/1.3", limit=1)]
-    from sqla_queue.driver import tokens_params
+    from sqla_queue.ops import token_values as tokens_params
 
     stmt = _compiled(engine, q.extend_unlocked_leases_if_owner(EmailJob, owner_prefix=True))
     owned = _compiled(engine, q.owned_tokens(EmailJob, owner_prefix=True))

@@ -11,8 +11,10 @@ only through the :class:`~sqla_queue.driver.Driver`:
 - the **sweeper** (:mod:`.sweeper`) returns expired leases of dead workers;
 - the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups (unless ``listen=False``).
 
-Services get their config, the ledger and the driver, never the worker. No SQL is
-written here: statements come from :mod:`sqla_queue.sql`.
+Services get one :class:`~.context.WorkerContext` (the config, the ledger, the driver,
+the queue table's operations :class:`~sqla_queue.ops.QueueOps`, the signal, the
+counters, the owner name), never the worker. No SQL is written or picked here:
+the operations object runs the statements of :mod:`sqla_queue.sql`.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..driver import Driver, WorkerStartError
 from ..model import QueueTable, queue_table
+from ..ops import QueueOps
 from ..runtime import Event, is_async_callable
 from ..session import QueueSession
 from ..sql import ClaimToken
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
 from .completer import Completer
 from .config import WorkerConfig, check_options
+from .context import WorkerContext
 from .executor import Executor, ExecutorPool, Lane
 from .heartbeat import Heartbeat
 from .ledger import Ledger
@@ -114,23 +118,19 @@ class Worker:
         self.ledger = Ledger()
         self.signal = WorkSignal(self.config.concurrency)
 
-        cfg, driver, qt = self.config, self._driver, self._qt
-        self._producer = Producer(cfg, self.ledger, driver, qt, self._qt.mapped_class, self.owner, self.signal)
-        completer = Completer(cfg, self.ledger, driver, qt, self.owner, self.stats, self.signal)
-        self._completer = completer
-        executor = Executor(cfg, self.ledger, driver, qt, self.owner, resolved, self.session_factory, job_context)
-        self.executors = ExecutorPool(
-            cfg, self.ledger, driver, self._producer, executor, completer, self.signal, self.stats
+        cfg, driver = self.config, self._driver
+        ops = self._ops = QueueOps(
+            driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease,
+            statement_deadline=cfg.statement_deadline,
         )
-        self.heartbeat = Heartbeat(cfg, self.ledger, driver, qt, self.owner, self.stats)
-        self.sweeper = (
-            Sweeper(cfg, driver, qt, self.stats, self._producer, self.signal) if cfg.sweep_interval > 0 else None
-        )
-        self.listener = (
-            Listener(cfg, driver, driver.channel(qt.table), self.signal, queues=cfg.queues,
-                     on_swept=self._producer.look_for_isolated)
-            if cfg.listen else None
-        )
+        ctx = self._context = WorkerContext(cfg, self.ledger, driver, ops, self.signal, self.stats, self.owner)
+        self._producer = Producer(ctx)
+        completer = self._completer = Completer(ctx)
+        executor = Executor(ctx, resolved, self.session_factory, job_context)
+        self.executors = ExecutorPool(ctx, self._producer, executor, completer)
+        self.heartbeat = Heartbeat(ctx)
+        self.sweeper = Sweeper(ctx, self._producer) if cfg.sweep_interval > 0 else None
+        self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
         self._stopping = Event()
         self._hard_stop = Event()
         self._stopped = Event()
@@ -202,7 +202,7 @@ class Worker:
         if self._started:
             raise RuntimeError("worker already started")
         table = self._qt.table
-        self._producer.use_type_codes(self._driver.check_table(table))
+        self._ops.check_table()
         self._started = True
         cfg = self.config
         log.info(

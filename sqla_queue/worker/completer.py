@@ -1,18 +1,18 @@
 """The completer: the one path by which every outcome reaches the database.
 
-Outcomes are recorded in batches, one fenced statement per kind (built once by
-:mod:`sqla_queue.sql`, tokens as arrays), on the executor's own connection. A statement
-that moves fewer tokens than it was given tells which leases were lost meanwhile. One
-retry policy covers the database: connection errors are retried (the statements are
-fenced, so a repeat cannot do harm) until the lease would have lapsed anyway; when an
-earlier try may have landed (its answer lost with its connection), the rows the repeat
-did not move are read, and those in the state it would have left them in count as
-recorded, not lost; any other
-error falls back to recording each job alone with a minimal error text, and a job that
-still cannot be recorded is let go, so its lease expires and the sweeper returns it.
-Every statement runs under the executors' deadline (``statement_deadline``), so a
-connection that stops answering is dropped and the statement retried on a new one. Each
-statement is fenced by the lease owner its jobs were claimed under (their executor's).
+Outcomes are recorded in batches, one fenced statement per kind (a call of the
+operations layer, :mod:`sqla_queue.ops`, tokens as arrays), on the executor's own
+connection. A statement that moves fewer tokens than it was given tells which leases
+were lost meanwhile. One retry policy covers the database: connection errors are
+retried (the statements are fenced, so a repeat cannot do harm) until the lease would
+have lapsed anyway; when an earlier try may have landed (its answer lost with its
+connection), the rows the repeat did not move are read, and those in the state it would
+have left them in count as recorded, not lost; any other error falls back to recording
+each job alone with a minimal error text, and a job that still cannot be recorded is let
+go, so its lease expires and the sweeper returns it. Every statement runs under the
+executors' deadline (``statement_deadline``), so a connection that stops answering is
+dropped and the statement retried on a new one. Each statement is fenced by the lease
+owner its jobs were claimed under (their executor's).
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import sql as q
-from ..driver import ClaimRequest, DbConnection, Driver, RowError, tokens_params
-from ..model import QueueTable
+from ..driver import DbConnection
+from ..ops import Claimed, ClaimRequest, Moved, TokenState
 from ..runtime import sleep
-from .config import WorkerConfig
-from .ledger import Held, Ledger
+from .context import WorkerContext
+from .ledger import Held
 from .outcome import Kind, Outcome
-from .stats import WorkerStats
-from .work_signal import WorkSignal
 
 __all__ = ["Completer"]
 
@@ -38,28 +35,14 @@ log = logging.getLogger("sqla_queue.worker")
 
 
 class Completer:
-    def __init__(
-        self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        qt: QueueTable,
-        owner: str,
-        stats: WorkerStats,
-        signal: WorkSignal,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.driver = driver
-        self.owner = owner
-        self.stats = stats
-        self.signal = signal
-        self._done = driver.compile(q.complete_many_if_owner(qt.table))
-        self._retry = driver.compile(q.retry_many_if_owner(qt.table))
-        self._fail = driver.compile(q.fail_many_if_owner(qt.table))
-        self._release = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=True))
-        self._hand_back = driver.compile(q.release_many_if_owner(qt.table, refund_attempt=False))
-        self._states = driver.compile(q.token_states(qt.table))
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.config = config = ctx.config
+        self.ledger = ctx.ledger
+        self.driver = ctx.driver
+        self.ops = ctx.ops
+        self.owner = ctx.owner
+        self.stats = ctx.stats
+        self.signal = ctx.signal
         self._deadline = config.statement_deadline
 
     def record(
@@ -67,8 +50,8 @@ class Completer:
         connect: Callable[[], DbConnection],
         outcomes: Sequence[Outcome],
         *,
-        then: tuple[ClaimRequest, tuple[int, int]] | None = None,
-    ) -> list[tuple[Any, ...] | RowError] | None:
+        then: ClaimRequest | None = None,
+    ) -> list[Claimed] | None:
         """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use.
 
         ``then``: a claim to run in the same statement as the ``done`` one (one
@@ -109,15 +92,14 @@ class Completer:
         if then is None:
             self._record_kind(connect, Kind.DONE, done)
             return None
-        return self._done_then_claim(connect, done, *then)
+        return self._done_then_claim(connect, done, then)
 
     def _done_then_claim(
         self,
         connect: Callable[[], DbConnection],
         group: list[Outcome],
         claim: ClaimRequest,
-        indexes: tuple[int, int],
-    ) -> list[tuple[Any, ...] | RowError] | None:
+    ) -> list[Claimed] | None:
         if any(o.held.owner != claim.owner for o in group):  # claimed under an older name
             self._record_kind(connect, Kind.DONE, group)
             return None
@@ -126,17 +108,14 @@ class Completer:
         outcomes = [o for o in group if o.held in alive]
         if not outcomes:
             return None
-        params = tokens_params(claim.owner, [o.held.token for o in outcomes])
-
-        params.update(claim.values)
+        tokens = [o.held.token for o in outcomes]
         # Sent once, not retried: if the connection drops, the claim may have committed
         # unseen. Its rows are given back before the next claim (Producer.recover), and
         # the completion is recorded again on its own (fenced: a repeat does no harm).
         try:
             conn = connect()
             sent = time.monotonic()
-            with self.driver.deadline(conn, self._deadline):
-                rows, claimed = conn.complete_then_claim(claim, params, *indexes)
+            moved, claimed = self.ops.complete_then_claim(conn, tokens, claim)  # under the statement deadline
         except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
             cut = self.driver.is_connection_error(exc)
             if cut:
@@ -148,7 +127,7 @@ class Completer:
             # the repeat does not move before calling any of it lost.
             self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=cut)
             return None
-        self._settle(Kind.DONE, outcomes, rows, sent)
+        self._settle(Kind.DONE, outcomes, moved, sent)
         return claimed
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
@@ -192,7 +171,7 @@ class Completer:
         if not outcomes:
             return
         try:
-            rows, sent, retried = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
+            moved, sent, retried = self._with_retries(connect, lambda conn: self._run(conn, kind, outcomes, refund))
         except Exception as exc:  # noqa: BLE001 - fall back to one job at a time
             if len(outcomes) > 1 or kind in (Kind.RETRY, Kind.FAIL):
                 log.warning("recording %d %s outcome(s) failed (%s); one at a time", len(outcomes), kind.value, exc)
@@ -204,8 +183,8 @@ class Completer:
             self.ledger.lose([o.held for o in outcomes])
             return
         if retried or maybe_landed:
-            rows = self._landed(connect, kind, outcomes, rows, refund)
-        self._settle(kind, outcomes, rows, sent)
+            moved = self._landed(connect, kind, outcomes, moved, refund)
+        self._settle(kind, outcomes, moved, sent)
 
     def _record_alone(
         self, connect: Callable[[], DbConnection], outcome: Outcome, refund: bool, maybe_landed: bool = False
@@ -216,38 +195,32 @@ class Completer:
             attempts.append(safe)
         for candidate in attempts:
 
-            def run(conn: DbConnection, c: Outcome = candidate) -> list[tuple[Any, ...]]:
+            def run(conn: DbConnection, c: Outcome = candidate) -> Moved:
                 return self._run(conn, c.kind, [c], refund)
 
             try:
-                rows, sent, retried = self._with_retries(connect, run)
+                moved, sent, retried = self._with_retries(connect, run)
             except Exception as exc:  # noqa: BLE001
                 log.warning("job %s: recording %s failed: %s", outcome.held.token.job_id, candidate.kind.value, exc)
                 continue
             if retried or maybe_landed:
-                rows = self._landed(connect, candidate.kind, [candidate], rows, refund)
-            self._settle(candidate.kind, [candidate], rows, sent)
+                moved = self._landed(connect, candidate.kind, [candidate], moved, refund)
+            self._settle(candidate.kind, [candidate], moved, sent)
             return
         log.error("job %s: no outcome could be recorded; its lease will expire", outcome.held.token.job_id)
         self.ledger.lose([outcome.held])
 
-    def _run(self, conn: DbConnection, kind: Kind, outcomes: list[Outcome], refund: bool) -> list[tuple[Any, ...]]:
+    def _run(self, conn: DbConnection, kind: Kind, outcomes: list[Outcome], refund: bool) -> Moved:
         tokens = [o.held.token for o in outcomes]
         owner = outcomes[0].held.owner  # one owner per statement (see _record_kind)
         if kind is Kind.DONE:
-            return conn.execute(self._done, tokens_params(owner, tokens))
+            return self.ops.complete(conn, owner, tokens)
         if kind is Kind.RETRY:
-            params = tokens_params(
-                owner,
-                tokens,
-                **{q.ERRORS_PARAM: [o.error for o in outcomes], q.DELAYS_PARAM: [o.delay for o in outcomes]},
-            )
-            return conn.execute(self._retry, params)
+            return self.ops.retry(conn, owner, tokens, [o.error for o in outcomes], [o.delay for o in outcomes])
         if kind is Kind.FAIL:
-            params = tokens_params(owner, tokens, **{q.ERRORS_PARAM: [o.error for o in outcomes]})
-            return conn.execute(self._fail, params)
+            return self.ops.fail(conn, owner, tokens, [o.error for o in outcomes])
         if kind is Kind.RELEASE:
-            return conn.execute(self._release if refund else self._hand_back, tokens_params(owner, tokens))
+            return self.ops.release(conn, owner, tokens, refund=refund)
         raise AssertionError(kind)
 
     def _with_retries(
@@ -282,45 +255,44 @@ class Completer:
         connect: Callable[[], DbConnection],
         kind: Kind,
         outcomes: list[Outcome],
-        rows: list[Any],
+        moved: Moved,
         refund: bool,
-    ) -> list[Any]:
-        """``rows`` of a statement that went through on a retry, plus a row for each
-        outcome it did not move that an earlier try had recorded (that answer was lost
-        with its connection): the job is in the state ``kind`` leaves it in, by this
-        owner and attempt. The rest stay missed: lost."""
-        moved = {(row[0], row[1]) for row in rows}
+    ) -> Moved:
+        """``moved`` by a statement that went through on a retry, plus each outcome it did
+        not move that an earlier try had recorded (that answer was lost with its
+        connection): the job is in the state ``kind`` leaves it in, by this owner and
+        attempt. The rest stay missed: lost."""
         missed = [o for o in outcomes if o.held.token not in moved]
         if not missed:
-            return rows
-        params = tokens_params(missed[0].held.owner, [o.held.token for o in missed])
+            return moved
+        ids = [o.held.token.job_id for o in missed]
         try:
-            states, _, _ = self._with_retries(connect, lambda conn: conn.execute(self._states, params))
+            states, _, _ = self._with_retries(connect, lambda conn: self.ops.token_states(conn, ids))
         except Exception as exc:  # noqa: BLE001 - count them lost, as the fence said
             log.warning("could not read back %d outcome(s) after a retry (%s)", len(missed), exc)
-            return rows
-        by_pk = {state[0]: state for state in states}
-        found = list(rows)
+            return moved
+        by_pk = {state.job_id: state for state in states}
+        found = dict(moved)
         for o in missed:
             state = by_pk.get(o.held.token.job_id)
             status = None if state is None else _landed_as(kind, o, state, o.held.owner, refund)
             if status is not None:
-                found.append((o.held.token.job_id, o.held.token.attempt, status))
+                found[o.held.token] = status
         return found
 
     # -- bookkeeping -------------------------------------------------------------------
 
-    def _settle(self, kind: Kind, outcomes: list[Outcome], rows: list[tuple[Any, ...]], sent: float) -> None:
-        """``sent``: when the statement went out. The server stamped a retry's ``run_after``
+    def _settle(self, kind: Kind, outcomes: list[Outcome], moved: Moved, sent: float) -> None:
+        """``moved``: the tokens the statement moved, and the status each was left in.
+        ``sent``: when the statement went out. The server stamped a retry's ``run_after``
         from its clock as the statement ran, so the wake-up counts from then, not from the
         answer, which a slow write or commit may have held back."""
-        moved = {(row[0], row[1]): row for row in rows}
         recorded = [o for o in outcomes if o.held.token in moved]
         missed = [o.held for o in outcomes if o.held.token not in moved]
         self.ledger.remove(o.held for o in recorded)
         if missed:
             self._lost(missed, "re-claimed or swept before its outcome was recorded", settled=True)
-        committed = [o for o in recorded if o.unsure and _status_of(moved[o.held.token]) == "done"]
+        committed = [o for o in recorded if o.unsure and moved[o.held.token] == "done"]
         if committed:  # the transactional commit had landed after all (see Outcome.unsure)
             self.stats.add("done", len(committed))
             for o in committed:
@@ -338,7 +310,7 @@ class Completer:
             self.stats.add("released", len(recorded))
         elif kind is Kind.RETRY:
             for o in recorded:
-                status = moved[o.held.token][2]
+                status = moved[o.held.token]
                 if status == "failed":
                     self.stats.add("failed")
                     log.error("job %s attempt %d failed for good (dead letter): %s",
@@ -359,10 +331,9 @@ class Completer:
             log.warning("job %s attempt %d: %s; its result was not recorded", h.token.job_id, h.token.attempt, why)
 
 
-def _landed_as(kind: Kind, outcome: Outcome, state: tuple[Any, ...], owner: str, refund: bool) -> str | None:
-    """The status ``outcome``'s statement left the job in, if ``state`` (a row of
-    :func:`~sqla_queue.sql.token_states`) is what it left; None if someone else moved it
-    (a sweep, another worker)."""
+def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refund: bool) -> str | None:
+    """The status ``outcome``'s statement left the job in, if ``state`` is what it left;
+    None if someone else moved it (a sweep, another worker)."""
     _, attempts, status, lease_owner, isolated, last_error = state
     attempt = outcome.held.token.attempt
     ours = lease_owner == owner and attempts == attempt  # a dead letter keeps its owner
@@ -383,12 +354,6 @@ def _landed_as(kind: Kind, outcome: Outcome, state: tuple[Any, ...], owner: str,
         left = attempt - 1 if refund else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
-
-
-def _status_of(row: tuple[Any, ...]) -> Any:
-    """The status a recorded row carries (the statements that return one, and rows read
-    back by :meth:`Completer._landed`); None for those that do not."""
-    return row[2] if len(row) > 2 else None
 
 
 def _first(text: str) -> str:

@@ -28,20 +28,16 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from .. import sql as q
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
-from ..model import QueueTable
 from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
-from .config import WorkerConfig
-from .ledger import Held, Ledger, Start
+from .context import WorkerContext
+from .ledger import Held, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer
-from .service import Service
-from .stats import WorkerStats
-from .work_signal import WorkSignal
+from .service import Reconnecting, Service
 
 __all__ = ["Executor", "ExecutorPool", "Lane"]
 
@@ -71,30 +67,15 @@ def batch_size(per_job: float | None, took: float, max_batch: int) -> tuple[floa
     return smoothed, max(1, min(max_batch, int(BATCH_TARGET_SECONDS / max(smoothed, 1e-6))))
 
 
-class Lane:
+class Lane(Reconnecting):
     """An executor thread's connection, reconnected on demand, and the start of the
     lease owner names it claims under: ``{owner}/{index}.{n}`` (see :mod:`.ledger`)."""
 
     def __init__(self, driver: Driver, name: str, owner: str = "") -> None:
-        self.driver = driver
+        super().__init__(driver, name)
         self.name = name
-        self.conn: DbConnection | None = None
         #: Every owner name of this lane starts with it (and no other lane's does).
         self.prefix = f"{owner}."
-
-    def connect(self) -> DbConnection:
-        conn = self.conn
-        if conn is None or conn.broken:
-            if conn is not None:
-                conn.close()
-            self.conn = conn = None
-            self.conn = conn = self.driver.connect(self.name)
-        return conn
-
-    def reset(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            conn.close()
 
 
 class Executor:
@@ -102,24 +83,20 @@ class Executor:
 
     def __init__(
         self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        qt: QueueTable,
-        owner: str,
+        ctx: WorkerContext,
         handler: ResolvedHandler | Tasks,
         session_factory: Callable[[], Any],
         job_context: Callable[[], AbstractContextManager[Any] | AbstractAsyncContextManager[Any]] | None,
     ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.driver = driver
-        self.owner = owner
+        self.config = ctx.config
+        self.ledger = ctx.ledger
+        self.driver = ctx.driver
+        self.owner = ctx.owner
         self.handler = handler
         self.session_factory = session_factory
         self.job_context = job_context
-        self.runtime = driver.runtime
-        self._complete_one = q.complete_template(qt.table, single=True)
+        self.runtime = ctx.driver.runtime
+        self.ops = ctx.ops
         #: Job id -> losses of the worker's connection in a row under its handler.
         self._losses: dict[Any, int] = {}
 
@@ -268,12 +245,9 @@ class Executor:
                 return self.failure(held, exc, conn)
             if not self.ledger.finishing([held]):
                 return Outcome(held, Kind.LOST)
-            params = {q.OWNER_PARAM: held.owner, q.JOB_PARAM: held.token.job_id,
-                      q.ATTEMPT_PARAM: held.token.attempt}
             try:
                 with self.driver.deadline(conn, self.config.statement_deadline):
-                    row = sa.execute(self._complete_one, params).first()
-                    if row is None:
+                    if not self.ops.complete_in_transaction(sa, held.owner, held.token):
                         return Outcome(held, Kind.LOST)
                     trans.commit()
             except Exception as exc:  # noqa: BLE001
@@ -334,26 +308,17 @@ class ExecutorPool(Service):
 
     name = "executor"
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        producer: Producer,
-        executor: Executor,
-        completer: Completer,
-        signal: WorkSignal,
-        stats: WorkerStats,
-    ) -> None:
-        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
+    def __init__(self, ctx: WorkerContext, producer: Producer, executor: Executor, completer: Completer) -> None:
+        config = ctx.config
+        super().__init__(config.poll_interval, reconnect_backoff=config.reconnect_backoff, runtime=ctx.driver.runtime)
         self.config = config
-        self.ledger = ledger
-        self.driver = driver
+        self.ledger = ctx.ledger
+        self.driver = ctx.driver
         self.producer = producer
         self.executor = executor
         self.completer = completer
-        self.signal = signal
-        self.stats = stats
+        self.signal = ctx.signal
+        self.stats = ctx.stats
 
     def start(self) -> None:
         if self._threads:
@@ -457,8 +422,7 @@ class ExecutorPool(Service):
             try:
                 owner = self.ledger.lane_owner(lane.prefix)
                 request = self.producer.request(limit, owner) if entered else None
-                then = (request, self.producer.indexes) if request is not None else None
-                rows = self.completer.record(lane.connect, outcomes, then=then)
+                rows = self.completer.record(lane.connect, outcomes, then=request)
                 if request is None or rows is None:  # no claim ran with the completion
                     return [], ran, busy
                 nxt = self.producer.accept(request, rows)

@@ -17,13 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import sql as q
-from ..driver import DbConnection, Driver, tokens_params
-from ..model import QueueTable
-from .config import WorkerConfig
-from .ledger import Ledger
-from .service import Service
-from .stats import WorkerStats
+from ..sql import ClaimToken
+from .context import WorkerContext
+from .service import Reconnecting, Service
 
 __all__ = ["Heartbeat"]
 
@@ -33,21 +29,20 @@ log = logging.getLogger("sqla_queue.worker")
 class Heartbeat(Service):
     name = "heartbeat"
     own_thread = True
+    link: Reconnecting
 
-    def __init__(
-        self, config: WorkerConfig, ledger: Ledger, driver: Driver, qt: QueueTable, owner: str, stats: WorkerStats
-    ) -> None:
+    def __init__(self, ctx: WorkerContext) -> None:
+        config, driver = ctx.config, ctx.driver
         super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.config = config
-        self.ledger = ledger
+        self.ledger = ctx.ledger
         self.driver = driver
-        self.owner = owner
-        self.stats = stats
+        self.owner = ctx.owner
+        self.stats = ctx.stats
+        self.ops = ctx.ops
         # Every executor claims under a name of its own, each starting with "{owner}/".
-        self._extend = driver.compile(q.extend_unlocked_leases_if_owner(qt.table, owner_prefix=True))
-        self._owned = driver.compile(q.owned_tokens(qt.table, owner_prefix=True))
-        self._owners = f"{owner}/"
-        self._conn: DbConnection | None = None
+        self._owners = f"{ctx.owner}/"
+        self.link = Reconnecting(driver, "sqla_queue heartbeat")
         self._last_ok = time.monotonic()
 
     def tick(self) -> None:
@@ -67,24 +62,21 @@ class Heartbeat(Service):
             self.ledger.set_healthy(True)
         self.stats.add("heartbeats")
 
-    def _beat(self, tokens: list[q.ClaimToken], since: float | None) -> set[q.ClaimToken]:
-        conn = self._conn
-        if conn is None or conn.broken:
-            self.close()
-            self._conn = conn = self.driver.connect("sqla_queue heartbeat")
-        values = {**tokens_params(self._owners, tokens), q.LEASE_PARAM: float(self.config.lease)}
+    def _beat(self, tokens: list[ClaimToken], since: float | None) -> set[ClaimToken]:
+        conn = self.link.connect()
+        window = None
         if since is not None:
             # The claim's leases were set on the server after it was sent; half a beat
             # of margin covers the two connections' latencies. No more: a lease one beat
             # set is out of the next one's window unless a claim then in flight is older
             # than half a beat, so a job the worker let go still lapses.
-            values[q.SINCE_PARAM] = time.monotonic() - since + self.interval / 2
+            window = time.monotonic() - since + self.interval / 2
         with self.driver.deadline(conn, self.interval):
-            extended = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._extend, values)}
+            extended = self.ops.extend_leases(conn, self._owners, tokens, since=window)
             missing = [t for t in tokens if t not in extended]
             if not missing:
                 return set()
-            owned = {q.ClaimToken(r[0], r[1]) for r in conn.execute(self._owned, tokens_params(self._owners, missing))}
+            owned = self.ops.owned_tokens(conn, self._owners, missing)
         return {t for t in missing if t not in owned}
 
     def _check_health(self) -> None:
@@ -101,10 +93,5 @@ class Heartbeat(Service):
                             "result will not be recorded", h.token.job_id, h.token.attempt)
 
     def on_error(self, exc: BaseException) -> None:
-        self.close()
+        super().on_error(exc)
         self._check_health()
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()

@@ -9,13 +9,11 @@ idle executors poll on their own timer regardless.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
-from ..driver import DbConnection, Driver
-from .config import WorkerConfig
-from .service import Service
+from .context import WorkerContext
+from .service import Reconnecting, Service
 from .sweeper import SWEPT_PREFIX
-from .work_signal import WorkSignal
 
 __all__ = ["Listener"]
 
@@ -24,31 +22,32 @@ log = logging.getLogger("sqla_queue.worker")
 
 class Listener(Service):
     name = "listener"
+    link: Reconnecting
 
     def __init__(
-        self, config: WorkerConfig, driver: Driver, channel: str, signal: WorkSignal,
-        *, queues: Collection[str] | None = None, timeout: float = 0.25,
-        on_swept: Callable[[], None] | None = None,
+        self, ctx: WorkerContext, *, timeout: float = 0.25, on_swept: Callable[[], None] | None = None
     ) -> None:
-        super().__init__(0.0, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
+        driver, queues = ctx.driver, ctx.config.queues
+        super().__init__(0.0, reconnect_backoff=ctx.config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
-        self.channel = channel
-        self.signal = signal
+        self.channel = channel = ctx.ops.channel
+        self.signal = ctx.signal
         self.queues = set(queues) if queues is not None else None
         self.timeout = timeout
         #: Called when a sweeper says it returned jobs of these queues (isolated now).
         self.on_swept = on_swept
-        self._conn: DbConnection | None = None
-        #: Connections made so far; above 1 means it reconnected.
-        self.connections = 0
+        self.link = Reconnecting(driver, "sqla_queue listener", listen=channel)
+
+    @property
+    def connections(self) -> int:
+        """Connections made so far; above 1 means it reconnected."""
+        return self.link.connections
 
     def tick(self) -> float:
-        conn = self._conn
-        if conn is None or conn.broken:
-            self.close()
-            self._conn = conn = self.driver.connect("sqla_queue listener", listen=self.channel)
-            self.connections += 1
-            if self.connections > 1:
+        made = self.link.connections
+        conn = self.link.connect()
+        if self.link.connections != made:
+            if self.link.connections > 1:
                 log.info("listener: reconnected; polling once for jobs sent meanwhile")
             self.signal.wake()  # jobs committed while we were not listening
         payloads = self.driver.notifies(conn, self.timeout)
@@ -65,14 +64,6 @@ class Listener(Service):
     def request_stop(self) -> None:
         """Stop at once: the wait for notifications is cut short, not waited out."""
         super().request_stop()
-        conn = self._conn
+        conn = self.link.conn
         if conn is not None:
             self.driver.abort(conn, quiet=True)
-
-    def on_error(self, exc: BaseException) -> None:
-        self.close()
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()

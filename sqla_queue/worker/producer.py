@@ -31,16 +31,12 @@ from typing import Any
 
 import psycopg
 
-from .. import sql as q
-from ..driver import ClaimRequest, DbConnection, Driver, RowError, Statement, tokens_params
-from ..model import QueueTable
+from ..driver import DbConnection, Driver
+from ..ops import Claimed, ClaimRequest, RowProblem
 from ..runtime import Semaphore
-from ..sql import ClaimToken
-from .config import WorkerConfig
-from .ledger import Held, Ledger
-from .loader import RowLoader
+from .context import WorkerContext
+from .ledger import Held
 from .outcome import describe_error, storable
-from .work_signal import WorkSignal
 
 __all__ = ["Producer"]
 
@@ -48,9 +44,6 @@ __all__ = ["Producer"]
 #: step over each other's freshly locked rows, so past a few they cost more than they get:
 #: the other threads run their jobs meanwhile, and record them without claiming.
 CONCURRENT_CLAIMS = 4
-
-#: ``ClaimToken(pk, attempt)`` without the named tuple's Python-level ``__new__``.
-_new_token = tuple.__new__
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -69,59 +62,19 @@ _NOT_THE_ROWS_FAULT = frozenset({"08", "40", "53", "55", "57", "58", "XX"})
 class Producer:
     """Claims for an executor thread: statements compiled once, rows loaded one by one."""
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        ledger: Ledger,
-        driver: Driver,
-        qt: QueueTable,
-        model: type[Any],
-        owner: str,
-        signal: WorkSignal,
-    ) -> None:
-        self.config = config
-        self.ledger = ledger
-        self.signal = signal
-        self.owner = owner
-        self.driver = driver
-        self._qt = qt
-        #: The model, not its table: a single-table-inheritance subclass claims its own rows.
-        self._model = model
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.config = config = ctx.config
+        self.ledger = ctx.ledger
+        self.signal = ctx.signal
+        self.owner = ctx.owner
+        self.driver = ctx.driver
+        self.ops = ctx.ops
         self._deadline = config.statement_deadline
-        # Every claim is guarded (fresh=True): one its executor gave up on (the deadline
-        # dropped its connection) claims nothing if the server runs it later.
-        self._claim = driver.compile(q.claim_template(model, queues=config.queues, fresh=True))
-        self._claim_isolated = driver.compile(
-            q.claim_template(model, queues=config.queues, isolated=True, fresh=True)
-        )
-        self._after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(model, queues=config.queues, fresh=True)
-        )
-        self._isolated_after_completion = driver.compile(
-            q.complete_many_if_owner_then_claim(model, queues=config.queues, isolated=True, fresh=True)
-        )
-        self._next_due = driver.compile(q.next_run_after(model, queues=config.queues))
-        self._release_lost = driver.compile(q.release_lost_claims(qt.table))
-        self._fail_unclaimable = driver.compile(q.fail_unclaimable(qt.table))
-        #: Statements for the rare cases, compiled when first needed.
-        self._rare: dict[tuple[str, bool], Statement] = {}
         #: Keys of rows no claim can update, passed over until the time given.
         self._skip: dict[Any, float] = {}
-        columns = list(qt.table.c)
-        where = {id(c): n for n, c in enumerate(columns)}  # by identity: == makes SQL
-        self._pk_index = where[id(qt.pk)]
-        self._attempt_index = where[id(qt.c.attempts)]
-        self._isolated_index = where[id(qt.c.isolated)]
-        self._last_error_index = where[id(qt.c.last_error)]
-        self._loader = RowLoader(model, columns, driver.dialect)
-        self._lease = float(config.lease)
         self._gate = Semaphore(CONCURRENT_CLAIMS)
         self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
         self._checked_generation = -1
-
-    def use_type_codes(self, type_codes: dict[str, int]) -> None:
-        """The type codes of the claimed rows' columns (see :meth:`Driver.check_table`)."""
-        self._loader.use_type_codes(type_codes)
 
     def look_for_isolated(self) -> None:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""
@@ -137,23 +90,13 @@ class Producer:
             return None
         skip = self._skipped()
         if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
-            if skip is None:
-                claim, after = self._claim_isolated, self._isolated_after_completion
-            else:
-                claim, after = self._statement("claim", True), self._statement("after_completion", True)
-            return ClaimRequest(claim, self._values(1, owner, skip), isolated=True, after_completion=after,
-                                owner=owner, in_flight=mark)
-        if skip is None:
-            claim, after = self._claim, self._after_completion
-        else:
-            claim, after = self._statement("claim", False), self._statement("after_completion", False)
-        return ClaimRequest(claim, self._values(limit, owner, skip), after_completion=after, owner=owner,
-                            in_flight=mark)
+            return self.ops.claim_request(owner, 1, isolated=True, skip=skip, in_flight=mark)
+        return self.ops.claim_request(owner, limit, skip=skip, in_flight=mark)
 
-    def accept(self, request: ClaimRequest, rows: list[tuple[Any, ...] | RowError]) -> list[Held]:
+    def accept(self, request: ClaimRequest, rows: list[Claimed]) -> list[Held]:
         """The held jobs of a claim's rows, added to the ledger."""
         try:
-            held = [self._held(row, request) for row in rows]
+            held = self._held(rows, request)
             self.ledger.add(held)
         finally:
             self.ledger.end_claim(request.in_flight)
@@ -176,8 +119,7 @@ class Producer:
             if request is None:
                 return []
             try:
-                with self.driver.deadline(conn, self._deadline):
-                    rows = self.fetch(conn, request)
+                rows = self.ops.fetch_claimed(conn, request)  # under the statement deadline
             except Exception as exc:
                 if self.driver.is_connection_error(exc):
                     self.ledger.claim_unknown(owner)  # it may have committed
@@ -215,10 +157,9 @@ class Producer:
         recovery is made again after reconnecting).
         """
         keep = self.ledger.recovery(owner)
-        values = {**tokens_params(owner, keep), q.FRESH_PARAM: self._deadline}
         try:
             with self.driver.deadline(conn, self._deadline):
-                rows = conn.execute(self._release_lost, values)
+                released = self.ops.release_lost_claims(conn, owner, keep)
         except Exception as exc:
             if self.driver.is_connection_error(exc):
                 raise
@@ -227,42 +168,33 @@ class Producer:
                       "return after their lease", owner, _first_line(exc))
             return
         self.ledger.recovered(owner)
-        if rows:
+        if released:
             log.warning("%d job(s) claimed by a claim whose answer was lost are pending again, attempt "
-                        "refunded: %s", len(rows), [row[0] for row in rows[:20]])
-            self.signal.wake(len(rows))
+                        "refunded: %s", len(released), released[:20])
+            self.signal.wake(len(released))
 
     # -- a claim that fails on one row -------------------------------------------------
 
-    def _claim_one_by_one(
-        self, conn: DbConnection, request: ClaimRequest, error: BaseException
-    ) -> list[tuple[Any, ...] | RowError]:
+    def _claim_one_by_one(self, conn: DbConnection, request: ClaimRequest, error: BaseException) -> list[Claimed]:
         """The claim failed with an error that may be one row's: claim its candidates one
         at a time, and pass over the rows that fail. Raises ``error`` again when the
         trouble is not a row's (the first two candidates fail and none claims)."""
-        limit = int(request.values[q.LIMIT_PARAM])
+        limit = request.limit
         isolated = request.isolated
         log.warning("%s: the claim failed (%s); claiming one job at a time to find the row it cannot update",
                     request.owner, _first_line(error))
-        values = dict(request.values)
         with self.driver.deadline(conn, self._deadline):
-            keys = [row[0] for row in conn.execute(
-                self._statement("candidates", isolated),
-                {q.LIMIT_PARAM: limit + 2, q.SKIP_PARAM: list(self._skip)},
-            )]
-        rows: list[tuple[Any, ...] | RowError] = []
+            keys = self.ops.claim_candidates(conn, isolated=isolated, limit=limit + 2, skip=list(self._skip))
+        rows: list[Claimed] = []
         failed: list[tuple[Any, BaseException]] = []
-        one = self._statement("by_key", isolated)
         for key in keys:
             if len(rows) >= limit:
                 break
             if len(failed) >= 2 and not rows:
                 raise error  # every row fails: the claim itself does
-            values[q.KEY_PARAM] = key
-            values[q.LIMIT_PARAM] = 1
+            one = self.ops.claim_request(request.owner, 1, isolated=isolated, key=key)
             try:
-                with self.driver.deadline(conn, self._deadline):
-                    rows.extend(self.fetch(conn, ClaimRequest(one, values)))
+                rows.extend(self.ops.fetch_claimed(conn, one))
             except Exception as exc:
                 if self.driver.is_connection_error(exc):
                     self.ledger.claim_unknown(request.owner)
@@ -288,11 +220,11 @@ class Producer:
                              self.config.max_error_length)
             try:
                 with self.driver.deadline(conn, self._deadline):
-                    failed = conn.execute(self._fail_unclaimable, {q.KEY_PARAM: key, q.ERROR_PARAM: error})
+                    failed = self.ops.fail_unclaimable(conn, key, error)
             except Exception as fail_exc:  # the row cannot be updated at all
                 if self.driver.is_connection_error(fail_exc):
                     raise
-                failed = []
+                failed = False
             if failed:
                 log.error("job %s cannot be claimed (%s): dead-lettered", key, reason)
                 return
@@ -312,23 +244,6 @@ class Producer:
             del self._skip[key]
         return list(self._skip) if self._skip else None
 
-    def _statement(self, kind: str, isolated: bool) -> Statement:
-        found = self._rare.get((kind, isolated))
-        if found is None:
-            table, queues = self._model, self.config.queues
-            if kind == "claim":
-                stmt: Any = q.claim_template(table, queues=queues, isolated=isolated, skip=True, fresh=True)
-            elif kind == "after_completion":
-                stmt = q.complete_many_if_owner_then_claim(
-                    table, queues=queues, isolated=isolated, skip=True, fresh=True
-                )
-            elif kind == "candidates":
-                stmt = q.claim_candidates(table, queues=queues, isolated=isolated)
-            else:
-                stmt = q.claim_template(table, queues=queues, isolated=isolated, by_key=True, fresh=True)
-            found = self._rare[(kind, isolated)] = self.driver.compile(stmt)
-        return found
-
     def try_enter(self) -> bool:
         """A place among the threads claiming now, if one is free (see CONCURRENT_CLAIMS)."""
         return self._gate.acquire(blocking=False)
@@ -336,35 +251,21 @@ class Producer:
     def leave(self) -> None:
         self._gate.release()
 
-    def fetch(self, conn: DbConnection, request: ClaimRequest) -> list[tuple[Any, ...] | RowError]:
-        return conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
-
-    @property
-    def indexes(self) -> tuple[int, int]:
-        """Where the key and the attempt are in a claimed row."""
-        return self._pk_index, self._attempt_index
-
-    def _values(self, limit: int, owner: str, skip: list[Any] | None) -> dict[str, Any]:
-        values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self._lease,
-                  q.FRESH_PARAM: self._deadline}
-        if skip is not None:
-            values[q.SKIP_PARAM] = skip
-        return values
-
-    def _held(self, row: tuple[Any, ...] | RowError, request: ClaimRequest) -> Held:
-        limit = self.config.max_error_length
+    def _held(self, rows: list[Claimed], request: ClaimRequest) -> list[Held]:
         isolated, owner = request.isolated, request.owner
-        if isinstance(row, RowError):
-            error = storable(f"cannot read the row: {describe_error(row.error, limit)}", limit)
-            return Held(ClaimToken(row.pk, row.attempt), load_error=error, isolated=isolated, owner=owner)
-        token = _new_token(ClaimToken, (row[self._pk_index], row[self._attempt_index]))
-        solitary = isolated and q.is_solitary(row[self._isolated_index], row[self._last_error_index])
-        try:
-            job = self._loader.load(row)
-        except Exception as exc:  # noqa: BLE001 - this row fails alone
-            error = storable(f"cannot load the row as the model: {describe_error(exc, limit)}", limit)
-            return Held(token, load_error=error, isolated=isolated, solitary=solitary, owner=owner)
-        return Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner)
+        held: list[Held] = []
+        append = held.append
+        for token, job, problem, solitary in rows:
+            if problem is None:
+                append(Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner))
+            else:
+                append(Held(token, load_error=self._load_error(problem), isolated=isolated, solitary=solitary,
+                            owner=owner))
+        return held
+
+    def _load_error(self, problem: RowProblem) -> str:
+        limit = self.config.max_error_length
+        return storable(f"{problem.what}: {describe_error(problem.error, limit)}", limit)
 
     def wait_for_work(self, conn: DbConnection) -> None:
         """Nothing to claim: learn when the next delayed job falls due, then idle."""
@@ -372,12 +273,11 @@ class Producer:
         if signal.generation != self._checked_generation:
             self._checked_generation = signal.generation
             with self.driver.deadline(conn, self._deadline):
-                rows = conn.execute(self._next_due, {})
-            seconds = rows[0][0] if rows else None
+                seconds = self.ops.next_due(conn)
             if seconds is not None:
                 # Due already, yet the claim just missed it: another claim holds it, or
                 # it fell due a moment after ours. Look again shortly, not in a loop.
-                signal.wake_at(time.monotonic() + max(float(seconds), MISSED_DUE_PAUSE))
+                signal.wake_at(time.monotonic() + max(seconds, MISSED_DUE_PAUSE))
         signal.wait(self.config.poll_interval)
 
 

@@ -4,6 +4,8 @@ A service is one or more loops, each on a thread or an asyncio task (the driver'
 :mod:`~sqla_queue.runtime` decides), written once as blocking code. The periodic ones run ``tick()``, wait
 ``interval`` seconds (or until woken), and on an error log it and back off, up to the
 configured reconnect cap, instead of dying: a lost database must never take a worker down.
+Each loop's dedicated connection is a :class:`Reconnecting` one: made again, on its next
+use, once it broke.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import time
 from typing import Any, ClassVar
 
+from ..driver import DbConnection, Driver
 from ..runtime import Condition, Event, Runtime, Strand, ThreadRuntime
 from ..sql import Backoff
 
@@ -22,6 +25,39 @@ def error_backoff(cap: float) -> Backoff:
     """0.05 s, 0.1 s, 0.2 s ... up to ``cap``: quick to retry a blip, never sleeping long
     after the database is back."""
     return Backoff(base=min(0.05, cap), factor=2.0, cap=cap, jitter=0.2)
+
+
+class Reconnecting:
+    """A dedicated connection of the driver's, made on first use and again on the use
+    after it broke (closed, known broken by psycopg, or cut by a deadline); ``listen``:
+    the channel it LISTENs on from each connect."""
+
+    def __init__(self, driver: Driver, purpose: str, *, listen: str | None = None) -> None:
+        self.driver = driver
+        self.purpose = purpose
+        self.listen = listen
+        self.conn: DbConnection | None = None
+        #: Connections made so far; above 1 means it reconnected.
+        self.connections = 0
+
+    def connect(self) -> DbConnection:
+        """The connection, a new one if there was none or it broke."""
+        conn = self.conn
+        if conn is None or conn.broken:
+            self.reset()
+            if self.listen is None:
+                conn = self.driver.connect(self.purpose)
+            else:
+                conn = self.driver.connect(self.purpose, listen=self.listen)
+            self.conn = conn
+            self.connections += 1
+        return conn
+
+    def reset(self) -> None:
+        """Close the connection (if any): the next :meth:`connect` makes a new one."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
 
 
 class Service:
@@ -51,11 +87,20 @@ class Service:
         """One round; may return how long to wait before the next (0: at once)."""
         raise NotImplementedError
 
+    #: The service's own connection, if it has one: dropped after an error of a round,
+    #: closed when the service ends.
+    link: Reconnecting | None = None
+
     def on_error(self, exc: BaseException) -> None:
-        """Called after ``tick()`` raised; drop broken connections here."""
+        """Called after ``tick()`` raised: the connection is dropped (the next round makes
+        a new one), as a statement that failed may have left it in any state."""
+        if self.link is not None:
+            self.link.reset()
 
     def close(self) -> None:
         """Called once in the service's thread after it stopped."""
+        if self.link is not None:
+            self.link.reset()
 
     # -- the shared shape --------------------------------------------------------------
 

@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from .. import sql as q
-from ..driver import DbConnection, Driver
-from ..model import QueueTable
-from .config import WorkerConfig
+from .context import WorkerContext
 from .producer import Producer
-from .service import Service
-from .stats import WorkerStats
-from .work_signal import WorkSignal
+from .service import Reconnecting, Service
 
 __all__ = ["SWEPT_PREFIX", "Sweeper"]
 
@@ -33,55 +28,35 @@ SWEEP_DEADLINE = 10.0
 
 class Sweeper(Service):
     name = "sweeper"
+    link: Reconnecting
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        driver: Driver,
-        qt: QueueTable,
-        stats: WorkerStats,
-        producer: Producer,
-        signal: WorkSignal,
-    ) -> None:
+    def __init__(self, ctx: WorkerContext, producer: Producer) -> None:
+        config, driver = ctx.config, ctx.driver
         super().__init__(config.sweep_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
-        self.stats = stats
+        self.stats = ctx.stats
         self.producer = producer
-        self.signal = signal
-        self.channel = driver.channel(qt.table)
-        table = qt.table
-        sweep = q.sweep_expired(table, limit=SWEEP_LIMIT).returning(table.c.queue)
-        self._sweep = driver.compile(sweep)
-        self._conn: DbConnection | None = None
+        self.signal = ctx.signal
+        self.ops = ctx.ops
+        self.channel = ctx.ops.channel
+        self.link = Reconnecting(driver, "sqla_queue sweeper")
 
     def tick(self) -> float | None:
-        conn = self._conn
-        if conn is None or conn.broken:
-            self.close()
-            self._conn = conn = self.driver.connect("sqla_queue sweeper")
+        conn = self.link.connect()
         with self.driver.deadline(conn, SWEEP_DEADLINE):
-            swept = conn.execute(self._sweep, {})
-            if swept:
-                queues = sorted({row[2] for row in swept})
+            swept = self.ops.sweep(conn, limit=SWEEP_LIMIT)
+            queues = swept.queues
+            if queues:
                 # The queue names wake idle workers; the marked ones also tell them that
                 # isolated jobs wait (a claim of one each, at once, not at the next poll).
                 self.driver.notify(conn, self.channel, [*queues, *(SWEPT_PREFIX + queue for queue in queues)])
-        if swept:
-            self.stats.add("swept", len(swept))
-            back = sum(1 for row in swept if row[1] == "pending")
-            dead = [row[0] for row in swept if row[1] == "failed"]
+        if swept.total:
+            self.stats.add("swept", swept.total)
+            dead = swept.dead
             log.warning(
                 "sweeper: %d expired lease(s): %d back to pending (isolated), %d dead-lettered %s",
-                len(swept), back, len(dead), dead[:20] if dead else "",
+                swept.total, swept.back, len(dead), dead[:20] if dead else "",
             )
             self.producer.look_for_isolated()
             self.signal.wake()
-        return 0.0 if len(swept) == SWEEP_LIMIT else None
-
-    def on_error(self, exc: BaseException) -> None:
-        self.close()
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+        return 0.0 if swept.total == SWEEP_LIMIT else None

@@ -163,3 +163,51 @@ def test_the_enqueue_side_never_imports_the_worker(module: str) -> None:
     worker = {m for m in _reachable(graph, module) if m == "sqla_queue.worker" or m.startswith("sqla_queue.worker.")}
     assert not worker, f"{module} reaches {sorted(worker)}"
     assert "sqla_queue.driver" not in _reachable(graph, module), f"{module} reaches the worker's driver"
+
+
+#: The services of the worker: they call the operations layer, never a statement builder.
+WORKER_MODULES = sorted(m for m in MODULES if m.startswith("sqla_queue.worker."))
+#: What a worker module may take from sqla_queue.sql: the value types defined there.
+SQL_VALUE_TYPES = frozenset({"ClaimToken", "Backoff"})
+
+
+def _sql_imports(module: str) -> list[str]:
+    """What ``module`` imports of ``sqla_queue.sql``: ``"sql"`` for the module itself
+    (``from .. import sql``, ``import sqla_queue.sql``), else each name taken from it."""
+    found: list[str] = []
+    path = MODULES[module]
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if "sqla_queue.sql" not in _resolve(module, node):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module is not None and node.module.endswith("sql"):
+            found += [alias.name for alias in node.names]
+        else:
+            found.append("sql")
+    return found
+
+
+def test_the_scan_sees_imports_of_sql() -> None:
+    """The checks below would pass on nothing if the scan missed these."""
+    assert "sql" in _sql_imports("sqla_queue.ops")  # from . import sql as q
+    assert "is_solitary" in _sql_imports("sqla_queue.ops")  # from .sql import ClaimToken, is_solitary
+    assert "Backoff" in _sql_imports("sqla_queue.worker.service")
+    assert len(WORKER_MODULES) >= 10, WORKER_MODULES
+
+
+@pytest.mark.parametrize("module", WORKER_MODULES)
+def test_no_service_imports_the_statement_builders(module: str) -> None:
+    """Only the operations layer (sqla_queue.ops) picks, compiles and binds statements."""
+    taken = set(_sql_imports(module)) - SQL_VALUE_TYPES
+    assert not taken, f"{module} imports {sorted(taken)} of sqla_queue.sql: call sqla_queue.ops instead"
+
+
+@pytest.mark.parametrize("module", WORKER_MODULES)
+def test_no_service_names_a_statement_parameter(module: str) -> None:
+    """Bind names (the ``*_PARAM`` constants) belong to the operations layer."""
+    source = MODULES[module].read_text()
+    assert "_PARAM" not in source, f"{module} names a statement parameter"
+
+
+def test_the_driver_runs_statements_without_picking_them() -> None:
+    """The transport knows no statement builder: the operations layer hands it compiled ones."""
+    assert _sql_imports("sqla_queue.driver") == []

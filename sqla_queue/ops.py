@@ -1,0 +1,471 @@
+"""The operations layer: every statement the worker runs on one queue table, as typed calls.
+
+One :class:`QueueOps` per worker and queue table owns the statements of
+:mod:`sqla_queue.sql` it runs, each compiled once through the driver
+(:meth:`~sqla_queue.driver.Driver.compile`), the names their parameters are bound by,
+and the decoding of their rows. The services of :mod:`sqla_queue.worker` call its
+methods with tokens, owners and keys, and get tokens, statuses and model instances back:
+no statement, parameter name or column position leaves this module. A new transition is
+a builder in :mod:`sqla_queue.sql` plus a method here; :class:`Operations` is the shape
+the services rely on, so an in-memory stand-in can replace the database in unit tests.
+
+The claim's rows are read on the hot path: one token, one model instance and one small
+tuple per row, the values of a statement built as one dict per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, TypeAlias, cast
+
+from sqlalchemy import Connection
+
+from . import sql as q
+from .driver import DbConnection, Driver, RowError, Statement
+from .loader import RowLoader
+from .model import queue_table
+from .sql import ClaimToken, is_solitary
+
+__all__ = [
+    "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RowProblem", "Swept", "TokenState",
+]
+
+#: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
+_new_tuple = tuple.__new__
+
+#: What a statement that moves tokens moved: each token it matched, and the status it left
+#: the job in (``done``, ``failed``, ``pending``). A token missing from it was not moved:
+#: its lease was lost.
+Moved: TypeAlias = dict[ClaimToken, str]
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A claim to run: for whom, how many, which kind, and what the operations object
+    that made it runs (its statements and their values, opaque to the caller)."""
+
+    #: The lease owner it claims for (an executor's own name; see the worker's ledger).
+    owner: str
+    limit: int
+    isolated: bool = False
+    #: Keys the claim passes over (rows no claim can update), or None.
+    skip: Sequence[Any] | None = None
+    #: The one key the claim takes, if it is claimable (None: any).
+    key: Any = None
+    #: Its mark among the claims in flight (see :meth:`~sqla_queue.worker.ledger.Ledger.begin_claim`).
+    in_flight: int = 0
+    statement: Statement | None = None
+    values: Mapping[str, Any] | None = None
+    #: The same claim behind a completion, as one statement (None: it cannot follow one).
+    after_completion: Statement | None = None
+
+
+class RowProblem(NamedTuple):
+    """Why a claimed row did not become a model instance: ``what`` failed, and how."""
+
+    what: str
+    error: BaseException
+
+
+class Claimed(NamedTuple):
+    """A claimed row: its token, the model instance (None if the row could not be read or
+    loaded: ``problem`` says why), and whether it must run with no other job in its
+    worker (an isolated job whose lease expired on its last two attempts)."""
+
+    token: ClaimToken
+    job: Any
+    problem: RowProblem | None
+    solitary: bool
+
+
+class TokenState(NamedTuple):
+    """A job's row as :func:`~sqla_queue.sql.token_states` reads it, to tell whether a
+    statement whose answer was lost had landed."""
+
+    job_id: Any
+    attempt: int
+    status: str
+    lease_owner: str | None
+    isolated: bool
+    last_error: str | None
+
+
+class Swept(NamedTuple):
+    """What one sweep did: how many expired leases it moved, how many of those went back to
+    ``pending`` (isolated), the keys dead-lettered, and the queues (sorted) to wake."""
+
+    total: int
+    back: int
+    dead: list[Any]
+    queues: list[str]
+
+
+class Operations(Protocol):
+    """What the worker's services do to the queue table: :class:`QueueOps`, or a stand-in.
+
+    ``conn`` is the connection to run on (the services pick and reconnect it, and bound
+    every call but the claims by a deadline of their own); every transition after a
+    claim is fenced by owner and attempt.
+    """
+
+    #: The NOTIFY channel of the queue table (under the engine's schema map).
+    channel: str
+
+    def check_table(self) -> None:
+        """Fail fast if the table is missing or lacks the queue columns; learn its column types."""
+
+    def claim_request(
+        self, owner: str, limit: int, *, isolated: bool = False, skip: Sequence[Any] | None = None,
+        key: Any = None, in_flight: int = 0,
+    ) -> ClaimRequest:
+        """A claim for ``owner`` of up to ``limit`` jobs (an isolated one takes one; with
+        ``key``, that job only), passing over ``skip``."""
+
+    def fetch_claimed(self, conn: DbConnection, request: ClaimRequest) -> list[Claimed]:
+        """Run ``request`` (under the statement deadline); each row claimed, read one by
+        one if one cannot be read."""
+
+    def complete_then_claim(
+        self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest
+    ) -> tuple[Moved, list[Claimed]]:
+        """``tokens`` done under ``request.owner`` and ``request`` claimed, in one
+        statement (one transaction): what was completed, and what was claimed."""
+
+    def claim_candidates(
+        self, conn: DbConnection, *, isolated: bool, limit: int, skip: Sequence[Any]
+    ) -> list[Any]:
+        """The keys the claim would take next, in its order, without claiming them."""
+
+    def fail_unclaimable(self, conn: DbConnection, key: Any, error: str) -> bool:
+        """Dead-letter the pending job ``key`` no claim can update; whether it was."""
+
+    def release_lost_claims(self, conn: DbConnection, owner: str, keep: Sequence[ClaimToken]) -> list[Any]:
+        """Back to pending, attempt refunded, every job running under ``owner`` but ``keep``."""
+
+    def next_due(self, conn: DbConnection) -> float | None:
+        """Seconds until the next delayed job falls due (None: none waits)."""
+
+    def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
+        """``done`` for every token ``owner`` still holds."""
+
+    def retry(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
+        delays: Sequence[float],
+    ) -> Moved:
+        """Failed attempts: ``pending`` after each delay (seconds), or ``failed`` when exhausted."""
+
+    def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
+        """Dead-letter now."""
+
+    def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
+        """Back to ``pending`` at once; ``refund`` gives the attempt back."""
+
+    def token_states(self, conn: DbConnection, job_ids: Sequence[Any]) -> list[TokenState]:
+        """The rows of ``job_ids``, read without locking."""
+
+    def extend_leases(
+        self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None
+    ) -> set[ClaimToken]:
+        """The heartbeat: extend the tokens held by owners starting with ``owner_prefix``,
+        stepping over locked rows, and (``since``, seconds) the jobs leased that recently."""
+
+    def owned_tokens(self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
+        """Which of ``tokens`` owners starting with ``owner_prefix`` still hold."""
+
+    def sweep(self, conn: DbConnection, *, limit: int) -> Swept:
+        """Expired leases back to ``pending`` (isolated), or ``failed`` when exhausted."""
+
+    def complete_in_transaction(self, sa: Connection, owner: str, token: ClaimToken) -> bool:
+        """The transactional completion, in the transaction ``sa`` (the handler's) is in."""
+
+
+def _int_array(values: list[Any]) -> Any:
+    """Integers as a PostgreSQL array literal (``'{1,2,3}'``, cast by the statement):
+    psycopg dumps a list element by element in Python, the literal is built in C."""
+    if all(type(v) is int for v in values):
+        return "{" + ",".join(map(str, values)) + "}"
+    return values
+
+
+def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any]:
+    """The owner and tokens of a token statement, as its parameters."""
+    return {
+        q.OWNER_PARAM: owner,
+        q.IDS_PARAM: _int_array([t[0] for t in tokens]),
+        q.ATTEMPTS_PARAM: _int_array([t[1] for t in tokens]),
+    }
+
+
+class QueueOps:
+    """The statements one worker runs on one queue table, compiled once, as typed calls.
+
+    ``model``: the mapped class (a single-table-inheritance subclass claims its own rows);
+    ``queues``: the queues claimed (None: all); ``lease``: seconds a claim or a heartbeat
+    leases a job for; ``statement_deadline``: the seconds after which the caller gives a
+    statement up, past which a claim the server runs late claims nothing
+    (:func:`~sqla_queue.sql.still_fresh`).
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        model: Any,
+        *,
+        queues: Sequence[str] | None = None,
+        lease: float = 30.0,
+        statement_deadline: float = 30.0,
+    ) -> None:
+        qt = queue_table(model)
+        table = qt.table
+        self.driver = driver
+        self.table = table
+        self.model = model
+        self.queues = tuple(queues) if queues is not None else None
+        self.lease = float(lease)
+        self.statement_deadline = float(statement_deadline)
+        self.channel = driver.channel(table)
+        compile_ = driver.compile
+        # Every claim is guarded (fresh=True): one its caller gave up on (the deadline
+        # dropped its connection) claims nothing if the server runs it later.
+        self._claims: dict[bool, tuple[Statement, Statement]] = {
+            isolated: (
+                compile_(q.claim_template(model, queues=queues, isolated=isolated, fresh=True)),
+                compile_(q.complete_many_if_owner_then_claim(model, queues=queues, isolated=isolated, fresh=True)),
+            )
+            for isolated in (False, True)
+        }
+        self._next_due = compile_(q.next_run_after(model, queues=queues))
+        self._release_lost = compile_(q.release_lost_claims(table))
+        self._fail_unclaimable = compile_(q.fail_unclaimable(table))
+        self._done = compile_(q.complete_many_if_owner(table))
+        self._retry = compile_(q.retry_many_if_owner(table))
+        self._fail = compile_(q.fail_many_if_owner(table))
+        self._release = {
+            refund: compile_(q.release_many_if_owner(table, refund_attempt=refund)) for refund in (True, False)
+        }
+        self._states = compile_(q.token_states(table))
+        # Every executor claims under a name of its own, each starting with the worker's.
+        self._extend = compile_(q.extend_unlocked_leases_if_owner(table, owner_prefix=True))
+        self._owned = compile_(q.owned_tokens(table, owner_prefix=True))
+        #: Run by SQLAlchemy on the handler's connection (its own cache compiles it once).
+        self._complete_one = q.complete_template(table, single=True)
+        #: Statements for the rare cases, compiled when first needed.
+        self._rare: dict[tuple[str, bool], Statement] = {}
+        self._sweeps: dict[int, Statement] = {}
+        columns = list(table.c)
+        where = {id(c): n for n, c in enumerate(columns)}  # by identity: == makes SQL
+        self._pk_index = where[id(qt.pk)]
+        self._attempt_index = where[id(qt.c.attempts)]
+        self._isolated_index = where[id(qt.c.isolated)]
+        self._last_error_index = where[id(qt.c.last_error)]
+        self._loader = RowLoader(qt.mapped_class or model, columns, driver.dialect)
+
+    def check_table(self) -> None:
+        """Fail fast (:class:`~sqla_queue.driver.WorkerStartError`) when the table is
+        missing or lacks the queue columns; load claimed rows with the types the server
+        reports for its columns."""
+        self._loader.use_type_codes(self.driver.check_table(self.table))
+
+    # -- claims ------------------------------------------------------------------------
+
+    def claim_request(
+        self, owner: str, limit: int, *, isolated: bool = False, skip: Sequence[Any] | None = None,
+        key: Any = None, in_flight: int = 0,
+    ) -> ClaimRequest:
+        """A claim for ``owner`` of up to ``limit`` jobs; an isolated claim takes one.
+        ``skip``: keys to pass over; ``key``: claim that job only, if it is claimable."""
+        if isolated:
+            limit = 1
+        values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self.lease,
+                  q.FRESH_PARAM: self.statement_deadline}
+        if key is not None:
+            values[q.LIMIT_PARAM] = limit = 1
+            values[q.KEY_PARAM] = key
+            by_key = self._statement("by_key", isolated)
+            return ClaimRequest(owner, limit, isolated, None, key, in_flight, by_key, values)
+        if skip is None:
+            claim, after = self._claims[isolated]
+        else:
+            values[q.SKIP_PARAM] = list(skip)
+            claim, after = self._statement("claim", isolated), self._statement("after_completion", isolated)
+        return ClaimRequest(owner, limit, isolated, skip, None, in_flight, claim, values, after)
+
+    def fetch_claimed(self, conn: DbConnection, request: ClaimRequest) -> list[Claimed]:
+        """Run the claim ``request``; a row that cannot be read or loaded comes back with
+        its problem, the others as model instances.
+
+        The call is cut short after ``statement_deadline`` (its connection dropped, see
+        :meth:`~sqla_queue.driver.Driver.deadline`); the rows are loaded after it, so the
+        model's own code (a reconstructor, a slow type) never counts against it."""
+        assert request.statement is not None and request.values is not None
+        with self.driver.deadline(conn, self.statement_deadline):
+            rows = conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
+        return self._claimed(rows, request.isolated)
+
+    def complete_then_claim(
+        self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest
+    ) -> tuple[Moved, list[Claimed]]:
+        """Record ``tokens`` done under ``request.owner`` and run the claim ``request``,
+        in one statement: one round trip, one transaction, one commit. Returns the tokens
+        completed and the rows claimed. Under the deadline as :meth:`fetch_claimed`."""
+        stmt = request.after_completion
+        assert stmt is not None and request.values is not None
+        values = token_values(request.owner, tokens)
+        values.update(request.values)
+        pk, attempt = self._pk_index, self._attempt_index
+        with self.driver.deadline(conn, self.statement_deadline):
+            rows = conn.fetch_claimed(stmt, values, pk, attempt)
+        done: Moved = {}
+        claimed: list[tuple[Any, ...] | RowError] = []
+        for row in rows:  # the last column tells a completed token's row from a claimed one
+            if isinstance(row, RowError) or not row[-1]:
+                claimed.append(row)
+            else:
+                done[cast(ClaimToken, (row[pk], row[attempt]))] = "done"
+        return done, self._claimed(claimed, request.isolated)
+
+    def _claimed(self, rows: list[tuple[Any, ...] | RowError], isolated: bool) -> list[Claimed]:
+        pk, attempt = self._pk_index, self._attempt_index
+        load = self._loader.load
+        found: list[Claimed] = []
+        append = found.append
+        for row in rows:
+            if isinstance(row, RowError):
+                problem = RowProblem("cannot read the row", row.error)
+                append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False)))
+                continue
+            token = _new_tuple(ClaimToken, (row[pk], row[attempt]))
+            solitary = isolated and is_solitary(row[self._isolated_index], row[self._last_error_index])
+            try:
+                job = load(row)
+            except Exception as exc:  # noqa: BLE001 - this row fails alone
+                problem = RowProblem("cannot load the row as the model", exc)
+                append(_new_tuple(Claimed, (token, None, problem, solitary)))
+                continue
+            append(_new_tuple(Claimed, (token, job, None, solitary)))
+        return found
+
+    def claim_candidates(
+        self, conn: DbConnection, *, isolated: bool, limit: int, skip: Sequence[Any]
+    ) -> list[Any]:
+        """The keys the claim would take next, in its order, without claiming or locking
+        them, passing over ``skip``."""
+        rows = conn.execute(self._statement("candidates", isolated), {q.LIMIT_PARAM: limit, q.SKIP_PARAM: list(skip)})
+        return [row[0] for row in rows]
+
+    def fail_unclaimable(self, conn: DbConnection, key: Any, error: str) -> bool:
+        """Dead-letter the pending job ``key``, which no claim can update, with ``error``;
+        False when its row cannot be updated this way either (or is no longer pending)."""
+        return bool(conn.execute(self._fail_unclaimable, {q.KEY_PARAM: key, q.ERROR_PARAM: error}))
+
+    def release_lost_claims(self, conn: DbConnection, owner: str, keep: Sequence[ClaimToken]) -> list[Any]:
+        """Back to ``pending``, attempt refunded, every job running under ``owner`` except
+        the tokens ``keep`` (nothing once the statement is older than the deadline).
+        Returns the keys given back."""
+        values = token_values(owner, keep)
+        values[q.FRESH_PARAM] = self.statement_deadline
+        return [row[0] for row in conn.execute(self._release_lost, values)]
+
+    def next_due(self, conn: DbConnection) -> float | None:
+        """Seconds until the next delayed job of the queues falls due (zero or less: due
+        already), None when none waits."""
+        rows = conn.execute(self._next_due, {})
+        seconds = rows[0][0] if rows else None
+        return None if seconds is None else float(seconds)
+
+    # -- outcomes ----------------------------------------------------------------------
+
+    def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
+        """``done`` for every token ``owner`` still holds."""
+        return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._done, token_values(owner, tokens))), "done")
+
+    def retry(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
+        delays: Sequence[float],
+    ) -> Moved:
+        """Each token back to ``pending`` after its delay (seconds) with its error, or
+        ``failed`` once its attempts are used up: the status each was left in."""
+        values = token_values(owner, tokens)
+        values[q.ERRORS_PARAM] = list(errors)
+        values[q.DELAYS_PARAM] = list(delays)
+        return {cast(ClaimToken, (row[0], row[1])): row[2] for row in conn.execute(self._retry, values)}
+
+    def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
+        """Dead-letter each token now, with its error."""
+        values = token_values(owner, tokens)
+        values[q.ERRORS_PARAM] = list(errors)
+        return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._fail, values)), "failed")
+
+    def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
+        """Back to ``pending`` at once; ``refund`` gives the attempt back (jobs never
+        started)."""
+        rows = conn.execute(self._release[refund], token_values(owner, tokens))
+        return dict.fromkeys(cast(list[ClaimToken], rows), "pending")
+
+    def token_states(self, conn: DbConnection, job_ids: Sequence[Any]) -> list[TokenState]:
+        """The state of the jobs ``job_ids``, read without locking: did a statement whose
+        answer was lost land?"""
+        rows = conn.execute(self._states, {q.IDS_PARAM: _int_array(list(job_ids))})
+        return [TokenState(*row) for row in rows]
+
+    def complete_in_transaction(self, sa: Connection, owner: str, token: ClaimToken) -> bool:
+        """The fenced completion of ``token``, on the SQLAlchemy connection the handler's
+        transaction runs on, so it commits with the handler's writes or not at all.
+        False when the lease was lost: roll back."""
+        values = {q.OWNER_PARAM: owner, q.JOB_PARAM: token[0], q.ATTEMPT_PARAM: token[1]}
+        return sa.execute(self._complete_one, values).first() is not None
+
+    # -- leases ------------------------------------------------------------------------
+
+    def extend_leases(
+        self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None
+    ) -> set[ClaimToken]:
+        """Extend by the lease the tokens held by owners whose names start with
+        ``owner_prefix``, stepping over rows another transaction has locked; ``since``
+        (seconds): also every job of those owners whose lease was set that recently (a
+        claim whose answer is not read yet). Returns the tokens extended."""
+        values = token_values(owner_prefix, tokens)
+        values[q.LEASE_PARAM] = self.lease
+        if since is not None:
+            values[q.SINCE_PARAM] = since
+        return set(cast(list[ClaimToken], conn.execute(self._extend, values)))
+
+    def owned_tokens(self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
+        """Which of ``tokens`` owners starting with ``owner_prefix`` still hold, read
+        without locking."""
+        return set(cast(list[ClaimToken], conn.execute(self._owned, token_values(owner_prefix, tokens))))
+
+    def sweep(self, conn: DbConnection, *, limit: int) -> Swept:
+        """Up to ``limit`` expired leases back to ``pending`` (isolated), or ``failed``
+        when their attempts are used up."""
+        stmt = self._sweeps.get(limit)
+        if stmt is None:
+            sweep = q.sweep_expired(self.table, limit=limit).returning(self.table.c.queue)
+            stmt = self._sweeps[limit] = self.driver.compile(sweep)
+        rows = conn.execute(stmt, {})
+        return Swept(
+            len(rows),
+            sum(1 for row in rows if row[1] == "pending"),
+            [row[0] for row in rows if row[1] == "failed"],
+            sorted({row[2] for row in rows}),
+        )
+
+    # -- the rare statements -----------------------------------------------------------
+
+    def _statement(self, kind: str, isolated: bool) -> Statement:
+        found = self._rare.get((kind, isolated))
+        if found is None:
+            model, queues = self.model, self.queues
+            if kind == "claim":
+                stmt: Any = q.claim_template(model, queues=queues, isolated=isolated, skip=True, fresh=True)
+            elif kind == "after_completion":
+                stmt = q.complete_many_if_owner_then_claim(
+                    model, queues=queues, isolated=isolated, skip=True, fresh=True
+                )
+            elif kind == "candidates":
+                stmt = q.claim_candidates(model, queues=queues, isolated=isolated)
+            else:
+                stmt = q.claim_template(model, queues=queues, isolated=isolated, by_key=True, fresh=True)
+            found = self._rare[(kind, isolated)] = self.driver.compile(stmt)
+        return found

@@ -1,0 +1,287 @@
+"""An in-memory stand-in for the operations layer (:class:`sqla_queue.ops.Operations`),
+for unit tests of the services without a database.
+
+It keeps jobs as plain records and applies the same rules as the statements: every
+transition after a claim is fenced by status, owner and attempt, a retry dead-letters an
+exhausted job, a release may refund the attempt. Faults are injected per method: a call
+may raise, after its effect landed (an answer lost with its connection) or before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import psycopg
+
+from sqla_queue.driver import Driver
+from sqla_queue.ops import Claimed, ClaimRequest, Moved, Operations, Swept, TokenState
+from sqla_queue.sql import ClaimToken, is_solitary
+
+__all__ = ["Fault", "FakeConn", "FakeDriver", "FakeJob", "FakeOps", "connection_lost", "rejected"]
+
+
+def connection_lost() -> psycopg.OperationalError:
+    """What psycopg raises when the server or the link goes away."""
+    return psycopg.OperationalError("server closed the connection unexpectedly")
+
+
+def rejected() -> psycopg.Error:
+    """An error of the statement itself (a value the server refuses), not of the connection."""
+    return psycopg.errors.CharacterNotInRepertoire("invalid byte sequence for encoding")
+
+
+class Fault(NamedTuple):
+    """Raise ``error`` from the next call; ``lands``: after its effect was applied."""
+
+    error: BaseException
+    lands: bool = False
+
+
+@dataclass
+class FakeJob:
+    id: int
+    queue: str = "default"
+    status: str = "pending"
+    attempts: int = 0
+    max_attempts: int = 5
+    priority: int = 0
+    lease_owner: str | None = None
+    lease_expires_at: float | None = None
+    isolated: bool = False
+    last_error: str | None = None
+
+
+class FakeConn:
+    """A connection that is only ever closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.broken = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeDriver:
+    """What a service asks of the driver besides the operations: deadlines and error kinds."""
+
+    is_connection_error = staticmethod(Driver.is_connection_error)
+
+    def deadline(self, conn: Any, seconds: float) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
+@dataclass
+class FakeOps:
+    """:class:`~sqla_queue.ops.Operations` in memory."""
+
+    queues: Sequence[str] | None = None
+    lease: float = 30.0
+    channel: str = "fake_jobs"
+    jobs: dict[int, FakeJob] = field(default_factory=dict)
+    #: Faults to raise, in order, by method name.
+    faults: dict[str, list[Fault]] = field(default_factory=dict)
+    #: Error texts the "server" refuses (raises :func:`rejected`).
+    rejects: Callable[[str], bool] = lambda error: False
+    #: Every call made, by method name.
+    calls: list[str] = field(default_factory=list)
+
+    def add(self, n: int = 1, **values: Any) -> list[int]:
+        first = max(self.jobs, default=0) + 1
+        for job_id in range(first, first + n):
+            self.jobs[job_id] = FakeJob(job_id, **values)
+        return list(range(first, first + n))
+
+    def _call(self, name: str, apply: Callable[[], Any]) -> Any:
+        self.calls.append(name)
+        planned = self.faults.get(name)
+        fault = planned.pop(0) if planned else None
+        if fault is None:
+            return apply()
+        if fault.lands:
+            apply()
+        raise fault.error
+
+    def _held(self, owner: str, token: tuple[Any, int], *, prefix: bool = False) -> FakeJob | None:
+        job = self.jobs.get(token[0])
+        if job is None or job.status != "running" or job.attempts != token[1] or job.lease_owner is None:
+            return None
+        if job.lease_owner != owner and not (prefix and job.lease_owner.startswith(owner)):
+            return None
+        return job
+
+    # -- Operations ----------------------------------------------------------------------
+
+    def check_table(self) -> None:
+        self.calls.append("check_table")
+
+    def claim_request(
+        self, owner: str, limit: int, *, isolated: bool = False, skip: Sequence[Any] | None = None,
+        key: Any = None, in_flight: int = 0,
+    ) -> ClaimRequest:
+        limit = 1 if isolated or key is not None else limit
+        return ClaimRequest(owner, limit, isolated, None if key is not None else skip, key, in_flight)
+
+    def _claim(self, request: ClaimRequest) -> list[Claimed]:
+        skip = set(request.skip or ())
+        due = sorted(
+            (j for j in self.jobs.values()
+             if j.status == "pending" and j.isolated == request.isolated and j.id not in skip
+             and (self.queues is None or j.queue in self.queues)
+             and (request.key is None or j.id == request.key)),
+            key=lambda j: (-j.priority, j.id),
+        )[:request.limit]
+        claimed = []
+        for job in due:
+            job.status, job.attempts, job.lease_owner = "running", job.attempts + 1, request.owner
+            job.lease_expires_at = time.monotonic() + self.lease
+            solitary = request.isolated and is_solitary(job.isolated, job.last_error)
+            claimed.append(Claimed(ClaimToken(job.id, job.attempts), replace(job), None, solitary))
+        return claimed
+
+    def fetch_claimed(self, conn: Any, request: ClaimRequest) -> list[Claimed]:
+        result: list[Claimed] = self._call("fetch_claimed", lambda: self._claim(request))
+        return result
+
+    def complete_then_claim(
+        self, conn: Any, tokens: Sequence[ClaimToken], request: ClaimRequest
+    ) -> tuple[Moved, list[Claimed]]:
+        def both() -> tuple[Moved, list[Claimed]]:
+            return self._complete(request.owner, tokens), self._claim(request)
+
+        result: tuple[Moved, list[Claimed]] = self._call("complete_then_claim", both)
+        return result
+
+    def claim_candidates(self, conn: Any, *, isolated: bool, limit: int, skip: Sequence[Any]) -> list[Any]:
+        pending = sorted((j for j in self.jobs.values() if j.status == "pending" and j.isolated == isolated
+                          and j.id not in set(skip)), key=lambda j: (-j.priority, j.id))
+        return [j.id for j in pending[:limit]]
+
+    def fail_unclaimable(self, conn: Any, key: Any, error: str) -> bool:
+        job = self.jobs.get(key)
+        if job is None or job.status != "pending":
+            return False
+        job.status, job.last_error = "failed", error
+        return True
+
+    def release_lost_claims(self, conn: Any, owner: str, keep: Sequence[ClaimToken]) -> list[Any]:
+        kept = {(t[0], t[1]) for t in keep}
+        back = [j for j in self.jobs.values()
+                if j.status == "running" and j.lease_owner == owner and (j.id, j.attempts) not in kept]
+        for job in back:
+            job.status, job.lease_owner, job.lease_expires_at, job.attempts = "pending", None, None, job.attempts - 1
+        return [j.id for j in back]
+
+    def next_due(self, conn: Any) -> float | None:
+        return None
+
+    def _complete(self, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
+        moved: Moved = {}
+        for token in tokens:
+            job = self._held(owner, token)
+            if job is not None:
+                job.status, job.lease_expires_at = "done", None
+                moved[token] = "done"
+        return moved
+
+    def complete(self, conn: Any, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
+        result: Moved = self._call("complete", lambda: self._complete(owner, tokens))
+        return result
+
+    def retry(
+        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str], delays: Sequence[float]
+    ) -> Moved:
+        def apply() -> Moved:
+            if any(self.rejects(e) for e in errors):
+                raise rejected()
+            moved: Moved = {}
+            for token, error in zip(tokens, errors, strict=True):
+                job = self._held(owner, token)
+                if job is None:
+                    continue
+                job.last_error, job.lease_expires_at, job.isolated = error, None, False
+                if job.attempts >= job.max_attempts:
+                    job.status = "failed"
+                else:
+                    job.status, job.lease_owner = "pending", None
+                moved[token] = job.status
+            return moved
+
+        result: Moved = self._call("retry", apply)
+        return result
+
+    def fail(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
+        def apply() -> Moved:
+            if any(self.rejects(e) for e in errors):
+                raise rejected()
+            moved: Moved = {}
+            for token, error in zip(tokens, errors, strict=True):
+                job = self._held(owner, token)
+                if job is not None:
+                    job.status, job.last_error, job.lease_expires_at = "failed", error, None
+                    moved[token] = "failed"
+            return moved
+
+        result: Moved = self._call("fail", apply)
+        return result
+
+    def release(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
+        def apply() -> Moved:
+            moved: Moved = {}
+            for token in tokens:
+                job = self._held(owner, token)
+                if job is not None:
+                    job.status, job.lease_owner, job.lease_expires_at = "pending", None, None
+                    job.attempts -= 1 if refund else 0
+                    moved[token] = "pending"
+            return moved
+
+        result: Moved = self._call("release", apply)
+        return result
+
+    def token_states(self, conn: Any, job_ids: Sequence[Any]) -> list[TokenState]:
+        def apply() -> list[TokenState]:
+            found = [self.jobs[i] for i in job_ids if i in self.jobs]
+            return [TokenState(j.id, j.attempts, j.status, j.lease_owner, j.isolated, j.last_error) for j in found]
+
+        result: list[TokenState] = self._call("token_states", apply)
+        return result
+
+    def extend_leases(
+        self, conn: Any, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None
+    ) -> set[ClaimToken]:
+        def apply() -> set[ClaimToken]:
+            extended = set()
+            for token in tokens:
+                job = self._held(owner_prefix, token, prefix=True)
+                if job is not None:
+                    job.lease_expires_at = time.monotonic() + self.lease
+                    extended.add(token)
+            return extended
+
+        result: set[ClaimToken] = self._call("extend_leases", apply)
+        return result
+
+    def owned_tokens(self, conn: Any, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
+        return {t for t in tokens if self._held(owner_prefix, t, prefix=True) is not None}
+
+    def sweep(self, conn: Any, *, limit: int) -> Swept:
+        now = time.monotonic()
+        expired = [j for j in self.jobs.values()
+                   if j.status == "running" and j.lease_expires_at is not None and j.lease_expires_at < now][:limit]
+        for job in expired:
+            job.status = "failed" if job.attempts >= job.max_attempts else "pending"
+            job.lease_owner, job.lease_expires_at, job.isolated = None, None, True
+        return Swept(len(expired), sum(1 for j in expired if j.status == "pending"),
+                     [j.id for j in expired if j.status == "failed"], sorted({j.queue for j in expired}))
+
+    def complete_in_transaction(self, sa: Any, owner: str, token: ClaimToken) -> bool:
+        return bool(self._complete(owner, [token]))
+
+
+def _conforms(ops: FakeOps) -> Operations:
+    return ops  # mypy checks that the fake has the shape of the real one

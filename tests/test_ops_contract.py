@@ -1,0 +1,135 @@
+"""The operations contract, said through :class:`~sqla_queue.ops.Operations` alone and run
+on the real layer (both drivers, PostgreSQL) and on the in-memory fake of
+``tests/fakes.py``: what the unit tests learn from the fake is what the database does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import Engine, insert
+
+from sqla_queue.ops import Operations
+from sqla_queue.sql import ClaimToken
+
+from .fakes import FakeJob, FakeOps
+from .test_ops import on_driver
+from .workers import TASKS
+
+T = TypeVar("T")
+
+
+class Backend:
+    """``ops(...)`` makes an operations object, ``add(n, ...)`` inserts jobs, ``run(fn)``
+    runs ``fn(conn)``."""
+
+    def __init__(self, make: Callable[..., Operations], add: Callable[..., list[Any]],
+                 run: Callable[[Callable[[Any], Any]], Any]) -> None:
+        self.ops, self.add, self._run = make, add, run
+
+    def __call__(self, fn: Callable[[Any], T]) -> T:
+        result: T = self._run(fn)
+        return result
+
+    def states(self, ops: Operations, ids: list[Any]) -> dict[Any, tuple[str, int, str | None]]:
+        return {s.job_id: (s.status, s.attempt, s.lease_owner) for s in self(lambda c: ops.token_states(c, ids))}
+
+
+@pytest.fixture(params=["thread", "asyncio", "fake"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    if request.param == "fake":
+        jobs: dict[int, FakeJob] = {}
+
+        def make_fake(**options: Any) -> Operations:
+            return FakeOps(jobs=jobs, **{k: v for k, v in options.items() if k in ("queues", "lease")})
+
+        def add_fake(n: int, *, queue: str = "a", **values: Any) -> list[int]:
+            first = max(jobs, default=0) + 1
+            for job_id in range(first, first + n):
+                jobs[job_id] = FakeJob(job_id, queue=queue, **values)
+            return list(range(first, first + n))
+
+        yield Backend(make_fake, add_fake, lambda fn: fn(None))
+        return
+    engine: Engine = request.getfixturevalue("engine")
+
+    def add_real(n: int, *, queue: str = "a", **values: Any) -> list[int]:
+        with engine.begin() as conn:
+            stmt = insert(TASKS).values(queue=queue, task="t", **values).returning(
+                TASKS.c.id, sort_by_parameter_order=True)
+            return list(conn.scalars(stmt, [{}] * n))
+
+    with on_driver(request.param, engine) as on:
+        yield Backend(on.ops, add_real, on)
+
+
+@pytest.mark.parametrize("queues", [None, ("a",), ("a", "b")])
+def test_claims_are_fenced_by_owner_and_attempt(backend: Backend, queues: tuple[str, ...] | None) -> None:
+    ids = backend.add(2, queue="a") + backend.add(1, queue="b") + backend.add(1, queue="c")
+    ops = backend.ops(queues=queues)
+    claimed = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w/0.0", 10)))
+    wanted = {(): ids, ("a",): ids[:2], ("a", "b"): ids[:3]}[queues or ()]
+    tokens = sorted(c.token for c in claimed)
+    assert tokens == [ClaimToken(i, 1) for i in wanted]
+    assert backend(lambda c: ops.complete(c, "w/1.0", tokens)) == {}
+    assert backend(lambda c: ops.complete(c, "w/0.0", [ClaimToken(i, 2) for i in wanted])) == {}
+    assert backend(lambda c: ops.complete(c, "w/0.0", tokens[:1])) == {tokens[0]: "done"}
+    assert backend(lambda c: ops.complete(c, "w/0.0", tokens[:1])) == {}
+    states = backend.states(ops, wanted)
+    assert states[wanted[0]] == ("done", 1, "w/0.0")
+    assert {states[i] for i in wanted[1:]} == {("running", 1, "w/0.0")}
+
+
+def test_retry_fail_and_release_leave_the_states_the_statements_do(backend: Backend) -> None:
+    again, exhausted, dead, back, handed = (backend.add(1, max_attempts=m)[0] for m in (3, 1, 3, 3, 3))
+    ops = backend.ops()
+    claimed = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10)))
+    token = {c.token.job_id: c.token for c in claimed}
+    moved = backend(lambda c: ops.retry(c, "w", [token[again], token[exhausted]], ["e1", "e2"], [0.0, 0.0]))
+    assert moved == {token[again]: "pending", token[exhausted]: "failed"}
+    assert backend(lambda c: ops.fail(c, "w", [token[dead]], ["boom"])) == {token[dead]: "failed"}
+    assert backend(lambda c: ops.release(c, "w", [token[back]], refund=True)) == {token[back]: "pending"}
+    assert backend(lambda c: ops.release(c, "w", [token[handed]], refund=False)) == {token[handed]: "pending"}
+    assert backend.states(ops, [again, exhausted, dead, back, handed]) == {
+        again: ("pending", 1, None), exhausted: ("failed", 1, "w"), dead: ("failed", 1, "w"),
+        back: ("pending", 0, None), handed: ("pending", 1, None),
+    }
+
+
+@pytest.mark.parametrize("skipped", [1, 2])
+def test_skipped_keys_isolated_jobs_and_claims_by_key(backend: Backend, skipped: int) -> None:
+    ids = backend.add(4)
+    lone = backend.add(2, isolated=True)
+    ops = backend.ops()
+    claimed = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10, skip=ids[:skipped])))
+    assert sorted(c.token.job_id for c in claimed) == ids[skipped:]
+    by_key = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10, isolated=True, key=lone[1])))
+    assert [c.token for c in by_key] == [ClaimToken(lone[1], 1)]
+    isolated = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10, isolated=True)))
+    assert [c.token for c in isolated] == [ClaimToken(lone[0], 1)]
+    assert backend(lambda c: ops.claim_candidates(c, isolated=False, limit=5, skip=[])) == ids[:skipped]
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_complete_then_claim_and_the_recovery_of_lost_claims(backend: Backend, held: int) -> None:
+    backend.add(held)
+    ops = backend.ops()
+    first = sorted(c.token for c in backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w/0.0", 10))))
+    nxt = backend.add(3)
+    done, claimed = backend(lambda c: ops.complete_then_claim(c, first, ops.claim_request("w/0.0", 10)))
+    assert done == dict.fromkeys(first, "done")
+    tokens = sorted(c.token for c in claimed)
+    assert tokens == [ClaimToken(i, 1) for i in nxt]
+    back = backend(lambda c: ops.release_lost_claims(c, "w/0.0", tokens[:1]))
+    assert sorted(back) == nxt[1:]
+    assert backend.states(ops, nxt) == {nxt[0]: ("running", 1, "w/0.0"), **dict.fromkeys(nxt[1:], ("pending", 0, None))}
+
+
+def test_the_heartbeat_extends_and_finds_the_tokens_of_an_owner_prefix(backend: Backend) -> None:
+    backend.add(3)
+    ops = backend.ops()
+    a = [c.token for c in backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w:1/0.0", 2)))]
+    b = [c.token for c in backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w:10/0.0", 1)))]
+    assert backend(lambda c: ops.extend_leases(c, "w:1/", [*a, *b])) == set(a)
+    assert backend(lambda c: ops.owned_tokens(c, "w:10/", [*a, *b])) == set(b)
