@@ -12,7 +12,8 @@ each job alone with a minimal error text, and a job that still cannot be recorde
 go, so its lease expires and the sweeper returns it. Every statement runs under the
 executors' deadline (``statement_deadline``), so a connection that stops answering is
 dropped and the statement retried on a new one. Each statement is fenced by the lease
-owner its jobs were claimed under (their executor's).
+owner its jobs were claimed under (their executor's). Whatever happened, each job's end
+passes :meth:`Completer.settle`, once.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..driver import DbConnection
-from ..ops import Claimed, ClaimRequest, Moved, TokenState
+from ..ops import Moved, TokenState
 from ..runtime import sleep
+from ..sql import ClaimToken
 from .context import WorkerContext
 from .ledger import Held
 from .outcome import Kind, Outcome
@@ -50,36 +53,33 @@ class Completer:
         connect: Callable[[], DbConnection],
         outcomes: Sequence[Outcome],
         *,
-        then: ClaimRequest | None = None,
-    ) -> list[Claimed] | None:
+        done_with: DoneStatement | None = None,
+    ) -> bool:
         """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use.
 
-        ``then``: a claim to run in the same statement as the ``done`` one (one
-        transaction, one round trip); its rows are returned (None when it was not run:
-        claim yourself)."""
-        done_kind = Kind.DONE
-        done_list: list[Outcome] = []
+        ``done_with``: the statement to record the ``done`` outcomes with instead of the
+        plain completion, e.g. the executor's completion-and-next-claim, for one round
+        trip. It is run once, never retried (what else it did may have committed
+        unseen); if it fails the completions are recorded the usual way. Returns whether
+        it ran and its answer was read."""
+        done: list[Outcome] = []
         by_kind: dict[Kind, list[Outcome]] = {}
-        committed: list[Held] = []
+        committed: list[Outcome] = []
         lost: list[Held] = []
         for outcome in outcomes:
             kind = outcome.kind
             if outcome.held.lost or kind is Kind.LOST:
                 lost.append(outcome.held)
-            elif kind is done_kind:
-                done_list.append(outcome)
+            elif kind is Kind.DONE:
+                done.append(outcome)
             elif kind is Kind.COMMITTED:
-                committed.append(outcome.held)
+                committed.append(outcome)
             else:
                 by_kind.setdefault(kind, []).append(outcome)
-        if done_list:
-            by_kind[done_kind] = done_list
-        if committed:
-            self.ledger.remove(committed)
-            self.stats.add("done", len(committed))
+        if committed:  # recorded by the handler's own transaction
+            self.settle([Settled(o.held, "done", o) for o in committed])
         if lost:
             self._lost(lost, "lease lost while running")
-        done = by_kind.pop(Kind.DONE, None)
         for kind, group in by_kind.items():
             sure = [o for o in group if not o.unsure]
             unsure = [o for o in group if o.unsure]
@@ -87,48 +87,36 @@ class Completer:
                 self._record_kind(connect, kind, sure)
             if unsure:  # a transactional commit whose answer was lost: the row says
                 self._record_kind(connect, kind, unsure, maybe_landed=True)
-        if done is None:
-            return None
-        if then is None:
+        if not done:
+            return False
+        if done_with is None:
             self._record_kind(connect, Kind.DONE, done)
-            return None
-        return self._done_then_claim(connect, done, then)
+            return False
+        return self._done_with(connect, done, done_with)
 
-    def _done_then_claim(
-        self,
-        connect: Callable[[], DbConnection],
-        group: list[Outcome],
-        claim: ClaimRequest,
-    ) -> list[Claimed] | None:
-        if any(o.held.owner != claim.owner for o in group):  # claimed under an older name
+    def _done_with(self, connect: Callable[[], DbConnection], group: list[Outcome], statement: DoneStatement) -> bool:
+        if len({o.held.owner for o in group}) > 1:  # one statement is fenced by one owner
             self._record_kind(connect, Kind.DONE, group)
-            return None
+            return False
         alive = set(self.ledger.finishing([o.held for o in group]))
         self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
         outcomes = [o for o in group if o.held in alive]
         if not outcomes:
-            return None
-        tokens = [o.held.token for o in outcomes]
-        # Sent once, not retried: if the connection drops, the claim may have committed
-        # unseen. Its rows are given back before the next claim (Producer.recover), and
-        # the completion is recorded again on its own (fenced: a repeat does no harm).
+            return False
         try:
             conn = connect()
             sent = time.monotonic()
-            moved, claimed = self.ops.complete_then_claim(conn, tokens, claim)  # under the statement deadline
-        except Exception as exc:  # noqa: BLE001 - record the usual way, claim apart
-            cut = self.driver.is_connection_error(exc)
-            if cut:
-                self.ledger.claim_unknown(claim.owner)
+            moved = statement(conn, outcomes[0].held.owner, [o.held.token for o in outcomes])
+        except Exception as exc:  # noqa: BLE001 - record the usual way
             log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
             for o in outcomes:
                 o.held.finishing = False
             # A cut connection may have committed the completion unseen: read back what
             # the repeat does not move before calling any of it lost.
-            self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=cut)
-            return None
+            self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=self.driver.is_connection_error(exc))
+            return False
         self._settle(Kind.DONE, outcomes, moved, sent)
-        return claimed
+        return True
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
         """Jobs back to ``pending`` at once; ``refund`` for those never started."""
@@ -283,52 +271,79 @@ class Completer:
     # -- bookkeeping -------------------------------------------------------------------
 
     def _settle(self, kind: Kind, outcomes: list[Outcome], moved: Moved, sent: float) -> None:
-        """``moved``: the tokens the statement moved, and the status each was left in.
-        ``sent``: when the statement went out. The server stamped a retry's ``run_after``
-        from its clock as the statement ran, so the wake-up counts from then, not from the
-        answer, which a slow write or commit may have held back."""
-        recorded = [o for o in outcomes if o.held.token in moved]
-        missed = [o.held for o in outcomes if o.held.token not in moved]
-        self.ledger.remove(o.held for o in recorded)
+        """What a fenced statement of ``kind`` did to ``outcomes``: each token in ``moved``
+        was recorded (with the status it was left in), the others had been re-claimed or
+        swept. ``sent``: when the statement went out (a retry's wake-up counts from then)."""
+        results: list[Settled] = []
+        missed: list[Held] = []
+        for o in outcomes:
+            status = moved.get(o.held.token)
+            if status is None:
+                missed.append(o.held)
+            elif o.unsure and status == "done":  # the transactional commit had landed after all
+                log.info("job %s attempt %d: its commit had landed; done", o.held.token.job_id, o.held.token.attempt)
+                results.append(Settled(o.held, "done", o))
+            elif kind is Kind.RELEASE:
+                results.append(Settled(o.held, "released", o))
+            elif kind is Kind.RETRY and status != "failed":
+                results.append(Settled(o.held, "retried", o, wake_at=sent + o.delay))
+            else:
+                results.append(Settled(o.held, "failed" if kind is not Kind.DONE else "done", o))
+        self.settle(results)
         if missed:
             self._lost(missed, "re-claimed or swept before its outcome was recorded", settled=True)
-        committed = [o for o in recorded if o.unsure and moved[o.held.token] == "done"]
-        if committed:  # the transactional commit had landed after all (see Outcome.unsure)
-            self.stats.add("done", len(committed))
-            for o in committed:
-                log.info("job %s attempt %d: its commit had landed; done", o.held.token.job_id, o.held.token.attempt)
-            landed = {id(o) for o in committed}
-            recorded = [o for o in recorded if id(o) not in landed]
-        if kind is Kind.DONE:
-            self.stats.add("done", len(recorded))
-        elif kind is Kind.FAIL:
-            self.stats.add("failed", len(recorded))
-            for o in recorded:
-                log.error("job %s attempt %d dead-lettered: %s",
-                          o.held.token.job_id, o.held.token.attempt, _first(o.error))
-        elif kind is Kind.RELEASE:
-            self.stats.add("released", len(recorded))
-        elif kind is Kind.RETRY:
-            for o in recorded:
-                status = moved[o.held.token]
-                if status == "failed":
-                    self.stats.add("failed")
-                    log.error("job %s attempt %d failed for good (dead letter): %s",
-                              o.held.token.job_id, o.held.token.attempt, _first(o.error))
-                else:
-                    self.stats.add("retried")
-                    self.signal.wake_at(sent + o.delay)
-                    log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
-                                o.held.token.job_id, o.held.token.attempt, _first(o.error), o.delay)
 
     def _lost(self, held: list[Held], why: str, *, settled: bool = False) -> None:
-        """Forget jobs whose lease is gone; count and log those not already known lost.
-        ``settled``: a fenced statement matched none of their rows (see Ledger.lose)."""
+        """Jobs whose lease is gone: settled as lost, those not already known lost
+        counted and logged. ``settled``: a fenced statement matched none of their rows
+        (see Ledger.lose)."""
         newly = self.ledger.lose(held, settled=settled)
-        if newly:
-            self.stats.add("lost", len(newly))
-        for h in newly:
-            log.warning("job %s attempt %d: %s; its result was not recorded", h.token.job_id, h.token.attempt, why)
+        self.settle([Settled(h, "lost", None, why=why) for h in newly], forgotten=True)
+
+    def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
+        """The one place every job's end in this worker passes: done (by the completer's
+        statement or the handler's own transaction), retried, failed, handed back, or
+        lost. It forgets the jobs, counts them and says so; metrics and hooks attach
+        here. ``forgotten``: the ledger has let go of them already (lost jobs)."""
+        if not results:
+            return
+        if not forgotten:
+            self.ledger.remove(r.held for r in results)
+        for r in results:
+            self.stats.add(_STAT[r.status])
+            token = r.held.token
+            if r.status == "failed" and r.outcome is not None:
+                how = "dead-lettered" if r.outcome.kind is Kind.FAIL else "failed for good (dead letter)"
+                log.error("job %s attempt %d %s: %s", token.job_id, token.attempt, how, _first(r.outcome.error))
+            elif r.status == "retried" and r.outcome is not None:
+                if r.wake_at is not None:
+                    self.signal.wake_at(r.wake_at)
+                log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
+                            token.job_id, token.attempt, _first(r.outcome.error), r.outcome.delay)
+            elif r.status == "lost":
+                log.warning("job %s attempt %d: %s; its result was not recorded", token.job_id, token.attempt, r.why)
+
+
+#: The counter of :class:`~sqla_queue.WorkerStats` each end adds to.
+_STAT: dict[str, str] = {"done": "done", "retried": "retried", "failed": "failed", "released": "released",
+                         "lost": "lost"}
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
+    letter), ``released`` (handed back) or ``lost`` (its lease was gone)."""
+
+    held: Held
+    status: str
+    outcome: Outcome | None
+    wake_at: float | None = None
+    why: str = ""
+
+
+#: A statement that records ``done`` for an owner's tokens, and maybe more (the next
+#: claim): ``statement(conn, owner, tokens)`` returns what it moved.
+DoneStatement = Callable[[DbConnection, str, list[ClaimToken]], Moved]
 
 
 def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refund: bool) -> str | None:

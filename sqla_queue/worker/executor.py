@@ -30,11 +30,13 @@ from sqlalchemy.orm import Session
 
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
+from ..ops import Claimed, ClaimRequest, Moved, Operations
 from ..runtime import Runtime
+from ..sql import ClaimToken
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
 from .context import WorkerContext
-from .ledger import Held, Start
+from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer
 from .service import Reconnecting, Service
@@ -303,6 +305,30 @@ def _reason(exc: DeadLetter | RetryLater) -> str:
         return "<reason could not be formatted>"
 
 
+class CompleteThenClaim:
+    """A batch's completion and the next claim, one statement and one round trip: what
+    an executor hands the completer to record its ``done`` outcomes with. Once it ran,
+    ``claimed`` holds the claim's rows (None: it did not run, claim apart)."""
+
+    def __init__(self, ops: Operations, driver: Driver, ledger: Ledger, request: ClaimRequest) -> None:
+        self.ops = ops
+        self.driver = driver
+        self.ledger = ledger
+        self.request = request
+        self.claimed: list[Claimed] | None = None
+
+    def __call__(self, conn: DbConnection, owner: str, tokens: list[ClaimToken]) -> Moved:
+        if owner != self.request.owner:  # claimed under an older name: claim apart
+            return self.ops.complete(conn, owner, tokens)
+        try:
+            moved, self.claimed = self.ops.complete_then_claim(conn, tokens, self.request)
+        except Exception as exc:
+            if self.driver.is_connection_error(exc):
+                self.ledger.claim_unknown(self.request.owner)  # it may have committed unseen
+            raise
+        return moved
+
+
 class ExecutorPool(Service):
     """``concurrency`` executor threads, started and stopped as one service."""
 
@@ -314,6 +340,7 @@ class ExecutorPool(Service):
         self.config = config
         self.ledger = ctx.ledger
         self.driver = ctx.driver
+        self.ops = ctx.ops
         self.producer = producer
         self.executor = executor
         self.completer = completer
@@ -422,10 +449,14 @@ class ExecutorPool(Service):
             try:
                 owner = self.ledger.lane_owner(lane.prefix)
                 request = self.producer.request(limit, owner) if entered else None
-                rows = self.completer.record(lane.connect, outcomes, then=request)
-                if request is None or rows is None:  # no claim ran with the completion
+                if request is None:
+                    self.completer.record(lane.connect, outcomes)
                     return [], ran, busy
-                nxt = self.producer.accept(request, rows)
+                combined = CompleteThenClaim(self.ops, self.driver, self.ledger, request)
+                self.completer.record(lane.connect, outcomes, done_with=combined)
+                if combined.claimed is None:  # no claim ran with the completion
+                    return [], ran, busy
+                nxt = self.producer.accept(request, combined.claimed)
                 accepted = True
             finally:
                 if entered:

@@ -12,6 +12,7 @@ from sqla_queue import ClaimToken
 from sqla_queue.worker.completer import Completer
 from sqla_queue.worker.config import WorkerConfig
 from sqla_queue.worker.context import WorkerContext
+from sqla_queue.worker.executor import CompleteThenClaim
 from sqla_queue.worker.ledger import Held, Ledger
 from sqla_queue.worker.outcome import Kind, Outcome
 from sqla_queue.worker.stats import WorkerStats
@@ -117,10 +118,11 @@ def test_a_retry_of_an_exhausted_job_is_counted_failed() -> None:
 def test_the_completion_with_the_next_claim_returns_the_claimed_rows() -> None:
     s = Setup(2)
     more = s.ops.add(2)
-    request = s.ops.claim_request(OWNER, 5)
-    claimed = s.record([Outcome(h, Kind.DONE) for h in s.held], then=request)
+    combined = CompleteThenClaim(s.ops, s.completer.driver, s.ledger, s.ops.claim_request(OWNER, 5))
+    assert s.record([Outcome(h, Kind.DONE) for h in s.held], done_with=combined)
     assert s.ops.calls == ["complete_then_claim"]
-    assert sorted(c.token for c in claimed) == [ClaimToken(i, 1) for i in more]
+    assert combined.claimed is not None
+    assert sorted(c.token for c in combined.claimed) == [ClaimToken(i, 1) for i in more]
     assert (s.stats.done, len(s.ledger)) == (2, 0)
 
 
@@ -132,8 +134,9 @@ def test_a_completion_with_the_next_claim_lost_with_its_connection(lands: bool) 
     s = Setup(2)
     s.ops.add(2)
     s.ops.faults["complete_then_claim"] = [Fault(connection_lost(), lands=lands)]
-    claimed = s.record([Outcome(h, Kind.DONE) for h in s.held], then=s.ops.claim_request(OWNER, 5))
-    assert claimed is None
+    combined = CompleteThenClaim(s.ops, s.completer.driver, s.ledger, s.ops.claim_request(OWNER, 5))
+    assert not s.record([Outcome(h, Kind.DONE) for h in s.held], done_with=combined)
+    assert combined.claimed is None
     assert s.ledger.unknown_claims("w/0.") == [OWNER]
     assert s.ops.calls == ["complete_then_claim", "complete", *(["token_states"] if lands else [])]
     assert (s.stats.done, s.stats.lost, len(s.ledger)) == (2, 0, 0)
@@ -162,3 +165,33 @@ def test_an_unsure_release_whose_commit_did_not_land_releases_the_job() -> None:
     assert s.ops.calls == ["release"]
     job = s.ops.jobs[held.token.job_id]
     assert (job.status, job.attempts, s.stats.released, s.stats.done) == ("pending", 0, 1, 0)
+
+
+def test_every_end_of_a_job_passes_settle_once() -> None:
+    """done (by statement and by the handler's transaction), retried, dead-lettered,
+    handed back and lost: each job's end reaches ``settle``, the one place hooks attach."""
+    s = Setup(6)
+    ends: list[tuple[int, str]] = []
+    settle = s.completer.settle
+
+    def spy(results: Any, **kw: Any) -> None:
+        ends.extend((r.held.token.job_id, r.status) for r in results)
+        settle(results, **kw)
+
+    s.completer.settle = spy  # type: ignore[method-assign]
+    done, committed, retried, failed, released, lost = s.held
+    s.ops.jobs[committed.token.job_id].status = "done"  # the handler's transaction did it
+    s.record([
+        Outcome(done, Kind.DONE),
+        Outcome(committed, Kind.COMMITTED),
+        Outcome(retried, Kind.RETRY, "boom", 1.0),
+        Outcome(failed, Kind.FAIL, "bad"),
+        Outcome(released, Kind.RELEASE),
+        Outcome(lost, Kind.LOST),
+    ])
+    assert sorted(ends) == sorted([
+        (done.token.job_id, "done"), (committed.token.job_id, "done"), (retried.token.job_id, "retried"),
+        (failed.token.job_id, "failed"), (released.token.job_id, "released"), (lost.token.job_id, "lost"),
+    ])
+    assert (s.stats.done, s.stats.retried, s.stats.failed, s.stats.released, s.stats.lost) == (2, 1, 1, 1, 1)
+    assert len(s.ledger) == 0
