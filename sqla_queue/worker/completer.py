@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..driver import DbConnection
 from ..ops import Moved, TokenState
@@ -309,30 +308,31 @@ class Completer:
             return
         if not forgotten:
             self.ledger.remove(r.held for r in results)
+        counts: dict[str, int] = {}
         for r in results:
-            self.stats.add(_STAT[r.status])
+            status = r.status
+            counts[status] = counts.get(status, 0) + 1
+            if status == "done" or status == "released":
+                continue
             token = r.held.token
-            if r.status == "failed" and r.outcome is not None:
+            if status == "failed" and r.outcome is not None:
                 how = "dead-lettered" if r.outcome.kind is Kind.FAIL else "failed for good (dead letter)"
                 log.error("job %s attempt %d %s: %s", token.job_id, token.attempt, how, _first(r.outcome.error))
-            elif r.status == "retried" and r.outcome is not None:
+            elif status == "retried" and r.outcome is not None:
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
                 log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
                             token.job_id, token.attempt, _first(r.outcome.error), r.outcome.delay)
-            elif r.status == "lost":
+            elif status == "lost":
                 log.warning("job %s attempt %d: %s; its result was not recorded", token.job_id, token.attempt, r.why)
+        for status, n in counts.items():
+            self.stats.add(status, n)
 
 
-#: The counter of :class:`~sqla_queue.WorkerStats` each end adds to.
-_STAT: dict[str, str] = {"done": "done", "retried": "retried", "failed": "failed", "released": "released",
-                         "lost": "lost"}
-
-
-@dataclass(frozen=True, slots=True)
-class Settled:
+class Settled(NamedTuple):
     """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
-    letter), ``released`` (handed back) or ``lost`` (its lease was gone)."""
+    letter), ``released`` (handed back) or ``lost`` (its lease was gone): each the name
+    of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
 
     held: Held
     status: str
