@@ -12,12 +12,12 @@ charges it once, because both runs send the same key.
 
 from __future__ import annotations
 
-import os
-
 from sqlalchemy import String, create_engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from sqla_queue import IdempotencyKeyMixin, JobMixin, QueueSession, Worker
+
+from _db import database_url
 
 
 class Base(DeclarativeBase):
@@ -55,8 +55,12 @@ def charge(job: ChargeJob) -> None:
 
 
 def multi_host_url(url: str, down: str = "127.0.0.1:9") -> str:
-    """``url``'s server named second, after ``down`` (a port nothing answers on)."""
+    """``url``'s server named second, after ``down`` (a port nothing answers on). A
+    server on a Unix socket (the embedded one) is used as it is: there is no TCP address
+    to put second."""
     single = make_url(url)
+    if not single.host:
+        return single.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     host = f"{single.host or '127.0.0.1'}:{single.port or 5432}"
     user = single.username or "postgres"
     password = f":{single.password}" if single.password else ""
@@ -66,8 +70,8 @@ def multi_host_url(url: str, down: str = "127.0.0.1:9") -> str:
     )
 
 
-def main() -> None:
-    url = multi_host_url(os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"))
+def main(given: str) -> None:
+    url = multi_host_url(given)
     # --8<-- [start:engine]
     engine = create_engine(url, pool_pre_ping=True)
     # --8<-- [end:engine]
@@ -92,4 +96,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with database_url() as url:
+        main(url)
