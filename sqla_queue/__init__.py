@@ -29,7 +29,7 @@ from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .values import enqueue_values
-from .worker import Worker, WorkerConfig, WorkerStartError, WorkerStats
+from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
 from .worker.aio import AsyncWorker
 
 __all__ = [
@@ -43,7 +43,9 @@ __all__ = [
     "EnqueueError",
     "IdempotencyKeyMixin",
     "InvalidPayload",
+    "JobEvent",
     "JobMixin",
+    "JobOutcome",
     "JobStatus",
     "LeaseLost",
     "NotAQueueModel",
@@ -55,6 +57,7 @@ __all__ = [
     "UnknownTask",
     "Worker",
     "WorkerConfig",
+    "WorkerObserver",
     "WorkerStartError",
     "WorkerStats",
     "archive_table",

@@ -7,16 +7,20 @@ large backlog never holds locks for long.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from . import sql as q
 from .driver import WorkerStartError
-from .model import queue_table, table_problem
+from .model import JobStatus, queue_table, table_problem, translated_schema
 
-__all__ = ["check_table", "format_stats", "prune", "requeue", "sweep"]
+__all__ = [
+    "QueueCount", "QueueDepth", "check_table", "format_stats", "prune", "queue_depth", "requeue", "stats_json",
+    "sweep",
+]
 
 _COLUMNS = text(
     "SELECT a.attname FROM pg_attribute a "
@@ -109,3 +113,63 @@ def _age(age: timedelta | None) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.1f}s"
+
+
+@dataclass(frozen=True)
+class QueueCount:
+    """Jobs of one queue in one status; ``oldest_runnable_seconds``: the age of the
+    oldest job that could run now (pending rows only, None when none can)."""
+
+    queue: str
+    status: str
+    jobs: int
+    oldest_runnable_seconds: float | None
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """What :func:`queue_depth` read: the counts, and the table's dead tuples."""
+
+    table: str
+    counts: tuple[QueueCount, ...]
+    dead_tuples: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, for JSON."""
+        return {
+            "table": self.table,
+            "dead_tuples": self.dead_tuples,
+            "queues": [
+                {"queue": c.queue, "status": c.status, "jobs": c.jobs,
+                 "oldest_runnable_seconds": c.oldest_runnable_seconds}
+                for c in self.counts
+            ],
+        }
+
+
+def queue_depth(
+    bind: Engine | Connection, model: Any, *, statuses: Sequence[JobStatus | str] = q.DEPTH_STATUSES
+) -> QueueDepth:
+    """Run :func:`sqla_queue.sql.queue_depth` (one statement) on ``bind``: the counts per
+    queue and status, the oldest runnable age and the dead tuples of ``model``'s table,
+    under the connection's ``schema_translate_map``."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return queue_depth(conn, model, statuses=statuses)
+    table = queue_table(model).table
+    schema = translated_schema(table, bind.get_execution_options().get("schema_translate_map"))
+    quote = bind.dialect.identifier_preparer.quote
+    name = f"{schema}.{table.name}" if schema else table.name
+    regclass = f"{quote(schema)}.{quote(table.name)}" if schema else quote(table.name)
+    rows = bind.execute(q.queue_depth(model, statuses=statuses, regclass=regclass)).all()
+    counts = tuple(
+        QueueCount(r.queue, r.status, int(r.jobs), None if r.oldest_runnable_seconds is None
+                   else max(float(r.oldest_runnable_seconds), 0.0))
+        for r in rows if r.queue is not None
+    )
+    return QueueDepth(name, counts, int(rows[0].dead_tuples) if rows else 0)
+
+
+def stats_json(engine: Engine, model: Any) -> dict[str, Any]:
+    """``sqla-queue stats --json``: every status of every queue, and the dead tuples."""
+    return queue_depth(engine, model, statuses=list(JobStatus)).as_dict()

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -375,7 +376,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(_on_admin_target(args, admin.format_stats))
+    if args.json:
+        print(json.dumps(_on_admin_target(args, admin.stats_json), indent=2))
+    else:
+        print(_on_admin_target(args, admin.format_stats))
     return 0
 
 
@@ -457,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(func=cmd_sweep)
 
     stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age")
+    stats.add_argument("--json", action="store_true", help="as JSON (with the table's dead tuples)")
     stats.set_defaults(func=cmd_stats)
 
     requeue = admin("requeue", "give dead-lettered jobs a fresh set of attempts")

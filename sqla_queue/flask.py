@@ -23,6 +23,7 @@ methods SQLAlchemy knows; ``init_app`` also gives that object ``enqueue`` and
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -236,9 +237,13 @@ def _sweep_command(name: str | None) -> None:
 
 @_queue_commands.command("stats")
 @_name
-def _stats_command(name: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="as JSON (with the table's dead tuples)")
+def _stats_command(name: str | None, as_json: bool) -> None:
     """Jobs per queue and status, and the oldest runnable job's age."""
-    click.echo(admin.format_stats(*_engine_and_model(name)))
+    if as_json:
+        click.echo(json.dumps(admin.stats_json(*_engine_and_model(name)), indent=2))
+    else:
+        click.echo(admin.format_stats(*_engine_and_model(name)))
 
 
 @_queue_commands.command("requeue")

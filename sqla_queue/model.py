@@ -155,6 +155,11 @@ class JobMixin:
         DateTime(timezone=True), server_default=func.now()
     )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The OpenTelemetry context of the code that enqueued the job (``traceparent``...),
+    #: when a span was recording; the job's span links to it. NULL otherwise.
+    trace_context: Mapped[dict[str, str] | None] = mapped_column(
+        JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql"), nullable=True
+    )
 
 
 class TaskMixin(JobMixin):

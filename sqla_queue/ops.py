@@ -28,7 +28,7 @@ from .model import queue_table
 from .sql import ClaimToken, is_solitary
 
 __all__ = [
-    "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RowProblem", "Swept", "TokenState",
+    "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RowProblem", "Swept", "SweptJob", "TokenState",
 ]
 
 #: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
@@ -91,14 +91,27 @@ class TokenState(NamedTuple):
     last_error: str | None
 
 
+class SweptJob(NamedTuple):
+    """One job a sweep moved: its key, the status it left it in, its queue, the attempt
+    whose lease expired, and its task (None on a table without one)."""
+
+    job_id: Any
+    status: str
+    queue: str
+    attempt: int
+    task: str | None
+
+
 class Swept(NamedTuple):
     """What one sweep did: how many expired leases it moved, how many of those went back to
-    ``pending`` (isolated), the keys dead-lettered, and the queues (sorted) to wake."""
+    ``pending`` (isolated), the keys dead-lettered, the queues (sorted) to wake, and each
+    job moved."""
 
     total: int
     back: int
     dead: list[Any]
     queues: list[str]
+    jobs: Sequence[SweptJob] = ()
 
 
 class Operations(Protocol):
@@ -441,7 +454,9 @@ class QueueOps:
         when their attempts are used up."""
         stmt = self._sweeps.get(limit)
         if stmt is None:
-            sweep = q.sweep_expired(self.table, limit=limit).returning(self.table.c.queue)
+            c = self.table.c
+            extra = [c.queue, c.attempts, c.task] if "task" in c else [c.queue, c.attempts]
+            sweep = q.sweep_expired(self.table, limit=limit).returning(*extra)
             stmt = self._sweeps[limit] = self.driver.compile(sweep)
         rows = conn.execute(stmt, {})
         return Swept(
@@ -449,6 +464,7 @@ class QueueOps:
             sum(1 for row in rows if row[1] == "pending"),
             [row[0] for row in rows if row[1] == "failed"],
             sorted({row[2] for row in rows}),
+            [SweptJob(row[0], row[1], row[2], row[3], row[4] if len(row) > 4 else None) for row in rows],
         )
 
     # -- the rare statements -----------------------------------------------------------

@@ -27,6 +27,7 @@ from .options import EnqueueKwargs, enqueue_options
 from .outbox import hook_session_class, install_hooks, notify_on_commit
 from .rows import queue_table_of, table_plan
 from .sql import delay_from_insert
+from .tracing import current_trace_context
 
 __all__ = ["AsyncQueueSession", "QueueSession", "enqueue", "notify_on_commit"]
 
@@ -59,7 +60,13 @@ def enqueue(session: Any, job: J, **options: Unpack[EnqueueKwargs]) -> J:
     checked = enqueue_options(options)
     values = dict(checked.values)
     mapper = object_mapper(job)
-    table_plan(mapper.class_).check_job(job, mapper, values, lambda: _json_serializer(sync, mapper))
+    plan = table_plan(mapper.class_)
+    trace_key = plan.trace_key
+    if trace_key is not None and trace_key not in values and state.dict.get(trace_key) is None:
+        context = current_trace_context()
+        if context is not None:
+            values[trace_key] = context
+    plan.check_job(job, mapper, values, lambda: _json_serializer(sync, mapper))
     if checked.delay_seconds is not None:
         # From the moment of the INSERT, in seconds (not a calendar interval).
         values["run_after"] = delay_from_insert(checked.delay_seconds)

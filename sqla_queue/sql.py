@@ -58,6 +58,9 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, array
+from sqlalchemy.dialects.postgresql.base import PGDialect, PGIdentifierPreparer
+from sqlalchemy.sql import column as _sql_column
+from sqlalchemy.sql import table as _sql_table
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
@@ -86,6 +89,7 @@ __all__ = [
     "next_run_after",
     "owned_tokens",
     "prune_finished",
+    "queue_depth",
     "queue_stats",
     "release_if_owner",
     "release_lost_claims",
@@ -102,6 +106,8 @@ __all__ = [
 #: A queue model class or its Table.
 QueueModel: TypeAlias = Any
 Duration: TypeAlias = "timedelta | float"
+
+_PG_PREPARER: Final = PGIdentifierPreparer(PGDialect())  # type: ignore[no-untyped-call]
 
 PENDING = JobStatus.PENDING
 RUNNING = JobStatus.RUNNING
@@ -696,6 +702,70 @@ def queue_stats(model: QueueModel) -> Select[Any]:
         )
         .group_by(c.queue, c.status)
         .order_by(c.queue, c.status)
+    )
+
+
+#: The statuses :func:`queue_depth` counts unless told: each has a partial index, so the
+#: count reads only their rows, however many finished jobs the table keeps.
+DEPTH_STATUSES: Final = (PENDING, RUNNING)
+
+_PG_STAT_USER_TABLES = _sql_table("pg_stat_user_tables", _sql_column("relid"), _sql_column("n_dead_tup"))
+
+
+def queue_depth(
+    model: QueueModel,
+    *,
+    statuses: Sequence[JobStatus | str] = DEPTH_STATUSES,
+    regclass: str | None = None,
+) -> Select[Any]:
+    """Jobs per queue and status among ``statuses``, the oldest runnable job's age per
+    queue (``oldest_runnable_seconds``, on the ``pending`` rows), and the table's dead
+    tuples (``pg_stat_user_tables.n_dead_tup``, the same on every row): what the
+    Prometheus gauges and the dashboard's overview show, in one cheap statement.
+
+    Rows ``(queue, status, jobs, oldest_runnable_seconds, dead_tuples)``, ordered by
+    queue and status; an empty table gives one row whose queue and status are NULL (its
+    dead tuples still told). Each status is counted on its own, so ``pending`` and
+    ``running`` read only their partial indexes' rows; ``done`` or ``failed`` read the
+    whole table unless you give them an index of their own. ``regclass``: the table's
+    name as PostgreSQL should look it up (default: the model's, quoted; pass the
+    translated one under a ``schema_translate_map``).
+    """
+    qt = queue_table(model)
+    c = qt.c
+    if not statuses:
+        raise ValueError("queue_depth needs at least one status")
+    parts: list[Select[Any]] = []
+    for status in dict.fromkeys(JobStatus(s) for s in statuses):
+        if status is PENDING:
+            oldest: ColumnElement[Any] = func.extract(
+                "epoch", func.now() - func.min(c.run_after).filter(c.run_after <= func.now())
+            )
+        else:
+            oldest = cast(null(), Float)
+        parts.append(
+            select(
+                c.queue.label("queue"),
+                status_literal(status).label("status"),
+                func.count().label("jobs"),
+                cast(oldest, Float).label("oldest_runnable_seconds"),
+            )
+            .where(_status(qt, status))
+            .group_by(c.queue)
+        )
+    groups = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("depth")
+    if regclass is None:
+        preparer = _PG_PREPARER
+        table = qt.table
+        regclass = (f"{preparer.quote(table.schema)}.{preparer.quote(table.name)}" if table.schema
+                    else preparer.quote(table.name))
+    stat = _PG_STAT_USER_TABLES.c
+    dead_tuples = select(stat.n_dead_tup).where(stat.relid == func.to_regclass(literal(regclass, Text)))
+    dead = select(func.coalesce(dead_tuples.scalar_subquery(), 0).label("dead_tuples")).subquery("dead")
+    return (
+        select(groups.c.queue, groups.c.status, groups.c.jobs, groups.c.oldest_runnable_seconds, dead.c.dead_tuples)
+        .select_from(dead.outerjoin(groups, true()))
+        .order_by(groups.c.queue, groups.c.status)
     )
 
 

@@ -32,6 +32,7 @@ from .cache import plans
 from .dbapi import SchemaMapKey, reraise_as_sqlalchemy, schema_map_key
 from .options import EnqueueKwargs, EnqueueOptions
 from .rows import InsertPlan, TablePlan, insert_plan, table_plan
+from .tracing import current_trace_context
 
 __all__ = ["enqueue_values"]
 
@@ -109,6 +110,11 @@ def enqueue_values(
         delay_by = checked.delay_seconds
     if target.polymorphic is not None:
         target.polymorphic.fill(row)
+    trace_key = target.trace_key
+    if trace_key is not None and trace_key not in row:
+        context = current_trace_context()
+        if context is not None:
+            row[trace_key] = context
     if conn is None:
         # The dialect without a connection: a bad value begins nothing on the session.
         resolved = _resolved_session(session)
@@ -163,6 +169,11 @@ async def _enqueue_values_async(
         delay_by = checked.delay_seconds
     if target.polymorphic is not None:
         target.polymorphic.fill(row)
+    trace_key = target.trace_key
+    if trace_key is not None and trace_key not in row:
+        context = current_trace_context()
+        if context is not None:
+            row[trace_key] = context
     if isinstance(session, AsyncConnection):
         conn = session.sync_connection
         if conn is None:

@@ -28,6 +28,7 @@ from ..ops import Moved, TokenState
 from ..runtime import sleep
 from ..sql import ClaimToken
 from .context import WorkerContext
+from .hooks import JobEvent, JobOutcome
 from .ledger import Held
 from .outcome import Kind, Outcome
 
@@ -44,6 +45,7 @@ class Completer:
         self.ops = ctx.ops
         self.owner = ctx.owner
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
         self.signal = ctx.signal
         self._deadline = config.statement_deadline
 
@@ -302,31 +304,40 @@ class Completer:
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
         statement or the handler's own transaction), retried, failed, handed back, or
-        lost. It forgets the jobs, counts them and says so; metrics and hooks attach
-        here. ``forgotten``: the ledger has let go of them already (lost jobs)."""
+        lost. It forgets the jobs and hands their ends to the worker's hooks
+        (:class:`~.hooks.Hooks`: the counters, the log lines, the observers).
+        ``forgotten``: the ledger has let go of them already (lost jobs)."""
         if not results:
             return
         if not forgotten:
             self.ledger.remove(r.held for r in results)
+        hooks = self.hooks
+        every = hooks.wants_every_end()  # else only the ends that log above DEBUG
         counts: dict[str, int] = {}
+        events: list[JobEvent] = []
+        append = events.append
+        event = hooks.event
         for r in results:
             status = r.status
             counts[status] = counts.get(status, 0) + 1
-            if status == "done" or status == "released":
-                continue
-            token = r.held.token
-            if status == "failed" and r.outcome is not None:
-                how = "dead-lettered" if r.outcome.kind is Kind.FAIL else "failed for good (dead letter)"
-                log.error("job %s attempt %d %s: %s", token.job_id, token.attempt, how, _first(r.outcome.error))
-            elif status == "retried" and r.outcome is not None:
+            o = r.outcome
+            if o is None:
+                append(event(r.held, _OUTCOMES[status], r.why))
+            elif status == "retried":
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
-                log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
-                            token.job_id, token.attempt, _first(r.outcome.error), r.outcome.delay)
-            elif status == "lost":
-                log.warning("job %s attempt %d: %s; its result was not recorded", token.job_id, token.attempt, r.why)
-        for status, n in counts.items():
-            self.stats.add(status, n)
+                append(event(r.held, JobOutcome.RETRIED, _first(o.error), o.delay))
+            elif status == "done" or status == "released":
+                if every:
+                    append(event(r.held, _OUTCOMES[status], _first(o.error)))
+            else:
+                append(event(r.held, _OUTCOMES[status], _first(o.error)))
+        hooks.count(counts)
+        hooks.finished(events)
+
+
+#: Settled.status -> the outcome observers see.
+_OUTCOMES = {o.value: o for o in JobOutcome}
 
 
 class Settled(NamedTuple):

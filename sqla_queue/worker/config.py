@@ -46,6 +46,11 @@ class WorkerConfig:
     name: str | None = None
     #: Longest wait between reconnection attempts after the database went away.
     reconnect_backoff: float = 2.0
+    #: Most events waiting for the observers; past it they are dropped (and counted).
+    observer_queue_size: int = 10_000
+    #: Serve Prometheus metrics on this port (all interfaces); needs the ``prometheus``
+    #: extra. None: no exporter (mount :mod:`sqla_queue.prometheus` in your app instead).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.queues is not None and not isinstance(self.queues, tuple):
@@ -81,6 +86,11 @@ class WorkerConfig:
             # 200-character column.
             raise ValueError(f"name must be at most {MAX_NAME_LENGTH} characters, got {len(self.name)}")
         _positive_int("max_error_length", self.max_error_length)
+        _positive_int("observer_queue_size", self.observer_queue_size)
+        if self.metrics_port is not None:
+            _positive_int("metrics_port", self.metrics_port)
+            if self.metrics_port > 65535:
+                raise ValueError(f"metrics_port must be a TCP port (1-65535), got {self.metrics_port}")
         if not isinstance(self.backoff, Backoff):
             raise TypeError(f"backoff must be a sqla_queue.Backoff, got {self.backoff!r}")
 

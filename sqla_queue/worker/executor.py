@@ -346,6 +346,7 @@ class ExecutorPool(Service):
         self.completer = completer
         self.signal = ctx.signal
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
 
     def start(self) -> None:
         if self._threads:
@@ -391,7 +392,7 @@ class ExecutorPool(Service):
                 if self.stopping:  # claimed while stop() ran: give them back
                     self.completer.hand_back(lane.connect, held, refund=True)
                     break
-                self.stats.add("claimed", len(held))
+                self.hooks.claimed(held)
                 isolated, solitary = held[0].isolated, held[0].solitary
                 if len(held) == limit and not isolated:
                     self.signal.wake()  # there may be more: rouse an idle peer
@@ -430,6 +431,8 @@ class ExecutorPool(Service):
         busy = 0.0
         request = None
         accepted = False
+        hooks = self.hooks
+        started = hooks.started if hooks.wants_started else None
         try:
             for h in held:
                 start = self.ledger.start(h)
@@ -438,7 +441,12 @@ class ExecutorPool(Service):
                     continue
                 if start is Start.SKIP:
                     continue  # lost meanwhile, or handed back by a shutdown
+                h.started_at = time.time()
+                if started is not None:
+                    started(h)
+                t0 = time.perf_counter()
                 outcomes.append(self.executor.run(h, lane))
+                h.run_time = time.perf_counter() - t0
                 ran += 1
             busy = time.monotonic() - began
             if deferred:

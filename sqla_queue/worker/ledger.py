@@ -52,6 +52,9 @@ class Held:
     lost: bool = False
     #: Losses of the worker's connection in a row under this job's handler, before this run.
     losses: int = 0
+    #: When its handler started (wall clock, ``time.time()``), and the seconds it ran.
+    started_at: float | None = None
+    run_time: float | None = None
 
 
 class Start(Enum):

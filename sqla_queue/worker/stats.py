@@ -20,6 +20,10 @@ class WorkerStats:
     released: int = 0
     swept: int = 0
     heartbeats: int = 0
+    #: Events not given to the observers: their queue was full (see ``observer_queue_size``).
+    hook_dropped: int = 0
+    #: Exceptions the observers raised (logged, then ignored).
+    hook_errors: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, counter: str, n: int = 1) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from .context import WorkerContext
+from .hooks import JobEvent, JobOutcome
 from .producer import Producer
 from .service import Reconnecting, Service
 
@@ -35,6 +36,8 @@ class Sweeper(Service):
         super().__init__(config.sweep_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
+        self.owner = ctx.owner
         self.producer = producer
         self.signal = ctx.signal
         self.ops = ctx.ops
@@ -51,7 +54,12 @@ class Sweeper(Service):
                 # isolated jobs wait (a claim of one each, at once, not at the next poll).
                 self.driver.notify(conn, self.channel, [*queues, *(SWEPT_PREFIX + queue for queue in queues)])
         if swept.total:
-            self.stats.add("swept", swept.total)
+            hooks = self.hooks
+            hooks.finished([
+                JobEvent(hooks.table, j.queue, j.task, j.job_id, j.attempt, JobOutcome.SWEPT,
+                         error=f"lease expired; {j.status}", worker=self.owner)
+                for j in swept.jobs
+            ], count=True)
             dead = swept.dead
             log.warning(
                 "sweeper: %d expired lease(s): %d back to pending (isolated), %d dead-lettered %s",
