@@ -260,6 +260,7 @@ def worker_overrides(
     shutdown_grace: float | None = None,
     queue: Sequence[str] | None = None,
     no_listen: bool = False,
+    metrics_port: int | None = None,
 ) -> dict[str, Any]:
     """Worker options given on a command line (only those given)."""
     given = {
@@ -272,6 +273,7 @@ def worker_overrides(
         "shutdown_grace": shutdown_grace,
         "queues": tuple(queue) if queue else None,
         "listen": False if no_listen else None,
+        "metrics_port": metrics_port,
     }
     return {key: value for key, value in given.items() if value is not None}
 
@@ -300,6 +302,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         shutdown_grace=args.shutdown_grace,
         queue=args.queue,
         no_listen=args.no_listen,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -444,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--shutdown-grace", type=seconds, help="time running jobs get to finish on SIGTERM")
     worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
     worker.add_argument("--until-idle", action="store_true", help="exit once no runnable job is left")
+    worker.add_argument("--metrics-port", type=positive_int, metavar="PORT",
+                        help="serve Prometheus metrics on this port (the prometheus extra)")
     worker.set_defaults(func=cmd_worker, parser=worker)
 
     def admin(name: str, help: str) -> argparse.ArgumentParser:

@@ -199,6 +199,8 @@ _name = click.argument("name", required=False)
 @click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
 @click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535),
+              help="serve Prometheus metrics on this port (the prometheus extra)")
 @click.option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),

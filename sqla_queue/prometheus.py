@@ -29,6 +29,8 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.pool import NullPool
 
 from . import admin
 from .worker.hooks import JobEvent, WorkerObserver
@@ -53,14 +55,14 @@ class QueueCollector(Collector):
         self.interval = interval
         self._lock = threading.Lock()
         #: table key -> (engine, model, statuses, last reading or None, when read (monotonic))
-        self._tables: dict[tuple[int, str], list[Any]] = {}
+        self._tables: dict[tuple[str, str], list[Any]] = {}
 
     def watch(self, engine: Any, model: Any, *, statuses: Any = None) -> None:
         """Report ``model``'s table read through ``engine`` (a sync Engine). ``statuses``:
         those counted (default ``pending`` and ``running``, which have partial indexes)."""
         from .model import queue_table
 
-        key = (id(engine), queue_table(model).table.fullname)
+        key = (engine.url.render_as_string(hide_password=True), queue_table(model).table.fullname)
         with self._lock:
             if key not in self._tables:
                 self._tables[key] = [engine, model, statuses, None, float("-inf")]
@@ -180,13 +182,25 @@ class WorkerMetrics:
         self._engine, self._model = engine, model
 
     def start(self) -> None:
-        engine = self._engine
-        sync = getattr(engine, "sync_engine", engine)  # an AsyncEngine's gauges read through its sync engine
-        self.metrics.watch(sync, self._model)
+        self.metrics.watch(_sync_engine(self._engine), self._model)
         with _lock:
             if self.port not in _exporters:
                 _exporters[self.port] = start_http_server(self.port, registry=self.metrics.registry)
                 log.info("serving Prometheus metrics on port %d", self.port)
+
+
+def _sync_engine(engine: Any) -> Engine:
+    """A sync engine for the gauges: ``engine`` itself, or for an ``AsyncEngine`` one on its
+    URL with psycopg (the scrape runs on the exporter's thread, outside any event loop),
+    with the same execution options; it connects once per reading."""
+    if isinstance(engine, Engine):
+        return engine
+    url = engine.url
+    if url.get_backend_name() == "postgresql" and url.get_driver_name() != "psycopg":
+        url = url.set(drivername="postgresql+psycopg")
+    made = create_engine(url, poolclass=NullPool)
+    options = engine.get_execution_options()
+    return made.execution_options(**options) if options else made
 
 
 def worker_metrics(port: int, engine: Any, model: Any) -> WorkerMetrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -47,6 +48,21 @@ def test_stats(engine: Engine, url: str, capsys: Any) -> None:
     assert out[0].split() == ["queue", "status", "jobs", "oldest", "runnable"]
     assert out[2].split()[:3] == ["mail", "failed", "1"]
     assert out[3].split()[:3] == ["mail", "pending", "3"]
+
+
+def test_stats_as_json(engine: Engine, url: str, capsys: Any) -> None:
+    with engine.begin() as conn:
+        rows = [{"queue": "mail", "status": "pending"}] * 3 + [{"queue": "mail", "status": "failed"}]
+        conn.execute(insert(JOBS), rows)
+        conn.execute(insert(JOBS), [{"queue": "sms", "status": "done"}])
+    assert main(["stats", "tests.models:EmailJob", "--url", url, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["table"] == "email_jobs" and isinstance(found["dead_tuples"], int)
+    counts = {(q["queue"], q["status"]): q["jobs"] for q in found["queues"]}
+    assert counts == {("mail", "pending"): 3, ("mail", "failed"): 1, ("sms", "done"): 1}
+    [pending] = [q for q in found["queues"] if q["status"] == "pending"]
+    assert pending["oldest_runnable_seconds"] >= 0
+    assert all(q["oldest_runnable_seconds"] is None for q in found["queues"] if q["status"] != "pending")
 
 
 def test_sweep_requeue_prune(engine: Engine, url: str, capsys: Any) -> None:

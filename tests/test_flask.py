@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -135,6 +136,10 @@ def test_flask_queue_commands(app: Any, tmp_path: Path) -> None:
         assert jobs["b@undeliverable.example"].attempts == 3
         confirmed = shop.db.session.scalars(select(shop.ShopOrder.confirmed).order_by(shop.ShopOrder.id)).all()
         assert confirmed == [True, False]  # the handler's write committed with its completion
+    as_json = runner.invoke(args=["queue", "stats", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    counts = {(q["queue"], q["status"]): q["jobs"] for q in json.loads(as_json.output)["queues"]}
+    assert counts == {("default", "done"): 1, ("default", "failed"): 1}
     # the handler ran in its thread inside an app context: it used db.session and current_app
     assert (tmp_path / "order-1.eml").read_text().startswith("To: a@example.com")
 
