@@ -172,6 +172,7 @@ class Hooks:
         self.wants_finished = any(_overrides(o, "finished") for o in self.observers)
         self._queue: deque[tuple[str, Sequence[JobEvent]]] = deque()
         self._queued = 0
+        self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -229,14 +230,17 @@ class Hooks:
         )
 
     def _put(self, kind: str, events: Sequence[JobEvent]) -> None:
-        # deque.append and len() are atomic: no lock on the executors' path. The bound is
-        # approximate under races (a few events), which is all a bound needs to be.
-        if self._queued + len(events) > self.queue_size or self._stop:
-            self.stats.add("hook_dropped", len(events))
-            return
-        self._queued += len(events)
-        self._queue.append((kind, events))
-        if not self._ready.is_set():
+        n = len(events)
+        with self._lock:  # held for an addition and a comparison: never waits on an observer
+            if self._queued + n > self.queue_size or self._stop:
+                dropped = True
+            else:
+                dropped = False
+                self._queued += n
+                self._queue.append((kind, events))
+        if dropped:
+            self.stats.add("hook_dropped", n)
+        elif not self._ready.is_set():
             self._ready.set()
 
     # -- the observer thread ---------------------------------------------------------------
@@ -266,7 +270,8 @@ class Hooks:
             self._ready.clear()
             while queue:
                 kind, events = queue.popleft()
-                self._queued -= len(events)
+                with self._lock:
+                    self._queued -= len(events)
                 self._deliver(kind, events)
             if self._stop and not queue:
                 break

@@ -1,0 +1,96 @@
+"""The cost of the worker's hook point: processing with an empty observer against none.
+
+    python benchmarks/observers.py [--quick] [--url URL]
+
+:func:`bench_observers` has the signature of ``benchmarks/run.py``'s benchmarks and uses
+its table and process harness (``run_processing``): preloaded jobs, a no-op handler, the
+real ``Worker`` in a fresh process, timed until no job is pending or running. The two
+sides differ in one argument: ``observers=[Empty()]``, an observer overriding every
+method with nothing, so every claim, start and end builds its event and crosses to the
+observer thread (the most an observer can cost the executors). The runs alternate and
+the medians are compared; the target is at most 3 % slower.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import URL, Engine, create_engine, make_url
+
+HERE = Path(__file__).resolve().parent
+
+#: Throughput with the empty observer against none: at least this ratio.
+TARGET = 0.97
+
+
+def harness() -> Any:
+    main = sys.modules.get("__main__")
+    if main is not None and Path(getattr(main, "__file__", "") or ".").resolve() == HERE / "run.py":
+        return main
+    sys.path.insert(0, str(HERE))
+    import run
+
+    return run
+
+
+def _observed_child(
+    kind: str, url_text: str, concurrency: int, batch: int, ready: Any, go: Any, stop: Any
+) -> None:
+    """run.py's ``_processing_child`` for the Worker, with or without the empty observer."""
+    from sqla_queue import JobEvent, Worker, WorkerObserver
+
+    class Empty(WorkerObserver):
+        def claimed(self, event: JobEvent) -> None:
+            pass
+
+        def started(self, event: JobEvent) -> None:
+            pass
+
+        def finished(self, event: JobEvent) -> None:
+            pass
+
+    bench = harness()
+    engine = create_engine(make_url(url_text), pool_size=concurrency + 3)
+    options: dict[str, Any] = {"batch_size": batch} if batch else {}
+    if kind == "observed":
+        options["observers"] = [Empty()]
+    worker = Worker(engine, bench.BenchJob, bench.noop, concurrency=concurrency, **options)
+    engine.connect().close()
+    ready.put(os.getpid())
+    go.wait()
+    cpu = bench.cpu_seconds()
+    worker.start()
+    stop.wait()
+    cpu = bench.cpu_seconds() - cpu
+    worker.stop(grace=10)
+    engine.dispose()
+    ready.put(cpu)
+
+
+def bench_observers(engine: Engine, url: URL, plan: Any) -> list[Any]:
+    bench = harness()
+    rows = []
+    for cfg in plan.processing[:3]:  # 1, 4 and 16 threads at default batch sizes
+        rates: dict[str, list[float]] = {"observed": [], "plain": []}
+        cpus: dict[str, list[float]] = {"observed": [], "plain": []}
+        for r in range(plan.processing_rounds):
+            for kind in (("observed", "plain") if r % 2 == 0 else ("plain", "observed")):
+                rate, cpu = bench.run_processing(url, engine, kind, cfg, child=_observed_child)
+                rates[kind].append(rate)
+                cpus[kind].append(cpu)
+        row = bench.throughput_row(f"processing with an empty observer, {cfg.label}", rates["observed"],
+                                   rates["plain"], "jobs/s", TARGET)
+        row.ours += f" ({statistics.median(cpus['observed']):,.0f} µs CPU/job)"
+        row.base += f" ({statistics.median(cpus['plain']):,.0f} µs CPU/job)"
+        rows.append(row)
+        bench.say(f"  {row.cells()[:4]}  rates observed={rates['observed']} plain={rates['plain']}")
+    bench.reset(engine)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(harness().run_alone(bench_observers, __doc__, sys.argv[1:]))
