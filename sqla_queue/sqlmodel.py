@@ -176,6 +176,7 @@ class JobModel(SQLModel):
     isolated: bool = mixin_field("isolated")
     created_at: datetime | None = mixin_field("created_at")
     finished_at: datetime | None = mixin_field("finished_at")
+    trace_context: dict[str, str] | None = mixin_field("trace_context")
 
 
 class TaskModel(JobModel):
