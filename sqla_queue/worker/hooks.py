@@ -324,7 +324,7 @@ def _log_finished(events: Sequence[JobEvent]) -> None:
     debug = enabled(logging.DEBUG)
     for e in events:
         outcome = e.outcome if e.outcome is not None else JobOutcome.LOST
-        level = _LEVELS[outcome]
+        level = _LEVELS.get(outcome, logging.INFO)
         if level == logging.DEBUG and not debug:
             continue
         if not enabled(level):
