@@ -158,6 +158,8 @@ MODEL = "tests.models:EmailJob"
         (["worker", WORKER, "--heartbeat", "90s"], {}, "must be shorter than the lease (60.0s)"),  # the worker's
         (["worker", WORKER, "--concurrency", "0"], {}, "argument --concurrency: must be at least 1"),
         (["worker", WORKER, "--batch-size", "-3"], {}, "argument --batch-size"),
+        (["worker", WORKER, "--metrics-port", "0"], {}, "argument --metrics-port: must be at least 1"),
+        (["worker", WORKER, "--metrics-port", "70000"], {}, "metrics_port must be a TCP port (1-65535)"),
         (["worker", WORKER, "--lease", "0s"], {}, "argument --lease: must be longer than 0"),
         (["worker", WORKER, "--queue", ""], {}, "argument --queue: a queue name must be a non-empty string"),
         (["worker", WORKER, "--queue", "a", "--queue", "sqla_queue.swept:a"], {}, "which sqla_queue reserves"),

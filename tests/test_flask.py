@@ -225,6 +225,7 @@ def test_flask_queue_worker_refuses_bad_options(app: Any, server: Server) -> Non
         (["--lease", "1s", "--heartbeat", "2s"], "must be shorter than the lease"),
         (["--queue", ""], "a queue name must be a non-empty string"),
         (["--log-level", "LOUD"], "--log-level"),
+        (["--metrics-port", "0"], "--metrics-port"),
     ]:
         result = _flask("worker", "--until-idle", *args, env=env)
         assert result.returncode == 2, (args, result.stderr)
