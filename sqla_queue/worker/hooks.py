@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from .ledger import Held
 from .stats import WorkerStats
@@ -54,6 +54,10 @@ class JobOutcome(str, enum.Enum):
         return self.value
 
 
+#: What a held job's event tells of it: its claim, its start, its end.
+_CLAIMED, _STARTED, _ENDED = 0, 1, 2
+
+
 class JobEvent:
     """One job's claim, run start or end, as a worker's observers see it.
 
@@ -64,12 +68,12 @@ class JobEvent:
     first line of the error recorded (retried, failed, released), ``delay`` a retry's
     seconds until the next attempt, ``trace_context`` the row's stored trace context
     (see the OpenTelemetry integration), ``worker`` the lease owner name.
+
+    The job's fields are read from the claimed row when asked for, not copied when the
+    event is made: an observer that looks at none of them costs an object and a call.
     """
 
-    __slots__ = (
-        "attempt", "created_at", "delay", "error", "job_id", "outcome", "queue", "run_after", "run_time",
-        "started_at", "table", "task", "trace_context", "worker",
-    )
+    __slots__ = ("_held", "_phase", "_row", "delay", "error", "outcome", "table")
 
     def __init__(
         self,
@@ -90,19 +94,73 @@ class JobEvent:
         worker: str = "",
     ) -> None:
         self.table = table
-        self.queue = queue
-        self.task = task
-        self.job_id = job_id
-        self.attempt = attempt
         self.outcome = outcome
-        self.started_at = started_at
-        self.run_time = run_time
-        self.run_after = run_after
-        self.created_at = created_at
         self.error = error
         self.delay = delay
-        self.trace_context = trace_context
-        self.worker = worker
+        self._held: Any = None
+        self._phase = _ENDED
+        self._row: Any = (queue, task, job_id, attempt, started_at, run_time, run_after, created_at, trace_context,
+                     worker)
+
+    @classmethod
+    def _of(cls, table: str, held: Held, phase: int, outcome: JobOutcome | None = None, error: str = "",
+            delay: float | None = None) -> JobEvent:
+        """The event of a held job (its fields read from it when asked for)."""
+        event = object.__new__(cls)
+        event.table, event.outcome, event.error, event.delay = table, outcome, error, delay
+        event._held, event._phase, event._row = held, phase, None
+        return event
+
+    def _job(self, key: str) -> Any:
+        held = self._held
+        if held is None:
+            return None
+        job = held.job
+        return None if job is None else job.__dict__.get(key)
+
+    @property
+    def queue(self) -> str | None:
+        return cast("str | None", self._row[0] if self._row is not None else self._job("queue"))
+
+    @property
+    def task(self) -> str | None:
+        return cast("str | None", self._row[1] if self._row is not None else self._job("task"))
+
+    @property
+    def job_id(self) -> Any:
+        return self._row[2] if self._row is not None else self._held.token[0]
+
+    @property
+    def attempt(self) -> int | None:
+        return cast("int | None", self._row[3] if self._row is not None else self._held.token[1])
+
+    @property
+    def started_at(self) -> float | None:
+        if self._row is not None:
+            return cast("float | None", self._row[4])
+        return cast("float | None", None if self._phase == _CLAIMED else self._held.started_at)
+
+    @property
+    def run_time(self) -> float | None:
+        if self._row is not None:
+            return cast("float | None", self._row[5])
+        return cast("float | None", self._held.run_time if self._phase == _ENDED else None)
+
+    @property
+    def run_after(self) -> datetime | None:
+        return cast("datetime | None", self._row[6] if self._row is not None else self._job("run_after"))
+
+    @property
+    def created_at(self) -> datetime | None:
+        return cast("datetime | None", self._row[7] if self._row is not None else self._job("created_at"))
+
+    @property
+    def trace_context(self) -> Any:
+        return self._row[8] if self._row is not None else self._job("trace_context")
+
+    @property
+    def worker(self) -> str:
+        return cast("str", self._row[9] if self._row is not None else self._held.owner)
 
     @property
     def pickup_latency(self) -> float | None:
@@ -170,6 +228,11 @@ class Hooks:
         self.wants_claimed = any(_overrides(o, "claimed") for o in self.observers)
         self.wants_started = any(_overrides(o, "started") for o in self.observers)
         self.wants_finished = any(_overrides(o, "finished") for o in self.observers)
+        #: The overridden methods of each kind, in the observers' order.
+        self._methods: dict[str, list[Any]] = {
+            kind: [getattr(o, kind) for o in self.observers if _overrides(o, kind)]
+            for kind in ("claimed", "started", "finished")
+        }
         self._queue: deque[tuple[str, Sequence[JobEvent]]] = deque()
         self._queued = 0
         self._lock = threading.Lock()
@@ -183,11 +246,12 @@ class Hooks:
     def claimed(self, held: Sequence[Held]) -> None:
         self.stats.add("claimed", len(held))
         if self.wants_claimed:
-            self._put("claimed", [self.event(h) for h in held])
+            table, of = self.table, JobEvent._of
+            self._put("claimed", [of(table, h, _CLAIMED) for h in held])
 
     def started(self, held: Held) -> None:
         """``held``'s handler starts now (only called when :attr:`wants_started`)."""
-        self._put("started", (self.event(held),))
+        self._put("started", (JobEvent._of(self.table, held, _STARTED),))
 
     def count(self, counts: dict[str, int]) -> None:
         stats = self.stats
@@ -216,18 +280,8 @@ class Hooks:
 
     def event(self, held: Held, outcome: JobOutcome | None = None, error: str = "",
               delay: float | None = None) -> JobEvent:
-        """The event of ``held``'s claim (no outcome, not started), start or end."""
-        job = held.job
-        token = held.token
-        if job is None:  # its row could not be loaded
-            return JobEvent(self.table, None, None, token[0], token[1], outcome, started_at=held.started_at,
-                            run_time=held.run_time, error=error, delay=delay, worker=held.owner)
-        return JobEvent(
-            self.table, job.queue, getattr(job, "task", None) if self.has_task else None, token[0], token[1],
-            outcome, started_at=held.started_at, run_time=held.run_time, run_after=job.run_after,
-            created_at=job.created_at, error=error, delay=delay,
-            trace_context=getattr(job, "trace_context", None) if self.has_trace else None, worker=held.owner,
-        )
+        """The event of ``held``'s end (with ``outcome``), else of its claim."""
+        return JobEvent._of(self.table, held, _CLAIMED if outcome is None else _ENDED, outcome, error, delay)
 
     def _put(self, kind: str, events: Sequence[JobEvent]) -> None:
         n = len(events)
@@ -276,31 +330,31 @@ class Hooks:
             if self._stop and not queue:
                 break
         for observer in self.observers:
-            self._call(observer.close, None)
+            self._call(observer.close)
 
     def _deliver(self, kind: str, events: Iterable[JobEvent]) -> None:
-        for observer in self.observers:
-            if not _overrides(observer, kind):
-                continue
-            method = getattr(observer, kind)
+        for method in self._methods[kind]:
             for event in events:
-                self._call(method, event)
+                try:
+                    method(event)
+                except Exception as exc:  # noqa: BLE001 - an observer's error is never the worker's
+                    self._failed(method, exc)
 
-    def _call(self, method: Any, event: JobEvent | None) -> None:
+    def _call(self, method: Any) -> None:
         try:
-            if event is None:
-                method()
-            else:
-                method(event)
-        except Exception as exc:
-            self.stats.add("hook_errors")
-            now = time.monotonic()
-            recent = [t for t in self._errors_logged if now - t < 60.0]
-            if len(recent) < _ERROR_LOGS_PER_MINUTE:
-                recent.append(now)
-                log.warning("observer %s.%s raised %s: %s", type(getattr(method, "__self__", method)).__name__,
-                            getattr(method, "__name__", "?"), type(exc).__name__, exc, exc_info=True)
-            self._errors_logged = recent
+            method()
+        except Exception as exc:  # noqa: BLE001 - an observer's error is never the worker's
+            self._failed(method, exc)
+
+    def _failed(self, method: Any, exc: Exception) -> None:
+        self.stats.add("hook_errors")
+        now = time.monotonic()
+        recent = [t for t in self._errors_logged if now - t < 60.0]
+        if len(recent) < _ERROR_LOGS_PER_MINUTE:
+            recent.append(now)
+            log.warning("observer %s.%s raised %s: %s", type(getattr(method, "__self__", method)).__name__,
+                        getattr(method, "__name__", "?"), type(exc).__name__, exc, exc_info=True)
+        self._errors_logged = recent
 
 
 # -- the logs: one line per finished job ---------------------------------------------------
