@@ -282,16 +282,15 @@ class Completer:
                     missed.append(o.held)
                     continue
                 if o.unsure:
-                    job = o.held.token
-                    log.info("job %s attempt %d: its commit had landed; done", job.job_id, job.attempt)
+                    _commit_landed(o.held.token)
                 append(_new_settled(Settled, (o.held, "done", o, None, "")))
         else:
             for o in outcomes:
                 status = moved.get(o.held.token)
                 if status is None:
                     missed.append(o.held)
-                elif o.unsure and status == "done":  # the transactional commit had landed after all
-                    log.info("job %s attempt %d: its commit had landed; done", o.held.token.job_id, o.held.token.attempt)
+                elif o.unsure and status == "done":
+                    _commit_landed(o.held.token)
                     append(Settled(o.held, "done", o))
                 elif kind is Kind.RELEASE:
                     append(Settled(o.held, "released", o))
@@ -388,6 +387,11 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
         left = attempt - 1 if refund else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
+
+
+def _commit_landed(token: ClaimToken) -> None:
+    """The handler's transaction, whose answer was lost, had committed the job done."""
+    log.info("job %s attempt %d: its commit had landed; done", token.job_id, token.attempt)
 
 
 def _first(text: str) -> str:
