@@ -357,7 +357,8 @@ def format_jobs(model: Any, page: JobPage) -> str:
     if not page.rows:
         return "(no jobs)"
     qt = queue_table(model)
-    names = [qt.pk.name, "queue", "status", *(["task"] if "task" in qt.c else []), "attempts", "run_after", "last_error"]
+    task = ["task"] if "task" in qt.c else []
+    names = [qt.pk.name, "queue", "status", *task, "attempts", "run_after", "last_error"]
     table = [tuple(names)]
     for row in page.rows:
         values = row._mapping

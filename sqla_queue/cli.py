@@ -488,6 +488,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from .dashboard import serve
 
     engine, models, lease = _dashboard_targets(args)
+    if args.lease is not None:
+        lease = args.lease
     try:
         for model in models:
             admin.check_table(engine, model)
@@ -637,6 +639,11 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     dashboard.add_argument("--port", type=port_number, default=8787, help="port (default 8787; 0: any free port)")
     dashboard.add_argument("--read-only", action="store_true", help="refuse every action (requeue, cancel, delete)")
+    dashboard.add_argument(
+        "--lease",
+        type=positive_seconds,
+        help="the workers' lease, to show their last heartbeat (default: the targets' own)",
+    )
     dashboard.set_defaults(func=cmd_dashboard)
 
     prune = admin("prune", "delete finished jobs older than a cutoff")

@@ -24,7 +24,7 @@ methods SQLAlchemy knows; ``init_app`` also gives that object ``enqueue`` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -50,6 +50,7 @@ from .worker import Worker, WorkerConfig
 __all__ = ["FlaskQueue"]
 
 J = TypeVar("J")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass
@@ -119,7 +120,7 @@ class FlaskQueue:
         models = list(dict.fromkeys(registration.model for registration in self._workers.values()))
         if not models:
             raise RuntimeError("register a worker (add_worker) before building the dashboard")
-        leases = {float(registration.options.get("lease", WorkerConfig.lease)) for registration in self._workers.values()}
+        leases = {float(reg.options.get("lease", WorkerConfig.lease)) for reg in self._workers.values()}
         db = self.db
         return dashboard_blueprint(
             lambda: db.engine, models, auth=auth, read_only=read_only, name=name,
@@ -258,10 +259,10 @@ def _stats_command(name: str | None) -> None:
     click.echo(admin.format_stats(*_engine_and_model(name)))
 
 
-def _filter_options(*, statuses: list[str] | None, ids: bool = True) -> Any:
+def _filter_options(*, statuses: list[str] | None, ids: bool = True) -> Callable[[F], F]:
     """The inspection filters of ``sqla-queue jobs|requeue|delete``, as click options."""
 
-    def decorate(command: Any) -> Any:
+    def decorate(command: F) -> F:
         options = [
             click.option("--error", "error", help="only jobs whose last_error contains TEXT", metavar="TEXT"),
             click.option("--task", "tasks", multiple=True, help="only this task, on a task table (repeatable)"),

@@ -58,7 +58,7 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, array
-from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
+from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
 from .model import FINISHED_STATUSES, JobStatus, QueueTable, queue_table, status_literal
@@ -738,7 +738,7 @@ def delete_jobs(
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
     limit: int = 10_000,
-) -> Delete:
+) -> ReturningDelete[Any]:
     """Delete up to ``limit`` jobs matching the filters of :func:`job_filter`; returns
     their keys. Never a ``running`` job (its worker holds it: cancel it, or let it end),
     and rows another transaction holds are skipped, not waited for; run it until it

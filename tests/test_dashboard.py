@@ -187,7 +187,7 @@ def test_actions_run_the_fenced_statements(engine: Engine, client: Any) -> None:
             data={"csrf_token": token, "action": action, "id": [str(k) for k in keys], "next": "/email_jobs/dead"},
         )
         assert response.status_code == 302 and response.headers["Location"].endswith("/email_jobs/dead")
-        return client.get("/email_jobs/dead").get_data(as_text=True)
+        return str(client.get("/email_jobs/dead").get_data(as_text=True))
 
     page = act("requeue", *dead, pending[0], running)  # a selection: only the dead letters move
     assert "requeued 2 of 4 job(s)" in page

@@ -197,7 +197,10 @@ def dashboard_blueprint(
         row = admin.get_job(settings.engine, entry.model, _job_id(entry, job_id))
         if row is None:
             abort(404)
-        cells = [(name, _full(value), entry.qt.pk.name == name) for name, value in row._mapping.items()]
+        pk = entry.qt.pk.name
+        cells = [(pk, _full(row._mapping[pk]), True)] + [
+            (name, _full(value), False) for name, value in row._mapping.items() if name != pk
+        ]
         return render_template(
             "sqla_queue_dashboard/job.html",
             table=entry,
@@ -284,7 +287,7 @@ def _jobs_page(settings: _Settings, entry: _Table, *, dead: bool) -> str:
     query = {"queue": ",".join(filters.queues), "task": ",".join(filters.tasks), "error": filters.error_contains or ""}
     if not dead:
         query["status"] = ",".join(filters.statuses)
-    kept = {key: value for key, value in query.items() if value}
+    kept: dict[str, Any] = {key: value for key, value in query.items() if value}
     endpoint = ".dead" if dead else ".jobs"
     next_url = (
         url_for(endpoint, table=entry.key, **kept, before=str(page.next_before))
@@ -357,7 +360,8 @@ def _age(value: timedelta | None) -> str:
 
 def _chart(done: list[int], failed: list[int], *, width: int = 360, height: int = 64) -> dict[str, Any]:
     """Bar geometry of the last hour: one bar per minute, done stacked under failed."""
-    top = max([d + f for d, f in zip(done, failed, strict=True)] + [1])
+    peak = max([d + f for d, f in zip(done, failed, strict=True)] + [0])
+    top = max(peak, 1)
     step = width / max(len(done), 1)
     bars = []
     for i, (d, f) in enumerate(zip(done, failed, strict=True)):
@@ -374,7 +378,7 @@ def _chart(done: list[int], failed: list[int], *, width: int = 360, height: int 
             "done": d,
             "failed": f,
         })
-    return {"width": width, "height": height, "bars": bars, "top": top, "done": sum(done), "failed": sum(failed)}
+    return {"width": width, "height": height, "bars": bars, "peak": peak, "done": sum(done), "failed": sum(failed)}
 
 
 def create_app(
