@@ -168,6 +168,7 @@ def dashboard_blueprint(
             "csrf_token": _csrf_token,
             "page": _page_url,
             "short": _short,
+            "last_line": _last_line,
             "age": _age,
             "when": _when,
         }
@@ -348,6 +349,12 @@ def _full(value: Any) -> str:
 def _short(value: Any, width: int = 80) -> str:
     text = " ".join(_full(value).split())
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _last_line(value: str | None, width: int = 100) -> str:
+    """An error's last line (the exception and its message, under the traceback)."""
+    lines = [line for line in (value or "").strip().splitlines() if line.strip()]
+    return _short(lines[-1], width) if lines else ""
 
 
 def _when(value: datetime | None) -> str:
