@@ -132,6 +132,13 @@ def _worker_from(target: Any) -> Any:
 
 def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """The engine (an ``AsyncEngine`` for an AsyncWorker target) and the queue model."""
+    engine, model, _ = _resolve_target(args.target, args.url)
+    return engine, model
+
+
+def _resolve_target(spec: str, url: URL | None) -> tuple[Any, Any, Any]:
+    """``(engine, model, worker)`` of a TARGET: a model (with ``url`` or DATABASE_URL;
+    worker None), a Worker or AsyncWorker, or a function returning one (called once)."""
     from sqlalchemy import create_engine
 
     from .errors import NotAQueueModel
@@ -139,9 +146,8 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from .worker import Worker
     from .worker.aio import AsyncWorker
 
-    target = load_target(args.target)
+    target = load_target(spec)
     if isinstance(target, type):
-        url = args.url
         if url is None:
             raw = os.environ.get("DATABASE_URL")
             if not raw:
@@ -154,9 +160,9 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
             queue_table(target)
         except NotAQueueModel as exc:
             raise CommandError(str(exc)) from None
-        return create_engine(url), target
+        return create_engine(url), target, None
     worker = target if isinstance(target, Worker | AsyncWorker) else _worker_from(target)
-    return worker.engine, worker.model
+    return worker.engine, worker.model, worker
 
 
 # -- argument types: a bad value is a usage error naming its option, never a traceback ------
@@ -490,6 +496,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     engine, models, lease = _dashboard_targets(args)
     if args.lease is not None:
         lease = args.lease
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"sqla-queue: warning: the dashboard has no login of its own and now listens on {args.host}: "
+            "put it behind your authentication (or mount dashboard_blueprint in your app with auth=)",
+            file=sys.stderr,
+        )
     try:
         for model in models:
             admin.check_table(engine, model)
@@ -501,30 +513,27 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], float | None]:
     """One synchronous engine (the first target's; an AsyncWorker's URL is reached with
-    psycopg's synchronous side) and every target's model, with the workers' lease."""
+    psycopg's synchronous side) and every target's model, with the workers' lease when
+    they all have the same."""
     from sqlalchemy import create_engine
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     engine: Any = None
     models: list[Any] = []
-    leases: list[float] = []
-    for target in args.target:
-        one = argparse.Namespace(**{**vars(args), "target": target})
-        target_engine, model = _engine_and_model(one)
-        worker = load_target(target)
-        config = getattr(worker, "config", None)
-        if config is not None:
-            leases.append(float(config.lease))
+    leases: set[float] = set()
+    for spec in args.target:
+        target_engine, model, worker = _resolve_target(spec, args.url)
+        if worker is not None:
+            leases.add(float(worker.config.lease))
         if engine is None:
             engine = target_engine
-        elif target_engine is not engine:
-            target_engine.sync_engine.dispose() if isinstance(target_engine, AsyncEngine) else target_engine.dispose()
+        elif target_engine is not engine:  # not connected yet: nothing to close but the pool
+            (target_engine.sync_engine if isinstance(target_engine, AsyncEngine) else target_engine).dispose()
         if model not in models:
             models.append(model)
     if isinstance(engine, AsyncEngine):
-        url = engine.url
-        engine = create_engine(url.set(drivername="postgresql+psycopg"))
-    return engine, models, (leases[0] if leases and len(set(leases)) == 1 else None)
+        engine = create_engine(engine.url.set(drivername="postgresql+psycopg"))
+    return engine, models, (leases.pop() if len(leases) == 1 else None)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:

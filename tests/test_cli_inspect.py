@@ -7,6 +7,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,28 @@ def test_dashboard_command_serves_on_localhost(engine: Engine, url: str) -> None
 def test_dashboard_command_on_a_missing_table_is_one_line(server: Server, url: str, capsys: Any) -> None:
     assert main(["dashboard", "tests.models:Order", "--url", url]) == 2
     assert "'orders' is not a queue table" in capsys.readouterr().err
+
+
+def test_dashboard_command_takes_an_async_worker_and_shows_its_heartbeats(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(TASKS).values(task="record", status="running", lease_owner="w:1:ab/0",
+                                          lease_expires_at=func.now() + timedelta(seconds=50)))
+        expiry = conn.scalar(select(TASKS.c.lease_expires_at))
+    assert expiry is not None
+    heartbeat = expiry - timedelta(seconds=60)  # the worker's lease
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.async_worker_app:make_worker", "--port", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("sqla_queue dashboard on http://127.0.0.1:"), line
+        with urllib.request.urlopen(line.split()[3] + "tasks/workers", timeout=30) as response:
+            page = response.read().decode()
+        assert "w:1:ab" in page and heartbeat.isoformat(sep=" ", timespec="seconds") in page
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        if process.stdout is not None:
+            process.stdout.close()
