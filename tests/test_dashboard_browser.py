@@ -193,3 +193,12 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
 
     page("/email_jobs/workers", "workers")
     assert "web-1:4242:1a2b3c4d" in browser.find_element(By.TAG_NAME, "table").text
+
+
+def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must have it, so this fails rather than skips"):
+        _need("Debian's chromium")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match=r"apt-get install -y chromium chromium-driver"):
+        _need("Debian's chromium")
