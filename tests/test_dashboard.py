@@ -293,3 +293,24 @@ def test_bad_arguments_are_refused_when_the_blueprint_is_made(engine: Engine) ->
         dashboard_blueprint(engine, [EmailJob, EmailJob], auth=None)
     with pytest.raises(TypeError):
         dashboard_blueprint(engine, [EmailJob])  # type: ignore[call-arg]  # auth= must be said
+
+
+def test_requeue_every_dead_letter_matching_the_filter(engine: Engine, client: Any) -> None:
+    smtp = [add(engine, JOBS, queue="mail", status="failed", last_error=f"SMTPError {i}") for i in range(5)]
+    dns = add(engine, JOBS, queue="mail", status="failed", last_error="DNS")
+    other_queue = add(engine, JOBS, queue="sms", status="failed", last_error="SMTPError")
+    page = client.get("/email_jobs/dead?queue=mail&error=smtp").get_data(as_text=True)
+    assert 'value="requeue_matching"' in page and len(ids_on(page)) == 3  # a page of 3; the action takes all
+    form = dict(re.findall(r'<input type="hidden" name="(queue|task|error)" value="([^"]*)">', page))
+    assert form == {"queue": "mail", "task": "", "error": "smtp"}
+    response = client.post("/email_jobs/action", data={"csrf_token": csrf(client), "action": "requeue_matching",
+                                                       **form})
+    assert response.status_code == 302
+    assert all(status_of(engine, JOBS, key) == "pending" for key in smtp)
+    assert status_of(engine, JOBS, dns) == "failed" and status_of(engine, JOBS, other_queue) == "failed"
+    assert "requeued 5 dead-lettered job(s) matching the filter" in client.get("/email_jobs/dead").get_data(
+        as_text=True)
+    task = add(engine, TASKS, task="crop", status="failed")
+    keep = add(engine, TASKS, task="send", status="failed")
+    client.post("/tasks/action", data={"csrf_token": csrf(client), "action": "requeue_matching", "task": "crop,x"})
+    assert status_of(engine, TASKS, task) == "pending" and status_of(engine, TASKS, keep) == "failed"

@@ -57,7 +57,7 @@ _CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
-_ACTIONS = ("requeue", "cancel", "delete")
+_ACTIONS = ("requeue", "cancel", "delete", "requeue_matching")
 _STATUSES = frozenset(s.value for s in JobStatus)
 
 
@@ -199,9 +199,8 @@ def dashboard_blueprint(
         if row is None:
             abort(404)
         pk = entry.qt.pk.name
-        cells = [(pk, _full(row._mapping[pk]), True)] + [
-            (name, _full(value), False) for name, value in row._mapping.items() if name != pk
-        ]
+        values = row._mapping
+        cells = [(name, _full(values[name]), values[name] is None) for name in [pk, *(n for n in values if n != pk)]]
         return render_template(
             "sqla_queue_dashboard/job.html",
             table=entry,
@@ -236,7 +235,18 @@ def dashboard_blueprint(
         if verb not in _ACTIONS:
             abort(400, f"unknown action {verb!r}")
         ids = [_job_id(entry, value) for value in request.form.getlist("id")]
-        if not ids:
+        if verb == "requeue_matching":
+            # Every dead letter the dead-letter page's filter shows, on every page of it.
+            form = request.form
+            count = admin.requeue(
+                settings.engine,
+                entry.model,
+                queues=list(_split(form.getlist("queue"))) or None,
+                tasks=(list(_split(form.getlist("task"))) or None) if entry.has_task else None,
+                error_contains=form.get("error") or None,
+            )
+            flash(f"requeued {count} dead-lettered job(s) matching the filter", "ok")
+        elif not ids:
             flash("select at least one job", "error")
         else:
             engine = settings.engine
