@@ -609,7 +609,7 @@ def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[
 
 
 #: Ages of finished jobs by status: what :func:`prune_finished` removes past which age.
-Ages: TypeAlias = "Mapping[JobStatus | str, Duration]"
+Ages: TypeAlias = "Mapping[JobStatus | str, Duration | datetime]"
 
 
 def _finished_before(
@@ -623,7 +623,7 @@ def _finished_before(
     if isinstance(older_than, Mapping):
         if statuses is not None:
             raise ValueError("give the statuses either as the keys of older_than or as statuses, not both")
-        ages = {JobStatus(s): age for s, age in older_than.items()}
+        ages: dict[JobStatus, Duration | datetime] = {JobStatus(s): age for s, age in older_than.items()}
         wanted = list(ages)
     else:
         wanted = [JobStatus(s) for s in (default if statuses is None else statuses)]

@@ -314,9 +314,9 @@ class Worker:
             self._stopped.set()
             return
         self.executors.request_stop()
-        for service in (self.scheduler, self.pruner):  # no new jobs, no deletes, while jobs finish
-            if service is not None:
-                service.request_stop()
+        for early in (self.scheduler, self.pruner):  # no new jobs, no deletes, while jobs finish
+            if early is not None:
+                early.request_stop()
         grace = self.config.shutdown_grace if grace is None else grace
         waiting = self.ledger.take_unstarted()
         if waiting:
