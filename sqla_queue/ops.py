@@ -479,13 +479,12 @@ class ScheduleOps:
     """The statements of periodic jobs on one queue table: claim a schedule's tick
     (advance its watermark row) and insert the tick's jobs, in one transaction on the
     SQLAlchemy connection the scheduler opened (:class:`~sqla_queue.worker.scheduler.
-    Scheduler`), and read every schedule's row."""
+    Scheduler`)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.table = schedules_table(model)
         self._claim = q.schedule_tick_template(model)
-        self._states = q.schedule_states(model)
 
     def check_table(self, driver: Driver) -> None:
         """Fail fast (:class:`~sqla_queue.driver.WorkerStartError`) when the watermark
@@ -522,10 +521,6 @@ class ScheduleOps:
             sa, self.model, schedule.row(tick), run_at=tick, queue=options.queue, priority=options.priority,
             max_attempts=options.max_attempts,
         )
-
-    def states(self, sa: Connection) -> dict[str, tuple[datetime, datetime | None, datetime]]:
-        """Every schedule row of the table: name -> (last tick, previous tick, updated)."""
-        return {row[0]: (row[1], row[2], row[3]) for row in sa.execute(self._states)}
 
 
 def _qualified(driver: Driver, table: Any) -> str:
