@@ -370,17 +370,22 @@ class UnscheduledJob(_Other, JobMixin):
     note: Mapped[str | None] = mapped_column(String(20))
 
 
-def test_a_worker_with_schedules_needs_the_watermark_table(engine: Engine) -> None:
+def test_a_worker_with_schedules_needs_the_watermark_table(engine: Engine, make_worker: Any) -> None:
     table = table_of(UnscheduledJob)
     table.create(engine)
+    schedule = Schedule("s", every=1, values={"note": "beat"})
     try:
-        worker = Worker(engine, UnscheduledJob, lambda job: None, schedules=[Schedule("s", every=1)])
+        worker = make_worker(engine, UnscheduledJob, lambda job: None, schedules=[schedule])
         with pytest.raises(WorkerStartError, match="periodic_unscheduled_jobs_schedules' does not exist"):
             worker.start()
         schedules_table(UnscheduledJob).create(engine)
-        worker = Worker(engine, UnscheduledJob, lambda job: None, schedules=[Schedule("s", every=1)])
+        worker = make_worker(engine, UnscheduledJob, lambda job: None, schedules=[schedule], poll_interval=0.5)
         worker.start()
-        worker.stop(grace=1)
+        try:
+            wait_for(lambda: _jobs(engine, table), timeout=10, what="a tick enqueued")
+        finally:
+            worker.stop(grace=1)
+        assert {job.note for job in _jobs(engine, table)} == {"beat"}
     finally:
         _Other.metadata.drop_all(engine)
 

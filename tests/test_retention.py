@@ -110,6 +110,7 @@ def test_archive_finished_takes_the_same_ages_and_lock(engine: Engine) -> None:
     [
         (timedelta(days=1), {"failed"}),  # one age: done and cancelled; dead letters kept
         ({"failed": DAY, "cancelled": timedelta(days=1)}, {"done"}),
+        ({"done": DAY}, {"failed", "cancelled"}),
     ],
 )
 def test_workers_prune_in_batches_on_both_runtimes(
@@ -131,7 +132,7 @@ def test_workers_prune_in_batches_on_both_runtimes(
     finally:
         for worker in workers:
             worker.stop(grace=1)
-    assert sum(w.stats.pruned for w in workers) == 10
+    assert sum(w.stats.pruned for w in workers) == 15 - 5 * len(kept_statuses)
     # the pending job was claimed and run meanwhile: pruning never kept it from its claim
     with engine.connect() as conn:
         assert conn.scalar(select(TASKS.c.status).where(TASKS.c.id == pending[0])) == "done"
