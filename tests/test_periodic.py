@@ -325,26 +325,31 @@ def test_workers_enqueue_each_second_once_on_both_runtimes(engine: Engine, make_
     tasks = Tasks()
     seen: list[Any] = []
 
-    @tasks.periodic(every=1, payload={"from": "periodic"})
+    # backfill: a round delayed past the next tick (a loaded machine) catches up, skips nothing
+    @tasks.periodic(every=1, payload={"from": "periodic"}, backfill=30)
     def beat(job: Any) -> None:
         seen.append(job.run_after)
 
+    # a second schedule given as the worker option, beside the registry's
+    other = Schedule("other", every=2, values={"task": "beat", "payload": {"from": "option"}}, backfill=30)
     workers = [
-        make_worker(engine, Task, tasks, poll_interval=0.5, backoff=FAST, shutdown_grace=2) for _ in range(3)
+        make_worker(engine, Task, tasks, schedules=[other], poll_interval=0.5, backoff=FAST, shutdown_grace=2)
+        for _ in range(3)
     ]
     for worker in workers:
         worker.start()
     try:
-        wait_for(lambda: _done_ticks(engine) >= 4, timeout=30, what="four ticks run")
+        wait_for(lambda: _done_ticks(engine) >= 6, timeout=30, what="six jobs run")
     finally:
         for worker in workers:
             worker.stop(grace=2)
     jobs = _jobs(engine)
-    runs = Counter(job.run_after for job in jobs)
-    assert max(runs.values()) == 1, runs
-    ticks = sorted(runs)
-    assert ticks == [ticks[0] + timedelta(seconds=n) for n in range(len(ticks))]  # none skipped
-    assert all(job.task == "beat" and job.payload == {"from": "periodic"} for job in jobs)
+    assert {job.task for job in jobs} == {"beat"}
+    for source, step in (("periodic", 1), ("option", 2)):
+        runs = Counter(job.run_after for job in jobs if job.payload == {"from": source})
+        assert runs and max(runs.values()) == 1, (source, runs)
+        ticks = sorted(runs)
+        assert ticks == [ticks[0] + timedelta(seconds=step * n) for n in range(len(ticks))]  # none skipped
     assert sum(w.stats.scheduled for w in workers) == len(jobs)
 
 
