@@ -313,12 +313,12 @@ class Completer:
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
         statement or the handler's own transaction), retried, failed, handed back, or
-        lost. It forgets the jobs, counts them and says so; metrics and hooks attach
-        here. ``forgotten``: the ledger has let go of them already (lost jobs)."""
+        lost. It counts the jobs, says so and then forgets them, in that order: whoever
+        sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle) finds
+        it counted. Metrics and hooks attach here. ``forgotten``: the ledger has let go
+        of them already (lost jobs)."""
         if not results:
             return
-        if not forgotten:
-            self.ledger.remove(r.held for r in results)
         counts: dict[str, int] = {}
         for r in results:
             status = r.status
@@ -341,6 +341,8 @@ class Completer:
                 log.warning("job %s attempt %d: %s; its result was not recorded", token.job_id, token.attempt, r.why)
         for status, n in counts.items():
             self.stats.add(status, n)
+        if not forgotten:
+            self.ledger.remove(r.held for r in results)
 
 
 class Settled(NamedTuple):
