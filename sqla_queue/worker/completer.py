@@ -284,17 +284,15 @@ class Completer:
                     missed.append(o.held)
                     continue
                 if o.unsure:
-                    job = o.held.token
-                    log.info("job %s attempt %d: its commit had landed; done", job.job_id, job.attempt)
+                    _commit_landed(o.held.token)
                 append(_new_settled(Settled, (o.held, "done", o, None, "")))
         else:
             for o in outcomes:
                 status = moved.get(o.held.token)
                 if status is None:
                     missed.append(o.held)
-                elif o.unsure and status == "done":  # the transactional commit had landed after all
-                    token = o.held.token
-                    log.info("job %s attempt %d: its commit had landed; done", token.job_id, token.attempt)
+                elif o.unsure and status == "done":
+                    _commit_landed(o.held.token)
                     append(Settled(o.held, "done", o))
                 elif kind is Kind.RELEASE:
                     append(Settled(o.held, "released", o))
@@ -316,13 +314,12 @@ class Completer:
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
         statement or the handler's own transaction), retried, failed, handed back, or
-        lost. It forgets the jobs and hands their ends to the worker's hooks
-        (:class:`~.hooks.Hooks`: the counters, the log lines, the observers).
-        ``forgotten``: the ledger has let go of them already (lost jobs)."""
+        lost. It hands their ends to the worker's hooks (:class:`~.hooks.Hooks`: the
+        counters, the log lines, the observers) and then forgets the jobs, in that order:
+        whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle)
+        finds it counted. ``forgotten``: the ledger has let go of them already (lost jobs)."""
         if not results:
             return
-        if not forgotten:
-            self.ledger.remove(r.held for r in results)
         hooks = self.hooks
         every = hooks.wants_every_end()  # else only the ends that log above DEBUG
         counts: dict[str, int] = {}
@@ -349,6 +346,8 @@ class Completer:
                 append(event(r.held, _OUTCOMES[status], _first(o.error)))
         hooks.count(counts)
         hooks.finished(events)
+        if not forgotten:
+            self.ledger.remove(r.held for r in results)
 
 
 #: Settled.status -> the outcome observers see.
@@ -398,6 +397,11 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
         left = attempt - 1 if refund else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
+
+
+def _commit_landed(token: ClaimToken) -> None:
+    """The handler's transaction, whose answer was lost, had committed the job done."""
+    log.info("job %s attempt %d: its commit had landed; done", token.job_id, token.attempt)
 
 
 def _first(text: str) -> str:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from typing import Any
 
 from .._rules import RESERVED_QUEUE_PREFIX
+from ..model import FINISHED_STATUSES, JobStatus
+from ..periodic import Schedule, check_schedules
 from ..sql import Backoff
 
 __all__ = ["WorkerConfig", "check_options"]
@@ -51,6 +55,19 @@ class WorkerConfig:
     #: Serve Prometheus metrics on this port (all interfaces); needs the ``prometheus``
     #: extra. None: no exporter (mount :mod:`sqla_queue.prometheus` in your app instead).
     metrics_port: int | None = None
+    #: Periodic jobs this worker enqueues (besides those of its Tasks registry), each
+    #: tick once however many workers run them.
+    schedules: tuple[Schedule, ...] = ()
+    #: False: enqueue no periodic jobs here (other workers of the table do).
+    periodic: bool = True
+    #: Delete finished jobs this long (seconds or a timedelta) after they finished: one
+    #: age for ``done`` and ``cancelled`` (dead letters kept), or an age per status,
+    #: ``{"done": 86400, "failed": timedelta(days=30)}``. None (the default): keep all.
+    retention: float | timedelta | Mapping[str, float | timedelta] | None = None
+    #: Seconds between two pruning passes (a pass deletes batch after batch until done).
+    retention_interval: float = 60.0
+    #: Most rows one pruning statement deletes (one short transaction each).
+    retention_batch: int = 1000
 
     def __post_init__(self) -> None:
         if self.queues is not None and not isinstance(self.queues, tuple):
@@ -91,8 +108,41 @@ class WorkerConfig:
             _positive_int("metrics_port", self.metrics_port)
             if self.metrics_port > 65535:
                 raise ValueError(f"metrics_port must be a TCP port (1-65535), got {self.metrics_port}")
+        if not isinstance(self.schedules, tuple):
+            object.__setattr__(self, "schedules", check_schedules(self.schedules))
+        else:
+            check_schedules(self.schedules)
+        if not isinstance(self.periodic, bool):
+            raise TypeError(f"periodic must be True or False, got {self.periodic!r}")
+        self.retention_ages  # noqa: B018 - checks the retention
+        _duration("retention_interval", self.retention_interval, positive=True)
+        _positive_int("retention_batch", self.retention_batch)
         if not isinstance(self.backoff, Backoff):
             raise TypeError(f"backoff must be a sqla_queue.Backoff, got {self.backoff!r}")
+
+    @property
+    def retention_ages(self) -> dict[str, float]:
+        """The retention as seconds per status (empty: none)."""
+        given = self.retention
+        if given is None:
+            return {}
+        if isinstance(given, Mapping):
+            if not given:
+                raise ValueError("retention must name at least one status, or be None")
+            ages: dict[str, float] = {}
+            for status, age in given.items():
+                try:
+                    wanted = JobStatus(status)
+                except ValueError:
+                    wanted = None
+                if wanted not in FINISHED_STATUSES:
+                    raise ValueError(f"retention: only finished jobs (done, failed, cancelled) can be pruned, "
+                                     f"got {status!r}")
+                assert wanted is not None
+                ages[wanted.value] = _age(f"retention[{status!r}]", age)
+            return ages
+        age = _age("retention", given)
+        return {JobStatus.DONE.value: age, JobStatus.CANCELLED.value: age}
 
     @property
     def max_batch(self) -> int:
@@ -126,6 +176,12 @@ def _duration(name: str, value: Any, *, positive: bool) -> None:
                          f"number of seconds, got {value!r}")
     if value > 10 * 365 * 86400:
         raise ValueError(f"{name} is implausibly long: {value!r} seconds")
+
+
+def _age(name: str, value: Any) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    _duration(name, seconds, positive=True)
+    return float(seconds)
 
 
 def check_options(**options: Any) -> WorkerConfig:
