@@ -581,11 +581,29 @@ def requeue_failed(
 
     ``last_error`` is kept for the record. ``ids=None`` requeues every failed job (of
     ``queues``); an empty ``ids`` requeues none. ``delay`` counts from the update.
+
+    Unique jobs: a failed job whose key another job holds now (or a newer failed job
+    with the same key) stays failed, so the requeue never breaks the unique index; an
+    enqueue of that key racing the requeue can still make it fail with an
+    ``IntegrityError`` (an UPDATE cannot skip a conflict), so run it again.
     """
     qt = queue_table(model)
     conditions = [_status(qt, FAILED), *_queue_filter(qt, queues)]
     if ids is not None:
         conditions.append(_pk_in(qt, ids))
+    unique = unique_jobs(qt.table)
+    if unique is not None and FAILED not in unique.statuses:
+        other = qt.table.alias("sqla_queue_holder")
+        other_pk = other.c[qt.pk.key]
+        held = or_(
+            other.c.status.in_([status_literal(st) for st in unique.statuses]),
+            and_(other.c.status == status_literal(FAILED), other_pk > qt.pk),
+        )
+        conditions.append(
+            ~select(literal(1))
+            .where(other.c[unique.column] == qt.c[unique.column], other_pk != qt.pk, held)
+            .exists()
+        )
     return (
         qt.table.update()
         .where(*conditions)

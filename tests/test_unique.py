@@ -403,3 +403,22 @@ def test_the_builders_skip_a_held_key(engine: Engine) -> None:
         assert conn.execute(stmt, {"task": "t", "unique_key": "k"}).first() is None
         assert conn.execute(q.unique_holder(TASKS, key="k")).scalar() == first
         assert conn.execute(q.unique_holder(TASKS, key="none")).first() is None
+
+
+def test_requeue_of_a_failed_job_leaves_a_held_key_alone(engine: Engine, Sessions: Any) -> None:
+    with Sessions() as session:
+        ids = [session.enqueue(Task(task="t"), unique_key=k).job_id for k in ("held", "free", "twice")]
+        session.commit()
+    with engine.begin() as conn:
+        conn.execute(update(TASKS).values(status="failed"))
+    with Sessions() as session:
+        holder = session.enqueue(Task(task="t"), unique_key="held").job_id
+        newer = session.enqueue(Task(task="t"), unique_key="twice").job_id
+        session.commit()
+    with engine.begin() as conn:
+        conn.execute(update(TASKS).where(TASKS.c.id == newer).values(status="failed"))
+        requeued = set(conn.scalars(q.requeue_failed(TASKS)))
+    # "held" is held by a pending job; of the two failed "twice", the newer is requeued.
+    assert requeued == {ids[1], newer}
+    statuses = {r.id: r.status for r in jobs(engine, TASKS)}
+    assert statuses == {ids[0]: "failed", ids[1]: "pending", ids[2]: "failed", holder: "pending", newer: "pending"}
