@@ -7,6 +7,7 @@ server and prints its row. Speed is not asserted; the figures of a quick run mea
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,18 @@ def test_quick_peers_run_prints_every_peer(server: Server) -> None:
     for line in table[1:]:
         assert len(line.split(" | ")) == 5, line
     assert "skipped" not in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_quick_unique_enqueue_run_prints_both_rates(server: Server) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("unique_enqueue.py")), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "DATABASE_URL": server.admin_url.render_as_string(hide_password=False)},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "200 keyed rows, 100 inserted, 100 skipped" in result.stdout, result.stdout
+    assert "rows/s" in result.stdout and "ratio:" in result.stdout
