@@ -256,8 +256,8 @@ class Producer:
         held: list[Held] = []
         append = held.append
         for token, job, problem, solitary in rows:
-            if problem is None:
-                append(Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner))
+            if problem is None:  # positional: the hot path, once per claimed row
+                append(Held(token, job, None, isolated, solitary, owner))
             else:
                 append(Held(token, load_error=self._load_error(problem), isolated=isolated, solitary=solitary,
                             owner=owner))
