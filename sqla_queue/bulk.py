@@ -178,7 +178,9 @@ def enqueue_many(
     :class:`~sqla_queue.UniqueJobs` names) is written by ``INSERT … ON CONFLICT DO
     NOTHING`` (an executemany per batch), so a duplicate of a job already holding the key,
     or of an earlier row of the same call, is skipped, counted in ``.skipped``, and never
-    an error. Rows without a key take the usual path (COPY).
+    an error. Rows without a key take the usual path (COPY). Keyed rows are inserted in
+    key order within each batch, so two loads of the same keys at once do not deadlock
+    (loads of more than ``batch_size`` keyed rows still can, across batches).
 
     With an ``AsyncSession`` (or an ``async_scoped_session``) this returns a coroutine:
     ``n = await enqueue_many(async_session, Model, rows)``, where ``rows`` may also be an
@@ -352,6 +354,10 @@ def _insert_keyed(conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str
     # RETURNING counts the rows that went in (an executemany's rowcount does not, on every
     # driver), and makes SQLAlchemy send the rows as multi-row VALUES ("insertmanyvalues").
     statement = insert_unique(plan.table).returning(plan.qt.pk)
+    # In key order: two loads of the same keys then wait for each other in one order, never
+    # in a cycle (a deadlock would abort one caller's transaction), within a batch.
+    column = plan.unique_column
+    batch.sort(key=lambda item: item[1][column])
     inserted = 0
     for _shape, group in groupby(batch, key=itemgetter(0)):
         inserted += len(conn.execute(statement, [values for _, values in group]).all())

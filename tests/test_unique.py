@@ -422,3 +422,38 @@ def test_requeue_of_a_failed_job_leaves_a_held_key_alone(engine: Engine, Session
     assert requeued == {ids[1], newer}
     statuses = {r.id: r.status for r in jobs(engine, TASKS)}
     assert statuses == {ids[0]: "failed", ids[1]: "pending", ids[2]: "failed", holder: "pending", newer: "pending"}
+
+
+def test_two_bulk_loads_of_the_same_keys_in_opposite_orders_do_not_deadlock(engine: Engine, Sessions: Any) -> None:
+    """Keyed rows go in key order: the second load waits for the first, never in a cycle.
+    (Inserted in the order given, about half of these trials deadlock.)"""
+    keys = [f"k{n:04}" for n in range(1000)]
+    results: dict[int, EnqueuedMany] = {}
+    errors: list[BaseException] = []
+
+    def load(n: int, ordered: list[str], barrier: threading.Barrier) -> None:
+        try:
+            with Sessions() as session:
+                session.execute(text("SELECT 1"))
+                barrier.wait(10)
+                results[n] = session.enqueue_many(Task, [{"task": "t", "unique_key": k} for k in ordered])
+                session.commit()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    for _ in range(10):
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE tasks"))
+        results.clear()
+        barrier = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=load, args=(0, keys, barrier)),
+            threading.Thread(target=load, args=(1, keys[::-1], barrier)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert sorted((r.inserted, r.skipped) for r in results.values()) == [(0, 1000), (1000, 0)]
+        assert len(jobs(engine, TASKS)) == 1000
