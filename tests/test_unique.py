@@ -441,7 +441,7 @@ def test_two_bulk_loads_of_the_same_keys_in_opposite_orders_do_not_deadlock(engi
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
-    for _ in range(10):
+    for _ in range(6):  # each trial of the unordered insert deadlocked about every other time
         with engine.begin() as conn:
             conn.execute(text("TRUNCATE tasks"))
         results.clear()
