@@ -38,6 +38,7 @@ from .model import (
     archive_table,
     queue_table,
 )
+from .periodic import Schedule, schedules_table
 from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
@@ -66,6 +67,7 @@ __all__ = [
     "QueueSession",
     "RetryLater",
     "Snooze",
+    "Schedule",
     "SqlaQueueError",
     "TaskMixin",
     "Tasks",
@@ -83,6 +85,7 @@ __all__ = [
     "enqueue_values",
     "notify_on_commit",
     "queue_table",
+    "schedules_table",
 ]
 
 __version__ = "0.1.0"

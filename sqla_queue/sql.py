@@ -14,6 +14,7 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -59,7 +60,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, Insert, array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
+from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
 from .errors import EnqueueError
@@ -73,6 +74,7 @@ from .model import (
     unique_jobs,
     unique_predicate,
 )
+from .periodic import schedules_table
 
 __all__ = [
     "Backoff",
@@ -80,6 +82,7 @@ __all__ = [
     "archive_finished",
     "cancel_pending",
     "claim",
+    "claim_schedule_tick",
     "claim_candidates",
     "claim_template",
     "complete_if_owner",
@@ -87,17 +90,24 @@ __all__ = [
     "complete_many_if_owner_then_claim",
     "complete_template",
     "delay_from_insert",
+    "delete_jobs",
     "extend_leases_if_owner",
     "extend_unlocked_leases_if_owner",
     "fail_if_owner",
     "fail_many_if_owner",
     "fail_unclaimable",
+    "finished_per_minute",
+    "get_job",
     "insert_unique",
     "is_solitary",
     "isolated_waiting",
+    "job_filter",
+    "lease_owners",
+    "list_jobs",
     "next_run_after",
     "owned_tokens",
     "prune_finished",
+    "prune_lock_key",
     "queue_stats",
     "release_if_owner",
     "release_lost_claims",
@@ -105,6 +115,8 @@ __all__ = [
     "requeue_failed",
     "retry_if_owner",
     "retry_many_if_owner",
+    "schedule_states",
+    "schedule_tick_template",
     "seconds_interval",
     "snooze_if_owner",
     "snooze_many_if_owner",
@@ -576,11 +588,14 @@ def requeue_failed(
     ids: Iterable[Any] | None = None,
     queues: Sequence[str] | None = None,
     delay: Duration = 0,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
 ) -> ReturningUpdate[Any]:
     """Give dead-lettered (``failed``) jobs a fresh set of attempts.
 
     ``last_error`` is kept for the record. ``ids=None`` requeues every failed job (of
-    ``queues``); an empty ``ids`` requeues none. ``delay`` counts from the update.
+    ``queues``, ``tasks``, with ``error_contains`` in ``last_error``: the filters of
+    :func:`list_jobs`); an empty ``ids`` requeues none. ``delay`` counts from the update.
 
     Unique jobs: a failed job whose key another job holds now (or a newer failed job
     with the same key) stays failed, so the requeue never breaks the unique index; an
@@ -588,9 +603,10 @@ def requeue_failed(
     ``IntegrityError`` (an UPDATE cannot skip a conflict), so run it again.
     """
     qt = queue_table(model)
-    conditions = [_status(qt, FAILED), *_queue_filter(qt, queues)]
-    if ids is not None:
-        conditions.append(_pk_in(qt, ids))
+    conditions = [
+        _status(qt, FAILED),
+        *_job_filter(qt, ids=ids, queues=queues, tasks=tasks, error_contains=error_contains),
+    ]
     unique = unique_jobs(qt.table)
     if unique is not None and FAILED not in unique.statuses:
         other = qt.table.alias("sqla_queue_holder")
@@ -634,52 +650,280 @@ def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[
     )
 
 
+def _statuses(statuses: Sequence[JobStatus | str] | None) -> list[JobStatus] | None:
+    if statuses is None:
+        return None
+    if isinstance(statuses, str):
+        raise TypeError("statuses must be a sequence of statuses, not a single string")
+    try:
+        wanted = list(dict.fromkeys(JobStatus(s) for s in statuses))
+    except ValueError:
+        raise ValueError(
+            f"unknown status in {list(statuses)!r} (one of {', '.join(s.value for s in JobStatus)})"
+        ) from None
+    if not wanted:
+        raise ValueError("statuses must name at least one status (or be None for all)")
+    return wanted
+
+
+def job_filter(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+) -> list[ColumnElement[bool]]:
+    """The WHERE conditions of the inspection filters, to compose into a statement of
+    your own: ``select(Model).where(*job_filter(Model, statuses=["failed"]))``.
+
+    ``None`` leaves a filter out; a list keeps jobs matching any of its values;
+    ``error_contains`` matches ``last_error`` case-insensitively, ``%`` and ``_`` taken
+    literally. ``tasks`` needs a task table (:class:`~sqla_queue.TaskMixin`). Statuses
+    are inline literals, so the partial indexes of ``pending`` and ``running`` jobs serve.
+    """
+    return _job_filter(
+        queue_table(model), ids=ids, queues=queues, statuses=statuses, tasks=tasks, error_contains=error_contains
+    )
+
+
+def _job_filter(
+    qt: QueueTable,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+) -> list[ColumnElement[bool]]:
+    c = qt.c
+    conditions: list[ColumnElement[bool]] = []
+    if ids is not None:
+        conditions.append(_pk_in(qt, ids))
+    conditions.extend(_queue_filter(qt, queues))
+    wanted = _statuses(statuses)
+    if wanted is not None:
+        column: ColumnElement[str] = c.status
+        literals = [status_literal(s) for s in wanted]
+        conditions.append(column == literals[0] if len(literals) == 1 else column.in_(literals))
+    if tasks is not None:
+        if "task" not in c:
+            raise ValueError(f"table {qt.table.fullname!r} has no task column: filter by task on a task table")
+        if isinstance(tasks, str):
+            raise TypeError("tasks must be a sequence of task names, not a single string")
+        names = list(dict.fromkeys(tasks))
+        if not names:
+            raise ValueError("tasks must name at least one task (or be None for all)")
+        task: ColumnElement[str] = c.task
+        conditions.append(
+            task == names[0] if len(names) == 1
+            else task == any_(bindparam("tasks", names, type_=ARRAY(c.task.type), unique=True))
+        )
+    if error_contains is not None:
+        if not error_contains:
+            raise ValueError("error_contains must not be empty (or be None for any error)")
+        error: ColumnElement[str] = c.last_error
+        conditions.append(error.icontains(error_contains, autoescape=True))
+    conditions.extend(_kind_filter(qt))
+    return conditions
+
+
+def list_jobs(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+    before: Any = None,
+    limit: int = 50,
+) -> Select[Any]:
+    """A page of jobs, every column, newest key first: the filters of :func:`job_filter`.
+
+    Keyset pagination: pass the key of the last row of a page as ``before`` to get the
+    next. The primary key's index is read backwards from there and stops after ``limit``
+    matching rows, so a page costs the same on the millionth row as on the first (no
+    ``OFFSET``); only a filter that few rows match reads far.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
+    qt = queue_table(model)
+    conditions = _job_filter(
+        qt, ids=ids, queues=queues, statuses=statuses, tasks=tasks, error_contains=error_contains
+    )
+    if before is not None:
+        conditions.append(qt.pk < bindparam("before", before, type_=qt.pk.type))
+    return select(qt.table).where(*conditions).order_by(qt.pk.desc()).limit(limit)
+
+
+def get_job(model: QueueModel, job_id: Any) -> Select[Any]:
+    """One job, every column (the user's own too), by key."""
+    qt = queue_table(model)
+    return select(qt.table).where(qt.pk == bindparam("job_id", job_id, type_=qt.pk.type))
+
+
+#: The statuses :func:`delete_jobs` may delete: all but ``running``.
+DELETABLE_STATUSES: Final = (PENDING, DONE, FAILED, CANCELLED)
+
+
+def delete_jobs(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+    limit: int = 10_000,
+) -> ReturningDelete[Any]:
+    """Delete up to ``limit`` jobs matching the filters of :func:`job_filter`; returns
+    their keys. Never a ``running`` job (its worker holds it: cancel it, or let it end),
+    and rows another transaction holds are skipped, not waited for; run it until it
+    returns fewer than ``limit`` rows. ``statuses=None`` means every deletable status.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
+    wanted = _statuses(statuses)
+    if wanted is None:
+        wanted = list(DELETABLE_STATUSES)
+    if RUNNING in wanted:
+        raise ValueError("running jobs cannot be deleted: their worker holds them (cancel them first)")
+    qt = queue_table(model)
+    doomed = (
+        select(qt.pk)
+        .where(
+            *_job_filter(qt, ids=ids, queues=queues, statuses=wanted, tasks=tasks, error_contains=error_contains)
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery())).returning(qt.pk)
+
+
+def finished_per_minute(model: QueueModel, *, minutes: int = 60) -> Select[Any]:
+    """``(queue, minute, status, jobs)``: jobs that finished (``done``, ``failed``,
+    ``cancelled``) in each of the last ``minutes`` minutes, by queue; the throughput and
+    failure chart of the dashboard. Minutes without a finished job have no row."""
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or minutes < 1:
+        raise ValueError(f"minutes must be an integer of at least 1, got {minutes!r}")
+    qt = queue_table(model)
+    c = qt.c
+    minute = func.date_trunc("minute", c.finished_at, type_=DateTime(timezone=True)).label("minute")
+    return (
+        select(c.queue, minute, c.status, func.count().label("jobs"))
+        .where(
+            c.status.in_([status_literal(s) for s in FINISHED_STATUSES]),
+            c.finished_at >= func.date_trunc("minute", func.now()) - seconds_interval((minutes - 1) * 60.0),
+            *_kind_filter(qt),
+        )
+        .group_by(c.queue, minute, c.status)
+        .order_by(c.queue, minute, c.status)
+    )
+
+
+def lease_owners(model: QueueModel) -> Select[Any]:
+    """``(lease_owner, jobs, oldest_lease, latest_lease)``: each worker name holding
+    running jobs, how many, and the earliest and latest ``lease_expires_at`` among them.
+    Every heartbeat pushes the leases it holds forward, so the latest expiry minus the
+    worker's lease is its last heartbeat; an oldest lease in the past is a worker that
+    stopped heartbeating (the sweeper will return its jobs). Served by the partial index
+    of running jobs' leases."""
+    qt = queue_table(model)
+    c = qt.c
+    return (
+        select(
+            c.lease_owner,
+            func.count().label("jobs"),
+            func.min(c.lease_expires_at).label("oldest_lease"),
+            func.max(c.lease_expires_at).label("latest_lease"),
+        )
+        .where(_status(qt, RUNNING), *_kind_filter(qt))
+        .group_by(c.lease_owner)
+        .order_by(c.lease_owner)
+    )
+
+
+#: Ages of finished jobs by status: what :func:`prune_finished` removes past which age.
+Ages: TypeAlias = "Mapping[JobStatus | str, Duration | datetime]"
+
+
 def _finished_before(
     qt: QueueTable,
-    older_than: Duration | datetime,
-    statuses: Sequence[JobStatus | str],
+    older_than: Duration | datetime | Ages,
+    statuses: Sequence[JobStatus | str] | None,
+    default: Sequence[JobStatus],
     limit: int,
+    exclusive: bool,
 ) -> Select[Any]:
-    wanted = [JobStatus(s) for s in statuses]
+    if isinstance(older_than, Mapping):
+        if statuses is not None:
+            raise ValueError("give the statuses either as the keys of older_than or as statuses, not both")
+        ages: dict[JobStatus, Duration | datetime] = {JobStatus(s): age for s, age in older_than.items()}
+        wanted = list(ages)
+    else:
+        wanted = [JobStatus(s) for s in (default if statuses is None else statuses)]
+        ages = dict.fromkeys(wanted, older_than)
     unfinished = [s for s in wanted if s not in FINISHED_STATUSES]
     if unfinished or not wanted:
         raise ValueError(
             f"only finished jobs ({', '.join(s.value for s in FINISHED_STATUSES)}) can be "
             f"removed, got {[s.value for s in wanted]}"
         )
-    if limit < 1:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
-    if isinstance(older_than, datetime):
-        if older_than.tzinfo is None:
-            raise ValueError("older_than must be timezone-aware")
-        cutoff: ColumnElement[datetime] = literal(older_than, DateTime(timezone=True))
-    else:
-        cutoff = func.now() - _interval(older_than, "older_than")
-    return (
-        select(qt.pk)
-        .where(
-            qt.c.status.in_([status_literal(s) for s in wanted]),
-            qt.c.finished_at < cutoff,
+    cutoffs: dict[Any, list[JobStatus]] = {}
+    for status, age in ages.items():
+        if isinstance(age, datetime):
+            if age.tzinfo is None:
+                raise ValueError("older_than must be timezone-aware")
+            key: Any = ("at", age)
+        else:
+            key = ("ago", _seconds(age, "older_than"))
+        cutoffs.setdefault(key, []).append(status)
+    conditions: list[ColumnElement[bool]] = []
+    for (kind, value), group in cutoffs.items():
+        cutoff: ColumnElement[datetime] = (
+            literal(value, DateTime(timezone=True)) if kind == "at" else func.now() - seconds_interval(value)
         )
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    )
+        conditions.append(and_(qt.c.status.in_([status_literal(s) for s in group]), qt.c.finished_at < cutoff))
+    where = [or_(*conditions) if len(conditions) > 1 else conditions[0]]
+    if exclusive:
+        where.insert(0, select(func.pg_try_advisory_xact_lock(prune_lock_key(qt.table))).scalar_subquery())
+    return select(qt.pk).where(*where).limit(limit).with_for_update(skip_locked=True)
+
+
+def prune_lock_key(table: Table) -> int:
+    """The advisory lock ``exclusive`` pruning takes for ``table``: a 64-bit number from
+    its name, the same in every process."""
+    digest = hashlib.sha1(f"sqla_queue.prune:{table.fullname}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def prune_finished(
     model: QueueModel,
     *,
-    older_than: Duration | datetime,
-    statuses: Sequence[JobStatus | str] = (DONE, CANCELLED),
+    older_than: Duration | datetime | Ages,
+    statuses: Sequence[JobStatus | str] | None = None,
     limit: int = 10_000,
+    exclusive: bool = False,
 ) -> Delete:
     """Delete up to ``limit`` jobs that finished before ``older_than`` ago.
 
-    Dead letters (``failed``) are kept unless named in ``statuses``. Bounded, so a large
-    backlog is pruned in short transactions: run it until its rowcount is 0.
+    ``statuses`` default to ``done`` and ``cancelled``: dead letters (``failed``) are
+    kept unless named. ``older_than`` may instead map statuses to their own ages,
+    ``{"done": timedelta(days=7), "failed": timedelta(days=90)}`` (those statuses only).
+    Bounded, so a large backlog is pruned in short transactions: run it until its
+    rowcount is below ``limit``. Rows another transaction holds are skipped, and only
+    finished rows are touched, so it never waits for (nor blocks) a claim.
+
+    ``exclusive=True``: the statement first takes a transaction-level advisory lock of
+    the table's (:func:`prune_lock_key`, tried, never waited for) and deletes nothing when
+    another pruner holds it: many workers, at most one pruning a table at a time.
     """
     qt = queue_table(model)
-    doomed = _finished_before(qt, older_than, statuses, limit)
+    doomed = _finished_before(qt, older_than, statuses, (DONE, CANCELLED), limit, exclusive)
     return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery()))
 
 
@@ -687,21 +931,24 @@ def archive_finished(
     model: QueueModel,
     archive: Table | type[Any],
     *,
-    older_than: Duration | datetime,
-    statuses: Sequence[JobStatus | str] = FINISHED_STATUSES,
+    older_than: Duration | datetime | Ages,
+    statuses: Sequence[JobStatus | str] | None = None,
     limit: int = 10_000,
+    exclusive: bool = False,
 ) -> ReturningInsert[Any]:
     """Move finished jobs into ``archive`` in one statement (``WITH moved AS (DELETE …
     RETURNING …) INSERT INTO archive SELECT … FROM moved``).
 
     Every column the two tables share by name is copied; see
-    :func:`sqla_queue.archive_table` for a ready-made archive table. Returns the ids it
-    moved; bounded by ``limit``, so run it until it returns none.
+    :func:`sqla_queue.archive_table` for a ready-made archive table. ``statuses``
+    default to every finished one; ``older_than`` and ``exclusive`` are those of
+    :func:`prune_finished`. Returns the ids it moved; bounded by ``limit``, so run it
+    until it returns fewer.
     """
     qt = queue_table(model)
     target: Table = archive if isinstance(archive, Table) else archive.__table__
     shared = [col.name for col in qt.table.c if col.name in target.c]
-    doomed = _finished_before(qt, older_than, statuses, limit)
+    doomed = _finished_before(qt, older_than, statuses, FINISHED_STATUSES, limit, exclusive)
     moved: CTE = (
         delete(qt.table)
         .where(qt.pk.in_(doomed.scalar_subquery()))
@@ -1281,3 +1528,56 @@ def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) ->
         .scalar_subquery()
     )
     return select(func.extract("epoch", soonest - now))
+
+
+# -- periodic jobs: the watermark of each schedule ------------------------------------------
+
+#: Bound-parameter names of :func:`schedule_tick_template`.
+SCHEDULE_PARAM: Final = "sqla_queue_schedule"
+TICK_PARAM: Final = "sqla_queue_tick"
+
+
+def schedule_tick_template(model: QueueModel) -> ReturningInsert[Any]:
+    """Claim a schedule's tick: ``{SCHEDULE_PARAM: name, TICK_PARAM: tick}``.
+
+    ``INSERT INTO <table>_schedules (name, last_tick) VALUES (:name, :tick) ON CONFLICT
+    (name) DO UPDATE SET last_tick = :tick, previous_tick = <the old last_tick> WHERE
+    last_tick < :tick RETURNING previous_tick``: one row when this call moved the
+    watermark forward (``previous_tick`` is where it stood, NULL for a schedule seen for
+    the first time), none when the tick was claimed already. Run it in the transaction
+    that inserts the tick's jobs: a concurrent claim of the same tick waits for that
+    transaction's row lock, then matches nothing if it committed (and claims the tick
+    itself if it rolled back), so a tick is claimed if and only if its jobs exist.
+    The graphile-worker design: no leader, one small row per schedule.
+    """
+    table = schedules_table(model)
+    tick = _param(TICK_PARAM, DateTime(timezone=True))
+    stmt = pg_insert(table).values(name=_param(SCHEDULE_PARAM, table.c.name.type), last_tick=tick)
+    return stmt.on_conflict_do_update(
+        index_elements=[table.c.name],
+        set_={
+            "last_tick": stmt.excluded.last_tick,
+            "previous_tick": table.c.last_tick,
+            "updated_at": _clock(),
+        },
+        where=table.c.last_tick < stmt.excluded.last_tick,
+    ).returning(table.c.previous_tick)
+
+
+def claim_schedule_tick(model: QueueModel, *, schedule: str, tick: datetime) -> ReturningInsert[Any]:
+    """:func:`schedule_tick_template` with the schedule's name and the tick (an aware
+    datetime) bound: returns ``previous_tick`` if this call claimed the tick, no row if
+    it was claimed already."""
+    if not isinstance(tick, datetime) or tick.tzinfo is None or tick.utcoffset() is None:
+        raise ValueError(f"tick must be a timezone-aware datetime, got {tick!r}")
+    with _values({SCHEDULE_PARAM: schedule, TICK_PARAM: tick}):
+        return schedule_tick_template(model)
+
+
+def schedule_states(model: QueueModel) -> Select[Any]:
+    """``(name, last_tick, previous_tick, updated_at)`` of every schedule row of the
+    queue table, by name: what ``sqla-queue schedules`` shows. A row whose schedule was
+    removed from the code stays, harmless (nothing reads it but this)."""
+    table = schedules_table(model)
+    c = table.c
+    return select(c.name, c.last_tick, c.previous_tick, c.updated_at).order_by(c.name)

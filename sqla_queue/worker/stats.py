@@ -22,6 +22,9 @@ class WorkerStats:
     snoozed: int = 0
     swept: int = 0
     heartbeats: int = 0
+    #: Periodic jobs this worker enqueued, and finished jobs its pruner deleted.
+    scheduled: int = 0
+    pruned: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, counter: str, n: int = 1) -> None:
