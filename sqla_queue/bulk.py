@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import Connection, Table, insert, select
+from sqlalchemy import Connection, Table, bindparam, insert, select
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 from typing_extensions import Unpack
 
 from .binds import resolve_session
-from .dbapi import reraise_as_sqlalchemy
+from .dbapi import compile_statement, reraise_as_sqlalchemy
 from .errors import EnqueueError
 from .options import EnqueueKwargs, enqueue_options
 from .outbox import notify_on_commit
@@ -262,7 +262,10 @@ def _enqueue_many(
     writer = RowWriter(dialect_plan, values, for_copy=use_copy)
     # Rows with a unique key go by INSERT … ON CONFLICT DO NOTHING (COPY cannot skip a
     # duplicate), the others by COPY or INSERT as usual: each row to its writer.
-    keyed_writer = RowWriter(dialect_plan, values, for_copy=False) if plan.unique_column is not None else None
+    # On psycopg (sync) they go by the driver's pipelined executemany, their values
+    # converted as for COPY: SQLAlchemy's execution of many rows costs more than the rows.
+    direct = use_copy and not dialect_plan.dialect.is_async
+    keyed_writer = RowWriter(dialect_plan, values, for_copy=direct) if plan.unique_column is not None else None
     batches = _split(writer, keyed_writer, plan, first, rows_iter, batch_size)
     del first  # the generator owns the first batch now: keep memory bounded
     first_batch = next(batches)  # a bad row here raises before anything is written
@@ -299,7 +302,7 @@ def _enqueue_many(
                 del head
             if not keyed:
                 break
-            inserted, total = _insert_keyed(conn, plan, keyed.pop())
+            inserted, total = (_insert_keyed_direct if direct else _insert_keyed)(conn, plan, keyed.pop())
             written += inserted
             skipped += total - inserted
     except BaseException:
@@ -345,6 +348,33 @@ def _split(
         yield without, with_key
         del without, with_key
         chunk = list(islice(rows, size))
+
+
+def _insert_keyed_direct(
+    conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str, ...], Any]]
+) -> tuple[int, int]:
+    """:func:`_insert_keyed` on the psycopg cursor: ``batch`` holds values converted for
+    the driver (COPY's), sent by psycopg's pipelined executemany, one statement per run
+    of rows setting the same columns; psycopg counts the rows it inserted."""
+    column = plan.unique_column
+    assert column is not None
+    translate = conn.get_execution_options().get("schema_translate_map")
+    raw: Any = conn.connection.driver_connection
+    inserted = 0
+    for shape, group in groupby(batch, key=itemgetter(0)):
+        at = shape.index(column)
+        rows = sorted((values for _, values in group), key=itemgetter(at))  # key order: see _insert_keyed
+        stmt = insert_unique(plan.table).values({key: bindparam(key) for key in shape})
+        compiled = compile_statement(stmt, conn.dialect, translate)
+        params = [dict(zip(shape, row, strict=True)) for row in rows]
+        try:
+            with raw.cursor() as cursor:
+                cursor.executemany(compiled.sql, params)
+                inserted += max(cursor.rowcount, 0)
+        except BaseException as exc:
+            reraise_as_sqlalchemy(conn, exc, compiled.sql, None)
+            raise
+    return inserted, len(batch)
 
 
 def _insert_keyed(conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str, ...], Any]]) -> tuple[int, int]:
