@@ -176,6 +176,8 @@ class JobModel(SQLModel):
     isolated: bool = mixin_field("isolated")
     created_at: datetime | None = mixin_field("created_at")
     finished_at: datetime | None = mixin_field("finished_at")
+    #: At most one job per key (``enqueue(..., unique_key=...)``); None: no key.
+    unique_key: str | None = mixin_field("unique_key")
 
 
 class TaskModel(JobModel):

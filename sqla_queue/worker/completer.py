@@ -208,6 +208,8 @@ class Completer:
             return self.ops.fail(conn, owner, tokens, [o.error for o in outcomes])
         if kind is Kind.RELEASE:
             return self.ops.release(conn, owner, tokens, refund=refund)
+        if kind is Kind.SNOOZE:
+            return self.ops.snooze(conn, owner, tokens, [o.delay for o in outcomes])
         raise AssertionError(kind)
 
     def _with_retries(
@@ -296,6 +298,8 @@ class Completer:
                     append(Settled(o.held, "released", o))
                 elif kind is Kind.RETRY and status != "failed":
                     append(Settled(o.held, "retried", o, wake_at=sent + o.delay))
+                elif kind is Kind.SNOOZE:
+                    append(Settled(o.held, "snoozed", o, wake_at=sent + o.delay))
                 else:
                     append(Settled(o.held, "failed", o))
         self.settle(results)
@@ -311,11 +315,11 @@ class Completer:
 
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
-        statement or the handler's own transaction), retried, failed, handed back, or
-        lost. It counts the jobs, says so and then forgets them, in that order: whoever
-        sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle) finds
-        it counted. Metrics and hooks attach here. ``forgotten``: the ledger has let go
-        of them already (lost jobs)."""
+        statement or the handler's own transaction), retried, failed, handed back,
+        snoozed or lost. It counts the jobs, says so and then forgets them, in that order:
+        whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle)
+        finds it counted. Metrics and hooks attach here. ``forgotten``: the ledger has let
+        go of them already (lost jobs)."""
         if not results:
             return
         counts: dict[str, int] = {}
@@ -336,6 +340,12 @@ class Completer:
                     self.signal.wake_at(r.wake_at)
                 log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
                             token.job_id, token.attempt, _first(r.outcome.error), r.outcome.delay)
+            elif status == "snoozed" and r.outcome is not None:
+                if r.wake_at is not None:
+                    self.signal.wake_at(r.wake_at)
+                # A snooze is the handler's plan, not a failure: INFO, and no attempt spent.
+                log.info("job %s attempt %d snoozed for %.1fs: %s", token.job_id, token.attempt,
+                         r.outcome.delay, _first(r.outcome.error))
             elif status == "lost":
                 log.warning("job %s attempt %d: %s; its result was not recorded", token.job_id, token.attempt, r.why)
         for status, n in counts.items():
@@ -346,7 +356,7 @@ class Completer:
 
 class Settled(NamedTuple):
     """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
-    letter), ``released`` (handed back) or ``lost`` (its lease was gone): each the name
+    letter), ``released`` (handed back), ``snoozed`` or ``lost`` (its lease was gone): each the name
     of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
 
     held: Held
@@ -382,9 +392,9 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
             return "failed"
         # Back to pending with this error: a sweep writes its own and marks the job isolated.
         return "pending" if released and attempts == attempt and not isolated and last_error == outcome.error else None
-    if kind is Kind.RELEASE:
+    if kind is Kind.RELEASE or kind is Kind.SNOOZE:
         swept = (last_error or "").startswith(f"lease expired: worker {owner} did not finish attempt {attempt} ")
-        left = attempt - 1 if refund else attempt
+        left = attempt - 1 if refund or kind is Kind.SNOOZE else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
 
