@@ -4,6 +4,7 @@
         __tablename__ = "email_jobs"
 
     session.enqueue(EmailJob(...))           # commits with your business writes
+    session.enqueue(EmailJob(...), unique_key="invoice:42")  # or skipped: one job per key
     session.enqueue_many(EmailJob, rows)     # thousands at once, by COPY
     await enqueue_many(async_session, EmailJob, rows)   # the same from asyncio
     Worker(engine, EmailJob, handler).run()  # leases, retries, dead letter
@@ -21,14 +22,27 @@ from .errors import (
     LeaseLost,
     NotAQueueModel,
     RetryLater,
+    Snooze,
     SqlaQueueError,
     UnknownTask,
 )
-from .model import FINISHED_STATUSES, IdempotencyKeyMixin, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
+from .model import (
+    FINISHED_STATUSES,
+    UNIQUE_ACTIVE,
+    UNIQUE_EVER,
+    IdempotencyKeyMixin,
+    JobMixin,
+    JobStatus,
+    TaskMixin,
+    UniqueJobs,
+    archive_table,
+    queue_table,
+)
 from .periodic import Schedule, schedules_table
 from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
+from .unique import Enqueued, EnqueuedMany
 from .values import enqueue_values
 from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
 from .worker.aio import AsyncWorker
@@ -42,6 +56,8 @@ __all__ = [
     "ClaimToken",
     "DeadLetter",
     "EnqueueError",
+    "Enqueued",
+    "EnqueuedMany",
     "IdempotencyKeyMixin",
     "InvalidPayload",
     "JobEvent",
@@ -52,10 +68,14 @@ __all__ = [
     "NotAQueueModel",
     "QueueSession",
     "RetryLater",
+    "Snooze",
     "Schedule",
     "SqlaQueueError",
     "TaskMixin",
     "Tasks",
+    "UNIQUE_ACTIVE",
+    "UNIQUE_EVER",
+    "UniqueJobs",
     "UnknownTask",
     "Worker",
     "WorkerConfig",

@@ -488,9 +488,14 @@ class _Rewrite:
                 self.container(item)
                 rewritten.append(item)
             elif isinstance(item, CreateTableOp) and _INFO_KEY in item.info:
-                # The mixin's marker in Table.info means nothing to a migration: don't
-                # render it. (A copy: the dict may be the model's own Table.info.)
-                item.info = {key: value for key, value in item.info.items() if key != _INFO_KEY}
+                # The mixin's marker (and its unique jobs declaration) in Table.info mean
+                # nothing to a migration: don't render them. (A copy: the dict may be the
+                # model's own Table.info.)
+                item.info = {
+                    key: value
+                    for key, value in item.info.items()
+                    if key != _INFO_KEY and not (isinstance(key, str) and key.startswith(f"{_INFO_KEY}."))
+                }
                 rewritten.append(item)
             elif isinstance(item, CreateIndexOp) and not isinstance(
                 item, CreateIndexConcurrentlyOp

@@ -37,18 +37,19 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import Connection, Table, insert, select
+from sqlalchemy import Connection, Table, bindparam, insert, select
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 from typing_extensions import Unpack
 
 from .binds import resolve_session
-from .dbapi import reraise_as_sqlalchemy
+from .dbapi import compile_statement, reraise_as_sqlalchemy
 from .errors import EnqueueError
 from .options import EnqueueKwargs, enqueue_options
 from .outbox import notify_on_commit
-from .rows import RowWriter, table_plan
-from .sql import delay_from_insert
+from .rows import RowWriter, TablePlan, table_plan
+from .sql import delay_from_insert, insert_unique
+from .unique import EnqueuedMany
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
@@ -100,7 +101,7 @@ def enqueue_many(
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
     **options: Unpack[EnqueueKwargs],
-) -> Coroutine[Any, Any, int]: ...
+) -> Coroutine[Any, Any, EnqueuedMany]: ...
 
 
 @overload
@@ -112,7 +113,7 @@ def enqueue_many(
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
     **options: Unpack[EnqueueKwargs],
-) -> int: ...
+) -> EnqueuedMany: ...
 
 
 def enqueue_many(
@@ -123,7 +124,7 @@ def enqueue_many(
     batch_size: int = DEFAULT_BATCH_SIZE,
     method: Method = "auto",
     **options: Unpack[EnqueueKwargs],
-) -> int | Coroutine[Any, Any, int]:
+) -> EnqueuedMany | Coroutine[Any, Any, EnqueuedMany]:
     """Insert many jobs into ``model``'s queue table in ``session``'s transaction.
 
     ``rows`` is any iterable (a generator is fine: it is read ``batch_size`` rows at a
@@ -170,7 +171,16 @@ def enqueue_many(
 
     Pending ORM objects in the session are flushed first when autoflush is on, so rows
     may reference them by foreign key. Workers are woken by one NOTIFY per queue written,
-    sent when the transaction commits. Returns the number of rows written.
+    sent when the transaction commits. Returns the number of rows written, as an
+    :class:`~sqla_queue.EnqueuedMany` (an ``int``) that also says how many were skipped.
+
+    Unique jobs: a row that sets the model's key column (``unique_key``, or the column its
+    :class:`~sqla_queue.UniqueJobs` names) is written by ``INSERT … ON CONFLICT DO
+    NOTHING`` (an executemany per batch), so a duplicate of a job already holding the key,
+    or of an earlier row of the same call, is skipped, counted in ``.skipped``, and never
+    an error. Rows without a key take the usual path (COPY). Keyed rows are inserted in
+    key order within each batch, so two loads of the same keys at once do not deadlock
+    (loads of more than ``batch_size`` keyed rows still can, across batches).
 
     With an ``AsyncSession`` (or an ``async_scoped_session``) this returns a coroutine:
     ``n = await enqueue_many(async_session, Model, rows)``, where ``rows`` may also be an
@@ -201,7 +211,7 @@ async def _enqueue_many_async(
     batch_size: int,
     method: Method,
     options: EnqueueKwargs,
-) -> int:
+) -> EnqueuedMany:
     if isinstance(rows, AsyncIterable) and not isinstance(rows, Iterable):
         rows = _awaited_rows(rows, batch_size)
     return await session.run_sync(_enqueue_many, model, rows, batch_size, method, options)
@@ -209,7 +219,7 @@ async def _enqueue_many_async(
 
 def _enqueue_many(
     sync: Session, model: Any, rows: Iterable[Any], batch_size: int, method: Method, options: EnqueueKwargs
-) -> int:
+) -> EnqueuedMany:
     """The one load of :func:`enqueue_many`, sync or (inside ``run_sync``) async."""
     plan = table_plan(model)
     checked = enqueue_options(options)
@@ -235,7 +245,7 @@ def _enqueue_many(
     rows_iter = iter(rows)
     first = list(islice(rows_iter, batch_size))
     if not first:
-        return 0
+        return EnqueuedMany(0)
     more = len(first) == batch_size  # maybe more batches to come
     use_copy = no_copy is None and (
         method == "copy" or (method == "auto" and (more or len(first) >= COPY_MIN_ROWS))
@@ -250,7 +260,13 @@ def _enqueue_many(
         )
 
     writer = RowWriter(dialect_plan, values, for_copy=use_copy)
-    batches = writer.batches(first, rows_iter, batch_size)
+    # Rows with a unique key go by INSERT … ON CONFLICT DO NOTHING (COPY cannot skip a
+    # duplicate), the others by COPY or INSERT as usual: each row to its writer.
+    # On psycopg (sync) they go by the driver's pipelined executemany, their values
+    # converted as for COPY: SQLAlchemy's execution of many rows costs more than the rows.
+    direct = use_copy and not dialect_plan.dialect.is_async
+    keyed_writer = RowWriter(dialect_plan, values, for_copy=direct) if plan.unique_column is not None else None
+    batches = _split(writer, keyed_writer, plan, first, rows_iter, batch_size)
     del first  # the generator owns the first batch now: keep memory bounded
     first_batch = next(batches)  # a bad row here raises before anything is written
 
@@ -261,20 +277,121 @@ def _enqueue_many(
     # later batch, or an error of the database itself, leaves none of the call's rows and
     # the caller's transaction usable, whatever the number of batches.
     savepoint = conn.begin_nested()
+    keyed: list[list[tuple[tuple[str, ...], Any]]] = []
+
+    def plain(split: Iterator[tuple[list[Any], list[Any]]]) -> Iterator[list[tuple[tuple[str, ...], Any]]]:
+        """The rows without a key, up to the first batch with keyed rows (kept in
+        ``keyed``): a COPY must end before another statement runs."""
+        for rows_plain, rows_keyed in split:
+            if rows_plain:
+                yield rows_plain
+            if rows_keyed:
+                keyed.append(rows_keyed)
+                return
+
+    written = skipped = 0
     try:
         rest = _prepend(first_batch, batches)
         del first_batch
         write = _copy_rows if use_copy else _insert_rows
-        written = write(conn, plan.table, rest)
+        while True:
+            part = plain(rest)
+            head = next(part, None)
+            if head is not None:
+                written += write(conn, plan.table, _prepend(head, part))
+                del head
+            if not keyed:
+                break
+            inserted, total = (_insert_keyed_direct if direct else _insert_keyed)(conn, plan, keyed.pop())
+            written += inserted
+            skipped += total - inserted
     except BaseException:
         savepoint.rollback()
         raise
     savepoint.commit()
     qt = plan.qt
     target = qt.mapped_class if qt.mapped_class is not None else qt.table
-    for name in sorted(writer.queues):
+    queues = writer.queues | keyed_writer.queues if keyed_writer is not None else writer.queues
+    for name in sorted(queues):
         notify_on_commit(sync, target, name)
-    return written
+    return EnqueuedMany(written, skipped)
+
+
+def _split(
+    writer: RowWriter, keyed_writer: RowWriter | None, plan: TablePlan, first: list[Any], rows: Iterator[Any],
+    size: int,
+) -> Iterator[tuple[list[tuple[tuple[str, ...], Any]], list[tuple[tuple[str, ...], Any]]]]:
+    """Validated batches as (rows without a key, rows with one); raw rows dropped as we go."""
+    if keyed_writer is None:
+        for batch in writer.batches(first, rows, size):
+            yield batch, []
+        return
+    column, attr = plan.unique_column, plan.unique_attr
+    index = 0
+    chunk = first
+    del first
+    while chunk:
+        without: list[tuple[tuple[str, ...], Any]] = []
+        with_key: list[tuple[tuple[str, ...], Any]] = []
+        for n, raw in enumerate(chunk):
+            if type(raw) is dict or isinstance(raw, Mapping):
+                key = raw.get(column)
+            else:
+                state = getattr(raw, "_sa_instance_state", None)
+                key = state.dict.get(attr) if state is not None and attr is not None else None
+            if key is None:
+                without.append(writer.row(index + n, raw))
+            else:
+                with_key.append(keyed_writer.row(index + n, raw))
+        index += len(chunk)
+        chunk = []
+        yield without, with_key
+        del without, with_key
+        chunk = list(islice(rows, size))
+
+
+def _insert_keyed_direct(
+    conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str, ...], Any]]
+) -> tuple[int, int]:
+    """:func:`_insert_keyed` on the psycopg cursor: ``batch`` holds values converted for
+    the driver (COPY's), sent by psycopg's pipelined executemany, one statement per run
+    of rows setting the same columns; psycopg counts the rows it inserted."""
+    column = plan.unique_column
+    assert column is not None
+    translate = conn.get_execution_options().get("schema_translate_map")
+    raw: Any = conn.connection.driver_connection
+    inserted = 0
+    for shape, group in groupby(batch, key=itemgetter(0)):
+        at = shape.index(column)
+        rows = sorted((values for _, values in group), key=itemgetter(at))  # key order: see _insert_keyed
+        stmt = insert_unique(plan.table).values({key: bindparam(key) for key in shape})
+        compiled = compile_statement(stmt, conn.dialect, translate)
+        params = [dict(zip(shape, row, strict=True)) for row in rows]
+        try:
+            with raw.cursor() as cursor:
+                cursor.executemany(compiled.sql, params)
+                inserted += max(cursor.rowcount, 0)
+        except BaseException as exc:
+            reraise_as_sqlalchemy(conn, exc, compiled.sql, None)
+            raise
+    return inserted, len(batch)
+
+
+def _insert_keyed(conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str, ...], Any]]) -> tuple[int, int]:
+    """``INSERT … ON CONFLICT DO NOTHING`` of keyed rows, an executemany per run of rows
+    setting the same columns: (rows inserted, rows given). A duplicate of a job already
+    there, or of an earlier row of the batch, is skipped."""
+    # RETURNING counts the rows that went in (an executemany's rowcount does not, on every
+    # driver), and makes SQLAlchemy send the rows as multi-row VALUES ("insertmanyvalues").
+    statement = insert_unique(plan.table).returning(plan.qt.pk)
+    # In key order: two loads of the same keys then wait for each other in one order, never
+    # in a cycle (a deadlock would abort one caller's transaction), within a batch.
+    column = plan.unique_column
+    batch.sort(key=lambda item: item[1][column])
+    inserted = 0
+    for _shape, group in groupby(batch, key=itemgetter(0)):
+        inserted += len(conn.execute(statement, [values for _, values in group]).all())
+    return inserted, len(batch)
 
 
 # -- validation ---------------------------------------------------------------------------

@@ -76,6 +76,25 @@ class RetryLater(Exception):
         self.reason = reason
 
 
+class Snooze(Exception):
+    """Raise from a handler to run the job again after ``delay``, **without** spending an
+    attempt: for a job that waits on something outside (an export still being made, a
+    payment not settled yet) and would otherwise use up ``max_attempts`` polling.
+
+    The job goes back to ``pending`` with the attempt its claim counted given back (a
+    fenced transition, like every other), ``last_error`` untouched, logged at INFO. A
+    transactional handler's writes are rolled back, as for any exception it raises.
+    """
+
+    def __init__(self, delay: timedelta | float, reason: str = "snoozed") -> None:
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+        if not seconds >= 0:  # NaN too
+            raise ValueError(f"Snooze delay must be a number of seconds >= 0, got {delay!r}")
+        super().__init__(reason)
+        self.delay = timedelta(seconds=seconds)
+        self.reason = reason
+
+
 class DeadLetter(Exception):
     """Raise from a handler to move the job to ``failed`` at once, whatever attempts remain.
 

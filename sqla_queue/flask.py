@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import click
 from flask import Flask, current_app
@@ -47,6 +47,7 @@ from .model import JobStatus, queue_table
 from .options import EnqueueKwargs
 from .session import enqueue
 from .tasks import Handler, Tasks
+from .unique import Enqueued, EnqueuedMany, UniqueKey
 from .worker import Worker, WorkerConfig
 
 __all__ = ["FlaskQueue"]
@@ -90,9 +91,16 @@ class FlaskQueue:
         Worker.check_options(**options)
         self._workers[key] = _Registration(model, handler, options)
 
-    def enqueue(self, job: J, **options: Unpack[EnqueueKwargs]) -> J:
-        """:func:`sqla_queue.enqueue` with the current ``db.session``: the job commits with it."""
-        return enqueue(self._session(), job, **options)
+    @overload
+    def enqueue(self, job: J, *, unique_key: UniqueKey, **options: Unpack[EnqueueKwargs]) -> Enqueued[J]: ...
+
+    @overload
+    def enqueue(self, job: J, *, unique_key: None = None, **options: Unpack[EnqueueKwargs]) -> J: ...
+
+    def enqueue(self, job: J, *, unique_key: Any = None, **options: Unpack[EnqueueKwargs]) -> Any:
+        """:func:`sqla_queue.enqueue` with the current ``db.session``: the job commits with it
+        (with ``unique_key=``, inserted at once or skipped: an :class:`~sqla_queue.Enqueued`)."""
+        return enqueue(self._session(), job, unique_key=unique_key, **options)
 
     def enqueue_many(
         self,
@@ -102,7 +110,7 @@ class FlaskQueue:
         batch_size: int = DEFAULT_BATCH_SIZE,
         method: Method = "auto",
         **options: Unpack[EnqueueKwargs],
-    ) -> int:
+    ) -> EnqueuedMany:
         """:func:`sqla_queue.enqueue_many` with the current ``db.session`` (COPY on psycopg)."""
         return enqueue_many(self._session(), model, rows, batch_size=batch_size, method=method, **options)
 
@@ -169,10 +177,10 @@ class FlaskQueue:
 def _give_enqueue(scoped: Any) -> None:
     """``scoped.enqueue(...)``/``enqueue_many(...)`` act on the session of the current scope."""
 
-    def scoped_enqueue(job: J, **options: Any) -> J:
+    def scoped_enqueue(job: Any, **options: Any) -> Any:
         return enqueue(scoped(), job, **options)
 
-    def scoped_enqueue_many(model: Any, rows: Iterable[Any], **options: Any) -> int:
+    def scoped_enqueue_many(model: Any, rows: Iterable[Any], **options: Any) -> EnqueuedMany:
         session: Session = scoped()  # Flask-SQLAlchemy's sessions are synchronous
         return enqueue_many(session, model, rows, **options)
 

@@ -37,6 +37,7 @@ from sqlalchemy import (
     func,
     inspect,
     literal_column,
+    or_,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -55,7 +56,11 @@ __all__ = [
     "JobStatus",
     "QueueTable",
     "TaskMixin",
+    "UNIQUE_ACTIVE",
+    "UNIQUE_EVER",
+    "UniqueJobs",
     "queue_table",
+    "unique_jobs",
 ]
 
 #: PostgreSQL truncates (and Alembic rejects) identifiers longer than this many bytes.
@@ -63,6 +68,7 @@ MAX_IDENTIFIER_BYTES: Final = 63
 DEFAULT_QUEUE: Final = "default"
 DEFAULT_MAX_ATTEMPTS: Final = 20
 _INFO_KEY: Final = "sqla_queue"
+_UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
 
 
 class JobStatus(str, enum.Enum):
@@ -106,6 +112,66 @@ def constraint_name(table_name: str, suffix: str) -> str:
     room = MAX_IDENTIFIER_BYTES - len(suffix.encode()) - len(digest) - 2
     head = table_name.encode()[:room].decode(errors="ignore")
     return f"{head}_{digest}_{suffix}"
+
+
+#: Where a unique key is held by default: while its job waits or runs (a finished job
+#: frees it, so the same work can be asked for again).
+UNIQUE_ACTIVE: Final = (JobStatus.PENDING, JobStatus.RUNNING)
+#: "Ever": a job that completed keeps its key too, so the work is done once at most.
+UNIQUE_EVER: Final = (JobStatus.PENDING, JobStatus.RUNNING, JobStatus.DONE)
+#: The column the mixin adds for the keys, and its length (a B-tree entry must stay small).
+UNIQUE_KEY_COLUMN: Final = "unique_key"
+UNIQUE_KEY_LENGTH: Final = 255
+
+
+@dataclass(frozen=True)
+class UniqueJobs:
+    """How a queue model's unique jobs work, declared on the model::
+
+        class InvoiceJob(Base, JobMixin):
+            __tablename__ = "invoice_jobs"
+            __queue_unique__ = UniqueJobs(statuses=UNIQUE_EVER)
+
+    ``column``: the column holding the key, ``unique_key`` (the mixin's) or a column of
+    the user's own (``"order_id"``: one job per order, no key to make up). ``statuses``:
+    where a job holds its key, ``pending`` among them (a new job is pending): by default
+    pending and running (:data:`UNIQUE_ACTIVE`); :data:`UNIQUE_EVER` adds ``done``. One
+    partial unique index (``{table}_unique_idx``) enforces it; jobs without a key (NULL)
+    are never in it. Models that declare nothing get ``UniqueJobs()``.
+    """
+
+    column: str = UNIQUE_KEY_COLUMN
+    statuses: tuple[JobStatus, ...] = UNIQUE_ACTIVE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.column, str) or not self.column:
+            raise TypeError(f"UniqueJobs column must be a column name, got {self.column!r}")
+        try:
+            given = {JobStatus(s) for s in self.statuses}
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"UniqueJobs statuses must be job statuses ({', '.join(s.value for s in JobStatus)}), "
+                f"got {self.statuses!r}"
+            ) from None
+        if JobStatus.PENDING not in given:
+            raise ValueError("UniqueJobs statuses must include pending: a new job is pending")
+        # In the enum's order: the index and the ON CONFLICT predicate must read alike.
+        object.__setattr__(self, "statuses", tuple(s for s in JobStatus if s in given))
+
+
+def unique_predicate(table: Table, unique: UniqueJobs) -> ColumnElement[bool]:
+    """The partial unique index's predicate: a key, in one of the statuses (literals,
+    never bound values: ``ON CONFLICT`` infers the index from the same expression)."""
+    column = table.c[unique.column]
+    statuses = [table.c.status == status_literal(s) for s in unique.statuses]
+    return column.isnot(None) & (or_(*statuses) if len(statuses) > 1 else statuses[0])
+
+
+def unique_jobs(table: Table) -> UniqueJobs | None:
+    """The unique jobs declaration of a queue model's table (None: no key column, or a
+    table not made by the mixin, which has no unique index to skip duplicates against)."""
+    found = table.info.get(_UNIQUE_INFO_KEY)
+    return found if isinstance(found, UniqueJobs) else None
 
 
 def _empty_payload() -> dict[str, Any]:
@@ -160,6 +226,9 @@ class JobMixin:
     trace_context: Mapped[dict[str, str] | None] = mapped_column(
         JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql"), nullable=True
     )
+    #: At most one job per key in the statuses of the model's :class:`UniqueJobs`
+    #: (``enqueue(..., unique_key=...)``); NULL: no key.
+    unique_key: Mapped[str | None] = mapped_column(String(UNIQUE_KEY_LENGTH))
 
 
 class TaskMixin(JobMixin):
@@ -313,6 +382,15 @@ def _attach_schema_objects(table: Table) -> None:
     )
     # The sweeper's lookup of expired leases.
     Index(conv(constraint_name(name, "lease_idx")), c.lease_expires_at, postgresql_where=running)
+    unique = table.info.get(_UNIQUE_INFO_KEY)
+    if isinstance(unique, UniqueJobs):
+        # Unique jobs: a duplicate is skipped by INSERT … ON CONFLICT DO NOTHING against it.
+        Index(
+            conv(constraint_name(name, "unique_idx")),
+            c[unique.column],
+            unique=True,
+            postgresql_where=unique_predicate(table, unique),
+        )
 
 
 @event.listens_for(JobMixin, "instrument_class", propagate=True)
@@ -324,6 +402,20 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
     if missing:
         return  # an abstract base or a mapping that is not a queue table after all
     table.info[_INFO_KEY] = True
+    unique = getattr(cls, "__queue_unique__", None)
+    if unique is None and UNIQUE_KEY_COLUMN in table.c:
+        unique = UniqueJobs()
+    if unique is not None:
+        if not isinstance(unique, UniqueJobs):
+            raise TypeError(
+                f"{cls.__qualname__}.__queue_unique__ must be a sqla_queue.UniqueJobs, got {type(unique).__qualname__}"
+            )
+        if unique.column not in table.c:
+            raise NotAQueueModel(
+                f"{cls.__qualname__}.__queue_unique__ names column {unique.column!r}, which "
+                f"table {table.name!r} does not have"
+            )
+        table.info[_UNIQUE_INFO_KEY] = unique
     _attach_schema_objects(table)
 
 

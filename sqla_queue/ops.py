@@ -175,6 +175,9 @@ class Operations(Protocol):
     def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
         """Dead-letter now."""
 
+    def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
+        """Snoozed: ``pending`` after each delay (seconds), the attempt given back."""
+
     def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
         """Back to ``pending`` at once; ``refund`` gives the attempt back."""
 
@@ -258,6 +261,7 @@ class QueueOps:
         self._done = compile_(q.complete_many_if_owner(table))
         self._retry = compile_(q.retry_many_if_owner(table))
         self._fail = compile_(q.fail_many_if_owner(table))
+        self._snooze = compile_(q.snooze_many_if_owner(table))
         self._release = {
             refund: compile_(q.release_many_if_owner(table, refund_attempt=refund)) for refund in (True, False)
         }
@@ -414,6 +418,13 @@ class QueueOps:
         values = token_values(owner, tokens)
         values[q.ERRORS_PARAM] = list(errors)
         return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._fail, values)), "failed")
+
+    def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
+        """Each token back to ``pending`` after its delay (seconds), its attempt given back
+        (a snooze spends none)."""
+        values = token_values(owner, tokens)
+        values[q.DELAYS_PARAM] = list(delays)
+        return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._snooze, values)), "pending")
 
     def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
         """Back to ``pending`` at once; ``refund`` gives the attempt back (jobs never

@@ -57,6 +57,10 @@ class EnqueueOptions:
     max_attempts: int | None = _column("max_attempts", check_max_attempts)
     delay: timedelta | float | None = None
     run_at: datetime | None = None
+    #: The job's unique key (``unique_key=``): a non-empty string, or with a key column of
+    #: the user's own (:class:`~sqla_queue.UniqueJobs`) a value of that column. It sets
+    #: the model's key column, which the row plan knows, so it is not in :attr:`values`.
+    unique_key: Any = None
     values: dict[str, Any] = field(init=False, repr=False, compare=False)
     delay_seconds: float | None = field(init=False, repr=False, compare=False)
 
@@ -74,12 +78,14 @@ class EnqueueOptions:
         if self.run_at is not None:
             check_run_at(self.run_at)
             values["run_after"] = self.run_at
+        if self.unique_key is not None:
+            check_unique_key(self.unique_key)
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "delay_seconds", seconds)
 
     def __bool__(self) -> bool:
         """Whether any option is set."""
-        return bool(self.values) or self.delay_seconds is not None
+        return bool(self.values) or self.delay_seconds is not None or self.unique_key is not None
 
 
 #: (field name, column key, check) of the options that set a column, in check order.
@@ -91,6 +97,14 @@ _COLUMN_OPTIONS: Final = tuple(
 NO_OPTIONS: Final = EnqueueOptions()
 
 
-def enqueue_options(options: EnqueueKwargs) -> EnqueueOptions:
+def enqueue_options(options: EnqueueKwargs, unique_key: Any = None) -> EnqueueOptions:
     """The :class:`EnqueueOptions` of a call's keyword options (checked)."""
+    if unique_key is not None:
+        return EnqueueOptions(unique_key=unique_key, **options)
     return EnqueueOptions(**options) if options else NO_OPTIONS
+
+
+def check_unique_key(value: Any, name: str = "unique_key") -> None:
+    """A key is a value, not a flag: a bool or an empty string is surely a mistake."""
+    if isinstance(value, bool) or (isinstance(value, str) and not value):
+        raise EnqueueError(f"{name} must be a non-empty string (or a value of the key column), got {value!r}")

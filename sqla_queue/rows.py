@@ -52,8 +52,8 @@ from ._rules import (
 from .cache import plans
 from .dbapi import SchemaMapKey, compile_statement
 from .errors import BulkRowError, EnqueueError, NotAQueueModel
-from .model import DEFAULT_QUEUE, QueueTable, notify_channel, queue_table
-from .sql import delay_from_insert
+from .model import DEFAULT_QUEUE, QueueTable, UniqueJobs, notify_channel, queue_table, unique_jobs
+from .sql import delay_from_insert, insert_unique
 from .tracing import TRACE_COLUMN, current_trace_context
 
 __all__ = [
@@ -168,6 +168,13 @@ class TablePlan:
         self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
         #: Columns whose type writes a None as a value (JSON's 'null'), not as "unset".
         self.evaluates_none = frozenset(key for key, c in self.columns.items() if c.type.should_evaluate_none)
+        #: Unique jobs: the declaration, and the key of the column holding the keys.
+        self.unique: UniqueJobs | None = unique_jobs(table)
+        self.unique_column: str | None = self.unique.column if self.unique is not None else None
+        #: The mapped attribute of that column (None: no key, or a Table without a model).
+        self.unique_attr: str | None = None
+        if self.unique_column is not None and self.mapper is not None:
+            self.unique_attr = self.mapper.get_property_by_column(table.c[self.unique_column]).key
         self._instances: dict[Mapper[Any], tuple[tuple[tuple[str, str], ...], tuple[str, ...]]] = {}
         self._dialects: dict[Dialect, DialectPlan] = {}
 
@@ -194,6 +201,18 @@ class TablePlan:
                 tuple(rel.key for rel in mapper.relationships),
             )
         return found
+
+    def key_values(self, values: dict[str, Any], unique_key: Any) -> None:
+        """Set the key column in ``values`` to the ``unique_key=`` option, checked by the
+        column's rules (a string's length, …)."""
+        column = self.unique_column
+        if column is None:
+            raise EnqueueError(
+                f"unique_key: table {self.table.fullname!r} has no unique key column (its model "
+                "needs sqla_queue.JobMixin's unique_key column, or a UniqueJobs declaration)"
+            )
+        self.rules.check(column, unique_key)
+        values[column] = unique_key
 
     def check_options(self, values: Mapping[str, Any]) -> None:
         """The options' column values meet the columns' rules too (lengths)."""
@@ -600,14 +619,16 @@ class RowWriter:
 
 
 def insert_plan(
-    plan: TablePlan, dialect: Dialect, row: Mapping[str, Any], delayed: bool, schemas: SchemaMapKey = None
+    plan: TablePlan, dialect: Dialect, row: Mapping[str, Any], delayed: bool, schemas: SchemaMapKey = None,
+    keyed: bool = False,
 ) -> InsertPlan:
     """The (cached) :class:`InsertPlan` of a call giving ``row``'s columns, once ``row``
-    meets its checks. ``schemas``: the ``schema_translate_map`` the statement renders."""
-    key = (plan.table, dialect, schemas, delayed, *row)
+    meets its checks. ``schemas``: the ``schema_translate_map`` the statement renders;
+    ``keyed``: the row has a unique key (``ON CONFLICT DO NOTHING``)."""
+    key = (plan.table, dialect, schemas, delayed, keyed, *row)
     found: InsertPlan | None = plans.get(key)
     if found is None:
-        found = plans.put(key, InsertPlan(plan, frozenset(row), delayed, dialect, schemas))
+        found = plans.put(key, InsertPlan(plan, frozenset(row), delayed, dialect, schemas, keyed))
     found.check(row)
     return found
 
@@ -617,9 +638,12 @@ class InsertPlan:
     them, how to fill the others, and the wake-up riding in the statement."""
 
     def __init__(
-        self, plan: TablePlan, keys: frozenset[str], delayed: bool, dialect: Dialect, schemas: SchemaMapKey = None
+        self, plan: TablePlan, keys: frozenset[str], delayed: bool, dialect: Dialect, schemas: SchemaMapKey = None,
+        keyed: bool = False,
     ) -> None:
         table = plan.table
+        #: A keyed row: the INSERT skips a duplicate (no row comes back) instead of failing.
+        self.keyed = keyed
         #: The ``schema_translate_map`` rendered into the SQL (frozen).
         self.schemas = schemas
         translate = dict(schemas) if schemas else None
@@ -667,13 +691,14 @@ class InsertPlan:
         # pk, pg_notify(channel, job.queue). PostgreSQL delivers it only on commit, once per
         # queue per transaction, and an autocommit insert takes a single round trip.
         self.statement: Executable
+        into = insert_unique(table) if keyed else insert(table)
         if contextual:
             # SQLAlchemy evaluates such defaults for a top-level INSERT only (the context's
             # current parameters are its own): the wake-up rides in its RETURNING.
             notify = func.pg_notify(literal(channel, String()), table.c.queue)
-            self.statement = insert(table).values(values).returning(pk, notify)
+            self.statement = into.values(values).returning(pk, notify)
         else:
-            job = insert(table).values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
+            job = into.values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
             self.statement = select(
                 job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
             )

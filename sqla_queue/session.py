@@ -10,8 +10,8 @@ classes that carry it and ``enqueue_many()`` as methods.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -20,7 +20,7 @@ from sqlalchemy.orm import attributes as orm_attributes
 from typing_extensions import Unpack
 
 from ._rules import dialect_json_serializer
-from .binds import sync_session
+from .binds import resolve_session, sync_session
 from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
 from .errors import EnqueueError, NotAQueueModel
 from .options import EnqueueKwargs, enqueue_options
@@ -28,13 +28,38 @@ from .outbox import hook_session_class, install_hooks, notify_on_commit
 from .rows import queue_table_of, table_plan
 from .sql import delay_from_insert
 from .tracing import current_trace_context
+from .unique import Enqueued, EnqueuedMany, UniqueKey, enqueue_keyed
 
-__all__ = ["AsyncQueueSession", "QueueSession", "enqueue", "notify_on_commit"]
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import async_scoped_session
+    from sqlalchemy.orm import scoped_session
+
+__all__ = ["AsyncQueueSession", "QueueSession", "UniqueKey", "enqueue", "notify_on_commit"]
 
 J = TypeVar("J")
 
 
-def enqueue(session: Any, job: J, **options: Unpack[EnqueueKwargs]) -> J:
+@overload
+def enqueue(
+    session: AsyncSession | async_scoped_session[Any],
+    job: J,
+    *,
+    unique_key: UniqueKey,
+    **options: Unpack[EnqueueKwargs],
+) -> Coroutine[Any, Any, Enqueued[J]]: ...
+
+
+@overload
+def enqueue(
+    session: Session | scoped_session[Any], job: J, *, unique_key: UniqueKey, **options: Unpack[EnqueueKwargs]
+) -> Enqueued[J]: ...
+
+
+@overload
+def enqueue(session: Any, job: J, *, unique_key: None = None, **options: Unpack[EnqueueKwargs]) -> J: ...
+
+
+def enqueue(session: Any, job: J, *, unique_key: Any = None, **options: Unpack[EnqueueKwargs]) -> Any:
     """Add ``job`` to ``session`` so it commits, or rolls back, with the caller's writes.
 
     Options (:class:`~sqla_queue.options.EnqueueKwargs`) override the job's own values:
@@ -46,8 +71,30 @@ def enqueue(session: Any, job: J, **options: Unpack[EnqueueKwargs]) -> J:
 
     Works with any ``Session`` (and ``AsyncSession``: nothing here does I/O). Returns
     ``job``; its ``id`` is known after the next flush.
+
+    ``unique_key``: at most one job holds a key (in the statuses of the model's
+    :class:`~sqla_queue.UniqueJobs`: pending and running unless it says otherwise). Such
+    a job is inserted at once, in the session's transaction, by ``INSERT … ON CONFLICT DO
+    NOTHING`` (not at the flush, which could only fail on a duplicate), and the call
+    returns an :class:`~sqla_queue.Enqueued`: inserted (``.job`` is ``job``, persistent,
+    its ``id`` known) or skipped, with the ``job_id`` of the job holding the key. A
+    duplicate raises nothing, now or at commit, and the transaction goes on. With an
+    ``AsyncSession`` this does I/O, so it returns a coroutine: ``await
+    enqueue(async_session, job, unique_key=...)``. Pending objects are flushed first
+    (autoflush), relationships on the job are refused (set the foreign key), and mapper
+    events such as ``before_insert`` do not run for it, as with ``enqueue_many()``.
     """
-    sync = sync_session(session)
+    if unique_key is not None:
+        resolved = resolve_session(session)
+        if isinstance(resolved, AsyncSession):
+            return resolved.run_sync(_enqueue, job, unique_key, options)
+        return _enqueue(sync_session(resolved), job, unique_key, options)
+    return _enqueue(sync_session(session), job, None, options)
+
+
+def _enqueue(sync: Session, job: J, unique_key: Any, options: EnqueueKwargs) -> Any:
+    """:func:`enqueue` on the synchronous session: returns ``job``, or with a key an
+    :class:`Enqueued`."""
     qt = queue_table_of(job)
     if qt is None:
         raise NotAQueueModel(
@@ -57,7 +104,7 @@ def enqueue(session: Any, job: J, **options: Unpack[EnqueueKwargs]) -> J:
     if state.key is not None:
         raise EnqueueError(f"{type(job).__qualname__} job is already persistent; enqueue a new object")
 
-    checked = enqueue_options(options)
+    checked = enqueue_options(options, unique_key)
     values = dict(checked.values)
     mapper = object_mapper(job)
     plan = table_plan(mapper.class_)
@@ -66,10 +113,26 @@ def enqueue(session: Any, job: J, **options: Unpack[EnqueueKwargs]) -> J:
         context = current_trace_context()
         if context is not None:
             values[trace_key] = context
+    key_column = plan.unique_column
+    if unique_key is not None:
+        plan.key_values(values, unique_key)
+        given = state.dict.get(plan.unique_attr) if plan.unique_attr is not None else None
+        if given is not None and given != unique_key:
+            raise EnqueueError(
+                f"{type(job).__qualname__} job has {key_column}={given!r} but unique_key={unique_key!r}: "
+                "give one key"
+            )
+    elif plan.unique_attr is not None and state.dict.get(plan.unique_attr) is not None:
+        raise EnqueueError(
+            f"{type(job).__qualname__} job sets its unique key column {key_column}: enqueue it with "
+            f"unique_key=... (a duplicate is then skipped, where the flush could only fail)"
+        )
     plan.check_job(job, mapper, values, lambda: _json_serializer(sync, mapper))
     if checked.delay_seconds is not None:
         # From the moment of the INSERT, in seconds (not a calendar interval).
         values["run_after"] = delay_from_insert(checked.delay_seconds)
+    if unique_key is not None:
+        return enqueue_keyed(sync, job, plan, mapper, values)
 
     for key, value in values.items():
         setattr(job, key, value)
@@ -89,9 +152,15 @@ def _json_serializer(session: Session, mapper: Any) -> Callable[[Any], Any]:
 class QueueSession(Session):
     """A ``Session`` with :meth:`enqueue`; use with ``sessionmaker(class_=QueueSession)``."""
 
-    def enqueue(self, job: J, **options: Unpack[EnqueueKwargs]) -> J:
+    @overload
+    def enqueue(self, job: J, *, unique_key: UniqueKey, **options: Unpack[EnqueueKwargs]) -> Enqueued[J]: ...
+
+    @overload
+    def enqueue(self, job: J, *, unique_key: None = None, **options: Unpack[EnqueueKwargs]) -> J: ...
+
+    def enqueue(self, job: J, *, unique_key: Any = None, **options: Unpack[EnqueueKwargs]) -> Any:
         """Same as :func:`sqla_queue.enqueue` with this session."""
-        return enqueue(self, job, **options)
+        return enqueue(self, job, unique_key=unique_key, **options)
 
     def enqueue_many(
         self,
@@ -101,7 +170,7 @@ class QueueSession(Session):
         batch_size: int | None = None,
         method: Method = "auto",
         **options: Unpack[EnqueueKwargs],
-    ) -> int:
+    ) -> EnqueuedMany:
         """Same as :func:`sqla_queue.enqueue_many` with this session (COPY on psycopg)."""
         return enqueue_many(
             self,
@@ -126,9 +195,18 @@ class AsyncQueueSession(AsyncSession):
     sync_session_class = QueueSession
     sync_session: QueueSession
 
-    def enqueue(self, job: J, **options: Unpack[EnqueueKwargs]) -> J:
-        """Same as :func:`sqla_queue.enqueue`: only adds the job, so nothing to await."""
-        return enqueue(self, job, **options)
+    @overload
+    def enqueue(
+        self, job: J, *, unique_key: UniqueKey, **options: Unpack[EnqueueKwargs]
+    ) -> Coroutine[Any, Any, Enqueued[J]]: ...
+
+    @overload
+    def enqueue(self, job: J, *, unique_key: None = None, **options: Unpack[EnqueueKwargs]) -> J: ...
+
+    def enqueue(self, job: J, *, unique_key: Any = None, **options: Unpack[EnqueueKwargs]) -> Any:
+        """Same as :func:`sqla_queue.enqueue`: without a key it only adds the job, so
+        nothing to await; with ``unique_key=`` it inserts the job at once, so ``await`` it."""
+        return enqueue(self, job, unique_key=unique_key, **options)
 
     async def enqueue_many(
         self,
@@ -138,7 +216,7 @@ class AsyncQueueSession(AsyncSession):
         batch_size: int | None = None,
         method: Method = "auto",
         **options: Unpack[EnqueueKwargs],
-    ) -> int:
+    ) -> EnqueuedMany:
         """Same as ``await sqla_queue.enqueue_many(self, …)`` (COPY on psycopg)."""
         return await enqueue_many(
             self,

@@ -58,7 +58,7 @@ from sqlalchemy import (
     type_coerce,
     union_all,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, array
+from sqlalchemy.dialects.postgresql import ARRAY, Insert, array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.base import PGDialect, PGIdentifierPreparer
 from sqlalchemy.sql import column as _sql_column
@@ -66,7 +66,17 @@ from sqlalchemy.sql import table as _sql_table
 from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
-from .model import FINISHED_STATUSES, JobStatus, QueueTable, queue_table, status_literal
+from .errors import EnqueueError
+from .model import (
+    FINISHED_STATUSES,
+    JobStatus,
+    QueueTable,
+    UniqueJobs,
+    queue_table,
+    status_literal,
+    unique_jobs,
+    unique_predicate,
+)
 from .periodic import schedules_table
 
 __all__ = [
@@ -91,6 +101,7 @@ __all__ = [
     "fail_unclaimable",
     "finished_per_minute",
     "get_job",
+    "insert_unique",
     "is_solitary",
     "isolated_waiting",
     "job_filter",
@@ -111,9 +122,12 @@ __all__ = [
     "schedule_states",
     "schedule_tick_template",
     "seconds_interval",
+    "snooze_if_owner",
+    "snooze_many_if_owner",
     "still_fresh",
     "sweep_expired",
     "token_states",
+    "unique_holder",
 ]
 
 #: A queue model class or its Table.
@@ -588,12 +602,30 @@ def requeue_failed(
     ``last_error`` is kept for the record. ``ids=None`` requeues every failed job (of
     ``queues``, ``tasks``, with ``error_contains`` in ``last_error``: the filters of
     :func:`list_jobs`); an empty ``ids`` requeues none. ``delay`` counts from the update.
+
+    Unique jobs: a failed job whose key another job holds now (or a newer failed job
+    with the same key) stays failed, so the requeue never breaks the unique index; an
+    enqueue of that key racing the requeue can still make it fail with an
+    ``IntegrityError`` (an UPDATE cannot skip a conflict), so run it again.
     """
     qt = queue_table(model)
     conditions = [
         _status(qt, FAILED),
         *_job_filter(qt, ids=ids, queues=queues, tasks=tasks, error_contains=error_contains),
     ]
+    unique = unique_jobs(qt.table)
+    if unique is not None and FAILED not in unique.statuses:
+        other = qt.table.alias("sqla_queue_holder")
+        other_pk = other.c[qt.pk.key]
+        held = or_(
+            other.c.status.in_([status_literal(st) for st in unique.statuses]),
+            and_(other.c.status == status_literal(FAILED), other_pk > qt.pk),
+        )
+        conditions.append(
+            ~select(literal(1))
+            .where(other.c[unique.column] == qt.c[unique.column], other_pk != qt.pk, held)
+            .exists()
+        )
     return (
         qt.table.update()
         .where(*conditions)
@@ -1324,6 +1356,79 @@ def fail_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             lease_expires_at=null(),
         )
         .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def snooze_if_owner(
+    model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]], delay: Duration
+) -> ReturningUpdate[Any]:
+    """Run jobs again after ``delay`` without spending an attempt (a handler's
+    ``Snooze``): back to ``pending``, their attempt given back. Returns ``(pk,
+    attempts)``. This is :func:`snooze_many_if_owner`, the statement the worker runs,
+    with the values bound (one delay for every token)."""
+    seconds = _seconds(delay, "delay")
+    listed = _tokens(tokens)
+    with _values(_token_values(owner, listed, **{DELAYS_PARAM: [seconds] * len(listed)})):
+        return snooze_many_if_owner(model)
+
+
+def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """Snoozed attempts: back to ``pending`` after each token's delay (seconds) with the
+    attempt the claim counted given back, so snoozing never uses up ``max_attempts``;
+    ``last_error`` is left as it was (a snooze is no failure). ``{OWNER_PARAM,
+    IDS_PARAM, ATTEMPTS_PARAM, DELAYS_PARAM}``. Returns ``(pk, attempts)``: the token's
+    attempt, as the other transitions."""
+    qt = queue_table(model)
+    c = qt.c
+    tokens = _token_table(qt, (DELAYS_PARAM, "float"))
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=status_literal(PENDING),
+            run_after=_clock() + seconds_interval(tokens.c[DELAYS_PARAM]),
+            attempts=c.attempts - 1,
+            lease_owner=null(),
+            lease_expires_at=null(),
+            isolated=false(),
+        )
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def _unique(qt: QueueTable) -> UniqueJobs:
+    unique = unique_jobs(qt.table)
+    if unique is None:
+        raise EnqueueError(
+            f"table {qt.table.fullname!r} has no unique key: its model needs sqla_queue.JobMixin's "
+            "unique_key column (or a __queue_unique__ = UniqueJobs(...) declaration)"
+        )
+    return unique
+
+
+def insert_unique(model: QueueModel) -> Insert:
+    """``INSERT … ON CONFLICT (key) WHERE … DO NOTHING`` into the queue table: a job
+    whose key is already held (in the statuses of the model's
+    :class:`~sqla_queue.UniqueJobs`) is skipped, never an error, so the caller's
+    transaction goes on. Add ``.values(...)`` (or execute with parameters) and, to learn
+    which rows went in, ``.returning(...)``. The conflict target names the partial unique
+    index by its column and predicate; a concurrent insert of the same key waits for the
+    other transaction, then skips if it committed."""
+    qt = queue_table(model)
+    unique = _unique(qt)
+    return pg_insert(qt.table).on_conflict_do_nothing(
+        index_elements=[qt.c[unique.column]], index_where=unique_predicate(qt.table, unique)
+    )
+
+
+def unique_holder(model: QueueModel, *, key: Any) -> Select[Any]:
+    """The primary key of the job holding ``key`` (in the statuses where a key is held),
+    if one does: what a skipped :func:`insert_unique` was skipped for."""
+    qt = queue_table(model)
+    unique = _unique(qt)
+    column = qt.c[unique.column]
+    return select(qt.pk).where(column == bindparam("sqla_queue_unique_key", key, type_=column.type)).where(
+        unique_predicate(qt.table, unique)
     )
 
 

@@ -177,6 +177,8 @@ class JobModel(SQLModel):
     created_at: datetime | None = mixin_field("created_at")
     finished_at: datetime | None = mixin_field("finished_at")
     trace_context: dict[str, str] | None = mixin_field("trace_context")
+    #: At most one job per key (``enqueue(..., unique_key=...)``); None: no key.
+    unique_key: str | None = mixin_field("unique_key")
 
 
 class TaskModel(JobModel):

@@ -30,9 +30,11 @@ from typing_extensions import Unpack
 from .binds import resolve_session
 from .cache import plans
 from .dbapi import SchemaMapKey, reraise_as_sqlalchemy, schema_map_key
+from .errors import EnqueueError
 from .options import EnqueueKwargs, EnqueueOptions
 from .rows import InsertPlan, TablePlan, insert_plan, table_plan
 from .tracing import current_trace_context
+from .unique import MAX_TRIES, Enqueued, UniqueKey, holder_of
 
 __all__ = ["enqueue_values"]
 
@@ -51,6 +53,20 @@ def enqueue_values(
     model: Any,
     values: Mapping[str, Any] | None = None,
     /,
+    *,
+    unique_key: UniqueKey,
+    **options: Unpack[EnqueueKwargs],
+) -> Coroutine[Any, Any, Enqueued[Any]]: ...
+
+
+@overload
+def enqueue_values(
+    session: AsyncSession | async_scoped_session[Any] | AsyncConnection,
+    model: Any,
+    values: Mapping[str, Any] | None = None,
+    /,
+    *,
+    unique_key: None = None,
     **options: Unpack[EnqueueKwargs],
 ) -> Coroutine[Any, Any, Any]: ...
 
@@ -61,6 +77,20 @@ def enqueue_values(
     model: Any,
     values: Mapping[str, Any] | None = None,
     /,
+    *,
+    unique_key: UniqueKey,
+    **options: Unpack[EnqueueKwargs],
+) -> Enqueued[Any]: ...
+
+
+@overload
+def enqueue_values(
+    session: Session | scoped_session[Any] | Connection,
+    model: Any,
+    values: Mapping[str, Any] | None = None,
+    /,
+    *,
+    unique_key: None = None,
     **options: Unpack[EnqueueKwargs],
 ) -> Any: ...
 
@@ -70,6 +100,8 @@ def enqueue_values(
     model: Any,
     values: Mapping[str, Any] | None = None,
     /,
+    *,
+    unique_key: Any = None,
     **options: Unpack[EnqueueKwargs],
 ) -> Any:
     """Insert one job of ``model``'s table from ``values`` (column key -> value) inside
@@ -98,16 +130,18 @@ def enqueue_values(
     if isinstance(session, Connection):
         conn = session
     elif isinstance(session, _ASYNC_KINDS):
-        return _enqueue_values_async(session, model, values, options)
+        return _enqueue_values_async(session, model, values, options, unique_key)
     else:
         conn = None
     target: TablePlan = plans.get(model) or table_plan(model)
     row = dict(values) if values else {}
     delay_by = None
-    if options:
-        checked = EnqueueOptions(**options)
+    if options or unique_key is not None:
+        checked = EnqueueOptions(unique_key=unique_key, **options)
         row.update(checked.values)
         delay_by = checked.delay_seconds
+        if unique_key is not None:
+            target.key_values(row, unique_key)
     if target.polymorphic is not None:
         target.polymorphic.fill(row)
     trace_key = target.trace_key
@@ -115,17 +149,22 @@ def enqueue_values(
         context = current_trace_context()
         if context is not None:
             row[trace_key] = context
+    keyed = target.unique_column is not None and row.get(target.unique_column) is not None
     if conn is None:
         # The dialect without a connection: a bad value begins nothing on the session.
         resolved = _resolved_session(session)
         bind = resolved.get_bind(**target.bind_arguments)
-        plan = insert_plan(target, bind.dialect, row, delay_by is not None, _schemas(bind.get_execution_options()))
+        plan = insert_plan(target, bind.dialect, row, delay_by is not None,
+                           _schemas(bind.get_execution_options()), keyed)
         conn = resolved.connection(bind_arguments=target.bind_arguments)
         schemas = _schemas(conn.get_execution_options())
         if schemas != plan.schemas:  # the session's connection has a map of its own
-            plan = insert_plan(target, conn.dialect, row, delay_by is not None, schemas)
+            plan = insert_plan(target, conn.dialect, row, delay_by is not None, schemas, keyed)
     else:
-        plan = insert_plan(target, conn.dialect, row, delay_by is not None, _schemas(conn.get_execution_options()))
+        plan = insert_plan(target, conn.dialect, row, delay_by is not None,
+                           _schemas(conn.get_execution_options()), keyed)
+    if plan.keyed:
+        return _keyed(conn, target, plan, row, delay_by)
     if plan.direct:
         if not conn.in_transaction():
             # What Connection.execute would do first (autobegin): then commit() on a
@@ -153,6 +192,7 @@ async def _enqueue_values_async(
     model: Any,
     values: Mapping[str, Any] | None,
     options: EnqueueKwargs,
+    unique_key: Any = None,
 ) -> Any:
     """:func:`enqueue_values` from asyncio: the same steps, the I/O awaited.
 
@@ -163,10 +203,12 @@ async def _enqueue_values_async(
     target: TablePlan = plans.get(model) or table_plan(model)
     row = dict(values) if values else {}
     delay_by = None
-    if options:
-        checked = EnqueueOptions(**options)
+    if options or unique_key is not None:
+        checked = EnqueueOptions(unique_key=unique_key, **options)
         row.update(checked.values)
         delay_by = checked.delay_seconds
+        if unique_key is not None:
+            target.key_values(row, unique_key)
     if target.polymorphic is not None:
         target.polymorphic.fill(row)
     trace_key = target.trace_key
@@ -174,11 +216,13 @@ async def _enqueue_values_async(
         context = current_trace_context()
         if context is not None:
             row[trace_key] = context
+    keyed = target.unique_column is not None and row.get(target.unique_column) is not None
     if isinstance(session, AsyncConnection):
         conn = session.sync_connection
         if conn is None:
             raise InvalidRequestError("the AsyncConnection is not started: `async with engine.connect() as conn`")
-        plan = insert_plan(target, conn.dialect, row, delay_by is not None, _schemas(conn.get_execution_options()))
+        plan = insert_plan(target, conn.dialect, row, delay_by is not None,
+                           _schemas(conn.get_execution_options()), keyed)
         if not conn.in_transaction():
             # As AsyncConnection.execute would (autobegin), in a greenlet: begin events
             # may do I/O. Then commit() commits the job, and close() rolls it back.
@@ -188,12 +232,15 @@ async def _enqueue_values_async(
         sync = resolved.sync_session
         # The dialect without a connection: a bad value begins nothing on the session.
         bind = sync.get_bind(**target.bind_arguments)
-        plan = insert_plan(target, bind.dialect, row, delay_by is not None, _schemas(bind.get_execution_options()))
+        plan = insert_plan(target, bind.dialect, row, delay_by is not None,
+                           _schemas(bind.get_execution_options()), keyed)
         conn = (await resolved.connection(bind_arguments=target.bind_arguments)).sync_connection
         assert conn is not None
         schemas = _schemas(conn.get_execution_options())
         if schemas != plan.schemas:  # the session's connection has a map of its own
-            plan = insert_plan(target, conn.dialect, row, delay_by is not None, schemas)
+            plan = insert_plan(target, conn.dialect, row, delay_by is not None, schemas, keyed)
+    if plan.keyed:
+        return await greenlet_spawn(_keyed, conn, target, plan, row, delay_by)
     if plan.direct_async and not conn.invalidated:
         pooled = conn.connection
         driver: Any = pooled.driver_connection
@@ -217,6 +264,22 @@ async def _enqueue_values_async(
 
 def _execute(conn: Connection, plan: InsertPlan, row: Mapping[str, Any], delay_by: float | None) -> Any:
     return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
+
+
+def _keyed(
+    conn: Connection, target: TablePlan, plan: InsertPlan, row: Mapping[str, Any], delay_by: float | None
+) -> Enqueued[Any]:
+    """The keyed INSERT (``ON CONFLICT DO NOTHING``, its NOTIFY riding in it): the new
+    job, or the job holding the key (see :mod:`sqla_queue.unique`)."""
+    key = row[target.unique_column]  # type: ignore[index]
+    for _ in range(MAX_TRIES):
+        found = conn.execute(plan.statement, plan.params(row, delay_by)).first()
+        if found is not None:
+            return Enqueued(True, found[0])
+        holder = holder_of(conn, target, key)
+        if holder is not None:
+            return Enqueued(False, holder)
+    raise EnqueueError(f"unique key {key!r}: its holders kept finishing; nothing was inserted")
 
 
 def _resolved_session(session: Session | scoped_session[Any]) -> Session:

@@ -54,7 +54,8 @@ class FakeJob:
     lease_expires_at: float | None = None
     isolated: bool = False
     last_error: str | None = None
-    run_after: datetime | None = None
+    #: ``time.monotonic()`` before which no claim takes it (set by a snooze only).
+    run_after: float = 0.0
     created_at: datetime | None = None
 
 
@@ -134,6 +135,7 @@ class FakeOps:
         due = sorted(
             (j for j in self.jobs.values()
              if j.status == "pending" and j.isolated == request.isolated and j.id not in skip
+             and j.run_after <= time.monotonic()
              and (self.queues is None or j.queue in self.queues)
              and (request.key is None or j.id == request.key)),
             key=lambda j: (-j.priority, j.id),
@@ -230,6 +232,21 @@ class FakeOps:
             return moved
 
         result: Moved = self._call("fail", apply)
+        return result
+
+    def snooze(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
+        def apply() -> Moved:
+            moved: Moved = {}
+            for token, delay in zip(tokens, delays, strict=True):
+                job = self._held(owner, token)
+                if job is not None:
+                    job.status, job.lease_owner, job.lease_expires_at, job.isolated = "pending", None, None, False
+                    job.attempts -= 1
+                    job.run_after = time.monotonic() + delay
+                    moved[token] = "pending"
+            return moved
+
+        result: Moved = self._call("snooze", apply)
         return result
 
     def release(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:

@@ -9,7 +9,7 @@ from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDec
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
-from sqla_queue import IdempotencyKeyMixin, JobMixin, TaskMixin, schedules_table
+from sqla_queue import UNIQUE_EVER, IdempotencyKeyMixin, JobMixin, TaskMixin, UniqueJobs, schedules_table
 
 
 class Base(DeclarativeBase):
@@ -99,6 +99,25 @@ class UniqueKey(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     key: Mapped[str] = mapped_column(String(100), unique=True)
     job_id: Mapped[int] = mapped_column(default=0)
+
+
+class OnceJob(Base, JobMixin):
+    """Unique jobs "ever": a done job keeps holding its key."""
+
+    __tablename__ = "once_jobs"
+    __queue_unique__ = UniqueJobs(statuses=UNIQUE_EVER)
+
+    note: Mapped[str] = mapped_column(String(50), default="")
+
+
+class OrderJob(Base, JobMixin):
+    """One job per order: the key is the user's own ``order_id`` column."""
+
+    __tablename__ = "order_jobs"
+    __queue_unique__ = UniqueJobs(column="order_id")
+
+    order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+    note: Mapped[str] = mapped_column(String(50), default="")
 
 
 class Picky(TypeDecorator[str]):

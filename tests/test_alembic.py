@@ -42,6 +42,7 @@ from sqla_queue.alembic import (
     compose,
     queue_schema_table,
 )
+from sqla_queue.model import constraint_name
 
 from .helpers import Server, table_of
 from .models import EmailJob, UuidJob
@@ -275,7 +276,7 @@ def test_autogenerate_creates_what_create_all_creates(
     for table in ("email_jobs", "tasks", LONG_NAME):
         assert f"op.create_table('{table}'" in upgrade
     assert "name=op.f('email_jobs_status_check')" in upgrade
-    assert upgrade.count("postgresql_where=") == 12  # 4 partial indexes x 3 queue tables
+    assert upgrade.count("postgresql_where=") == 15  # 5 partial indexes x 3 queue tables
     # tables new in this revision get plain indexes, in the migration's transaction
     assert "concurrently" not in migration and "sqla_queue" not in migration
     assert "info=" not in migration  # the mixin's marker in Table.info is not rendered
@@ -443,7 +444,7 @@ def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: N
             "server_default='pending', nullable=False))"
             in upgrade
         )
-        assert upgrade.count("sq_ops.create_index_concurrently(") == 4
+        assert upgrade.count("sq_ops.create_index_concurrently(") == 5
         # autogenerate never adds a CHECK to an existing table: the hook does
         assert (
             "op.create_check_constraint(op.f('notifications_status_check'), 'notifications'"
@@ -479,6 +480,58 @@ def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: N
             assert conn.scalar(text("SELECT count(*) FROM notifications")) == 50
     finally:
         engine.dispose()
+
+
+ONE_JOB_PER_ORDER = """
+    from sqla_queue import UNIQUE_EVER, UniqueJobs
+
+
+    class OrderJob(Base, JobMixin):
+        __tablename__ = "order_jobs"
+        __queue_unique__ = UniqueJobs(column="order_id", statuses=UNIQUE_EVER)
+        order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+"""
+
+
+def test_unique_jobs_migrate_onto_existing_queue_tables(project: Project, new_database: NewDatabase) -> None:
+    """A queue table made before unique jobs gains the nullable ``unique_key`` column and
+    its partial unique index (built concurrently, the table being there already); a new
+    model keyed by a column of its own gets its index on that column."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    engine = create_engine(project.url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:  # as the tables were before unique jobs
+            conn.execute(text("ALTER TABLE email_jobs DROP COLUMN unique_key"))
+            conn.execute(text("ALTER TABLE tasks DROP COLUMN unique_key"))
+            conn.execute(text("INSERT INTO email_jobs (recipient) VALUES ('a@example.com')"))
+    finally:
+        engine.dispose()
+    project.models(models(more=ONE_JOB_PER_ORDER))
+    migration = project.autogenerate("unique jobs")
+    upgrade = project.upgrade_body(migration)
+    for table in ("email_jobs", "tasks"):
+        assert (
+            f"op.add_column('{table}', sa.Column('unique_key', sa.String(length=255), nullable=True))" in upgrade
+        )
+        concurrently = (
+            f"sq_ops.create_index_concurrently(op.f('{table}_unique_idx'), '{table}', ['unique_key'], unique=True"
+        )
+        assert concurrently in upgrade, upgrade
+    assert "op.create_index(op.f('order_jobs_unique_idx'), 'order_jobs', ['order_id'], unique=True" in upgrade
+    project.alembic("upgrade", "head")
+    indexes = schema(project.url)["pg_indexes"]
+    created = (
+        "CREATE UNIQUE INDEX email_jobs_unique_idx ON public.email_jobs USING btree (unique_key) WHERE "
+        "((unique_key IS NOT NULL) AND (((status)::text = 'pending'::text) OR ((status)::text = 'running'::text)))"
+    )
+    assert indexes["email_jobs_unique_idx"] == (created, True)
+    assert "'done'" in indexes["order_jobs_unique_idx"][0] and "(order_id)" in indexes["order_jobs_unique_idx"][0]
+    reference = new_database()
+    project.create_all(reference)
+    assert schema(project.url) == schema(reference)
+    project.alembic("check")
 
 
 def test_queue_index_operations_in_hand_written_migrations(
@@ -530,12 +583,14 @@ def test_queue_index_operations_in_hand_written_migrations(
 
     project.alembic("upgrade", "b0000000drop")
     dropped = schema(project.url)
+    # The queue index operations cover the indexes the worker needs; the unique jobs
+    # index belongs to the model's own declaration (its column, its statuses) and stays.
     assert {name for name in dropped["pg_indexes"] if name.startswith("email_jobs")} == {
-        "email_jobs_pkey"
+        "email_jobs_pkey", "email_jobs_unique_idx",
     }
     assert [c["name"] for c in dropped["email_jobs"]["checks"]] == ["ck_email_jobs_recipient"]
     assert "ix_email_jobs_order" in dropped["pg_indexes"]  # the user's own index stays
-    assert len(dropped[LONG_NAME]["indexes"]) == 0
+    assert [i["name"] for i in dropped[LONG_NAME]["indexes"]] == [constraint_name(LONG_NAME, "unique_idx")]
 
     offline = project.alembic("upgrade", "--sql", "b0000000drop:c000000create")
     assert sorted(outside_transactions(offline)) == sorted(
@@ -561,7 +616,7 @@ def test_queue_schema_table_is_the_mixins_schema() -> None:
         mixin = {
             str(CreateIndex(i).compile(dialect=dialect))
             for i in table.indexes
-            if i.name and i.name.startswith(table.name + "_")
+            if i.name and i.name.startswith(table.name + "_") and not i.name.endswith("_unique_idx")
         }
         built = {
             str(CreateIndex(i).compile(dialect=dialect))

@@ -7,6 +7,7 @@ server and prints its row. Speed is not asserted; the figures of a quick run mea
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,18 @@ def test_quick_dashboard_page_run_prints_every_query(server: Server) -> None:
     assert names[0] == "newest page" and names[-1] == "overview (counts and last hour)" and len(names) == 8
     for row in rows[1:-2]:
         assert row[1] in ("49", "50"), row  # a page of 50 (49 half-way down the failed ones of 10,000)
+
+
+@pytest.mark.timeout(120)
+def test_quick_unique_enqueue_run_prints_both_rates(server: Server) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("unique_enqueue.py")), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "DATABASE_URL": server.admin_url.render_as_string(hide_password=False)},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "200 keyed rows, 100 inserted, 100 skipped" in result.stdout, result.stdout
+    assert "rows/s" in result.stdout and "ratio:" in result.stdout

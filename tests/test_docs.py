@@ -161,7 +161,7 @@ def test_the_worker_options_table_names_the_worker_command_s_flags() -> None:
 
 def test_the_builders_tables_list_every_statement_builder_once() -> None:
     listed: list[str] = []
-    for heading in ("## What the worker runs", "## Single calls", "## Administration"):
+    for heading in ("## What the worker runs", "## Single calls", "## Unique jobs", "## Administration"):
         rows = _table_rows("reference/sql.md", heading)
         rows.pop("builder", None)
         listed += rows

@@ -179,7 +179,7 @@ def test_bad_options_fail_before_anything_is_added(
 
 def test_unknown_option_is_a_type_error(Sessions: sessionmaker[QueueSession]) -> None:
     with Sessions() as session, pytest.raises(TypeError, match="prio"):
-        session.enqueue(EmailJob(), prio=3)  # type: ignore[call-arg]
+        session.enqueue(EmailJob(), prio=3)  # type: ignore[call-overload]
 
 
 def test_not_a_queue_model(Sessions: sessionmaker[QueueSession]) -> None:

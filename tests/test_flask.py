@@ -165,6 +165,22 @@ def test_flask_queue_enqueue_is_the_current_session(app: Any) -> None:
     assert counts(app) == (1, 4)
 
 
+def test_unique_keys_through_flask_queue_and_db_session(app: Any) -> None:
+    with app.app_context():
+        order = shop.ShopOrder(product_id=1, quantity=1, email="x@example.com")
+        shop.db.session.add(order)
+        shop.db.session.flush()
+        first = shop.queue.enqueue(shop.ConfirmationEmail(order_id=order.id, to=order.email), unique_key="o:1")
+        assert first.inserted and first.job in shop.db.session()
+        again = shop.db.session.enqueue(shop.ConfirmationEmail(order_id=order.id, to=order.email), unique_key="o:1")
+        assert (again.skipped, again.job_id) == (True, first.job_id)
+        rows = [{"order_id": order.id, "to": "bulk@example.com", "unique_key": "o:1"}]
+        written = shop.queue.enqueue_many(shop.ConfirmationEmail, rows)
+        assert (written, written.skipped) == (0, 1)
+        shop.db.session.commit()
+    assert counts(app) == (1, 1)
+
+
 def test_module_functions_accept_db_session(app: Any, listener: Any, server: Server) -> None:
     """``db.session`` is a scoped_session: it stands for the session of the current scope."""
     from sqlalchemy import insert

@@ -86,11 +86,11 @@ def test_long_table_names_get_short_unique_index_names(server: Server) -> None:
     ]
     names = [i.name for m in models for i in table_of(m).indexes]
     assert all(len(str(n).encode()) <= 63 for n in names)
-    assert len(set(names)) == len(names) == 8
+    assert len(set(names)) == len(names) == 10
     engine = create_engine(server.url)
     try:
         Base.metadata.create_all(engine)  # IdentifierError if a name were too long
-        assert len(_indexes(engine, long_a)) == 5  # 4 queue indexes + primary key
+        assert len(_indexes(engine, long_a)) == 6  # 4 queue indexes, the unique jobs one, primary key
     finally:
         Base.metadata.drop_all(engine)
         engine.dispose()
@@ -164,7 +164,7 @@ def test_single_table_inheritance_does_not_duplicate_indexes() -> None:
     class SpecialJob(Job):
         __mapper_args__ = {"polymorphic_identity": "special"}  # noqa: RUF012 - declarative
 
-    assert len(table_of(Job).indexes) == 4
+    assert len(table_of(Job).indexes) == 5
     assert queue_table(SpecialJob).table is table_of(Job)
 
 

@@ -97,6 +97,28 @@ def test_retry_fail_and_release_leave_the_states_the_statements_do(backend: Back
     }
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_snooze_gives_the_attempt_back_fenced_by_owner_and_attempt(backend: Backend, n: int) -> None:
+    ids = backend.add(n + 1, max_attempts=1)
+    ops = backend.ops()
+    claimed = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10)))
+    token = {c.token.job_id: c.token for c in claimed}
+    tokens = [token[i] for i in ids[:n]]
+    # Another owner, or another attempt, moves nothing.
+    assert backend(lambda c: ops.snooze(c, "x", tokens, [0.0] * n)) == {}
+    assert backend(lambda c: ops.snooze(c, "w", [ClaimToken(i, 2) for i in ids[:n]], [0.0] * n)) == {}
+    delays = [0.0] + [3600.0] * (n - 1)
+    assert backend(lambda c: ops.snooze(c, "w", tokens, delays)) == dict.fromkeys(tokens, "pending")
+    assert backend(lambda c: ops.snooze(c, "w", tokens, delays)) == {}  # once only
+    states = backend.states(ops, ids)
+    # max_attempts=1 and yet pending: the snooze spent no attempt.
+    assert [states[i] for i in ids[:n]] == [("pending", 0, None)] * n
+    assert states[ids[n]] == ("running", 1, "w")
+    # The first is due at once and claimable again, on attempt 1 again; the others wait.
+    again = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10)))
+    assert [c.token for c in again] == [ClaimToken(ids[0], 1)]
+
+
 @pytest.mark.parametrize("skipped", [1, 2])
 def test_skipped_keys_isolated_jobs_and_claims_by_key(backend: Backend, skipped: int) -> None:
     ids = backend.add(4)

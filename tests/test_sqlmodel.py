@@ -355,6 +355,18 @@ def test_bad_jobs_fail_before_anything_is_written(sm_engine: Engine, job: ShipJo
         assert session.exec(select(Shipment.address)).all() == ["kept"]
 
 
+def test_unique_keys_on_sqlmodel_tables(sm_engine: Engine) -> None:
+    with QueueSession(sm_engine) as session:
+        first = session.enqueue(ShipJob(carrier="ups"), unique_key="ship:1")
+        assert first.inserted and first.job is not None and first.job.id == first.job_id
+        assert session.enqueue(ShipJob(carrier="dhl"), unique_key="ship:1").job_id == first.job_id
+        assert enqueue_values(session, ShipJob, {"carrier": "dhl"}, unique_key="ship:1").skipped
+        written = session.enqueue_many(ShipJob, [{"carrier": "x", "unique_key": "ship:1"}, {"unique_key": "ship:2"}])
+        assert (written.inserted, written.skipped) == (1, 1)
+        session.commit()
+    assert sorted(r.unique_key or "" for r in jobs(sm_engine)) == ["ship:1", "ship:2"]
+
+
 def test_enqueue_values(sm_engine: Engine, listening: Any, server: Server) -> None:
     with QueueSession(sm_engine) as session:
         first = enqueue_values(session, ShipJob, {"carrier": "fedex"}, queue="bulk")

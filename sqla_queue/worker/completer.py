@@ -210,6 +210,8 @@ class Completer:
             return self.ops.fail(conn, owner, tokens, [o.error for o in outcomes])
         if kind is Kind.RELEASE:
             return self.ops.release(conn, owner, tokens, refund=refund)
+        if kind is Kind.SNOOZE:
+            return self.ops.snooze(conn, owner, tokens, [o.delay for o in outcomes])
         raise AssertionError(kind)
 
     def _with_retries(
@@ -298,6 +300,8 @@ class Completer:
                     append(Settled(o.held, "released", o))
                 elif kind is Kind.RETRY and status != "failed":
                     append(Settled(o.held, "retried", o, wake_at=sent + o.delay))
+                elif kind is Kind.SNOOZE:
+                    append(Settled(o.held, "snoozed", o, wake_at=sent + o.delay))
                 else:
                     append(Settled(o.held, "failed", o))
         self.settle(results)
@@ -313,11 +317,12 @@ class Completer:
 
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
-        statement or the handler's own transaction), retried, failed, handed back, or
-        lost. It hands their ends to the worker's hooks (:class:`~.hooks.Hooks`: the
-        counters, the log lines, the observers) and then forgets the jobs, in that order:
-        whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle)
-        finds it counted. ``forgotten``: the ledger has let go of them already (lost jobs)."""
+        statement or the handler's own transaction), retried, failed, handed back,
+        snoozed or lost. It hands their ends to the worker's hooks (:class:`~.hooks.Hooks`:
+        the counters, the log lines, the observers) and then forgets the jobs, in that
+        order: whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go
+        idle) finds it counted. ``forgotten``: the ledger has let go of them already (lost
+        jobs)."""
         if not results:
             return
         hooks = self.hooks
@@ -342,6 +347,10 @@ class Completer:
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
                 append(event(r.held, JobOutcome.RETRIED, _first(o.error), o.delay))
+            elif status == "snoozed":
+                if r.wake_at is not None:
+                    self.signal.wake_at(r.wake_at)
+                append(event(r.held, JobOutcome.SNOOZED, _first(o.error), o.delay))
             else:
                 append(event(r.held, _OUTCOMES[status], _first(o.error)))
         hooks.count(counts)
@@ -356,7 +365,7 @@ _OUTCOMES = {o.value: o for o in JobOutcome}
 
 class Settled(NamedTuple):
     """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
-    letter), ``released`` (handed back) or ``lost`` (its lease was gone): each the name
+    letter), ``released`` (handed back), ``snoozed`` or ``lost`` (its lease was gone): each the name
     of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
 
     held: Held
@@ -392,9 +401,9 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
             return "failed"
         # Back to pending with this error: a sweep writes its own and marks the job isolated.
         return "pending" if released and attempts == attempt and not isolated and last_error == outcome.error else None
-    if kind is Kind.RELEASE:
+    if kind is Kind.RELEASE or kind is Kind.SNOOZE:
         swept = (last_error or "").startswith(f"lease expired: worker {owner} did not finish attempt {attempt} ")
-        left = attempt - 1 if refund else attempt
+        left = attempt - 1 if refund or kind is Kind.SNOOZE else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
 

@@ -29,7 +29,7 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from ..driver import DbConnection, Driver
-from ..errors import DeadLetter, LeaseLost, RetryLater, UnknownTask
+from ..errors import DeadLetter, LeaseLost, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Moved, Operations
 from ..runtime import Runtime
 from ..sql import ClaimToken
@@ -175,6 +175,10 @@ class Executor:
             return Outcome(held, Kind.FAIL, storable(str(exc), limit))
         if isinstance(exc, DeadLetter):
             return Outcome(held, Kind.FAIL, storable(f"DeadLetter: {_reason(exc)}", limit))
+        if isinstance(exc, Snooze):
+            # Not a failure: no attempt spent (the statement gives the claim's back), no error.
+            delay = min(exc.delay.total_seconds(), MAX_DELAY_SECONDS)
+            return Outcome(held, Kind.SNOOZE, storable(_reason(exc), limit), delay)
         if isinstance(exc, RetryLater):
             delay = min(exc.delay.total_seconds(), MAX_DELAY_SECONDS)
             return Outcome(held, Kind.RETRY, storable(f"RetryLater: {_reason(exc)}", limit), delay)
@@ -298,7 +302,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _reason(exc: DeadLetter | RetryLater) -> str:
+def _reason(exc: DeadLetter | RetryLater | Snooze) -> str:
     try:
         return str(exc.reason)
     except Exception:  # noqa: BLE001

@@ -46,6 +46,9 @@ class JobOutcome(str, enum.Enum):
     LOST = "lost"
     #: Handed back to ``pending`` (shutdown, or the worker's connection was lost).
     RELEASED = "released"
+    #: The handler asked to run again later (``Snooze``): ``delay`` says when; no
+    #: attempt spent.
+    SNOOZED = "snoozed"
     #: An expired lease of some worker, returned to ``pending`` (or dead-lettered) by
     #: this worker's sweeper: ``attempt`` is the one that expired, no run time.
     SWEPT = "swept"
@@ -170,7 +173,7 @@ class JobEvent:
         if self.started_at is None:
             return None
         since = self.run_after or self.created_at
-        if since is None:
+        if not isinstance(since, datetime):
             return None
         return self.started_at - since.timestamp()
 
@@ -366,6 +369,7 @@ _LEVELS = {
     JobOutcome.FAILED: logging.ERROR,
     JobOutcome.LOST: logging.WARNING,
     JobOutcome.SWEPT: logging.INFO,
+    JobOutcome.SNOOZED: logging.INFO,
 }
 
 

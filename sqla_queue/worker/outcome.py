@@ -20,6 +20,8 @@ class Kind(enum.Enum):
     RETRY = "retry"
     #: Dead-letter now.
     FAIL = "fail"
+    #: Snoozed (``Snooze``): back to ``pending`` after ``delay``, the attempt given back.
+    SNOOZE = "snooze"
     #: Back to ``pending`` at once with the attempt refunded: never started (shutdown), or
     #: the worker's own connection was lost under the handler's transaction.
     RELEASE = "release"

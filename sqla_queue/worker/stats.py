@@ -18,6 +18,8 @@ class WorkerStats:
     failed: int = 0
     lost: int = 0
     released: int = 0
+    #: Jobs whose handler raised ``Snooze``: run again later, no attempt spent.
+    snoozed: int = 0
     swept: int = 0
     heartbeats: int = 0
     #: Events not given to the observers: their queue was full (see ``observer_queue_size``).

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from datetime import datetime, timedelta, timezone
 from typing import Any, get_type_hints
 
 import pytest
 
+import sqla_queue
 from sqla_queue import EnqueueError
 from sqla_queue.options import NO_OPTIONS, EnqueueKwargs, EnqueueOptions, enqueue_options
 
@@ -116,8 +118,12 @@ def test_an_unknown_option_is_a_type_error() -> None:
 
 def test_the_keyword_options_and_the_value_have_the_same_fields() -> None:
     """What the enqueue functions accept (``**options: Unpack[EnqueueKwargs]``) is what
-    EnqueueOptions takes: a new option added to one and not the other fails here."""
-    fields = {f.name for f in dataclasses.fields(EnqueueOptions) if f.init}
+    EnqueueOptions takes: a new option added to one and not the other fails here.
+    ``unique_key`` is the one exception: a keyword of its own on every enqueue function,
+    so that their overloads can say a keyed call returns an ``Enqueued``."""
+    fields = {f.name for f in dataclasses.fields(EnqueueOptions) if f.init} - {"unique_key"}
+    for fn in (sqla_queue.enqueue, sqla_queue.enqueue_values, sqla_queue.QueueSession.enqueue):
+        assert inspect.signature(fn).parameters["unique_key"].kind is inspect.Parameter.KEYWORD_ONLY
     assert set(EnqueueKwargs.__annotations__) == fields
     assert set(EnqueueKwargs.__optional_keys__) == fields  # every option may be left out
     hints = get_type_hints(EnqueueKwargs)

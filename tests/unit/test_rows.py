@@ -335,5 +335,5 @@ def test_the_enqueue_side_keeps_its_plans_in_the_one_cache() -> None:
     table_plan(EmailJob)
     made = insert_plan(table_plan(EmailJob), DIALECT, {"order_id": 9}, False)
     assert plans.get(EmailJob) is table_plan(EmailJob)
-    assert plans.get((EmailJob.__table__, DIALECT, None, False, "order_id")) is made
+    assert plans.get((EmailJob.__table__, DIALECT, None, False, False, "order_id")) is made
     assert len(plans) <= plans.max_entries
