@@ -244,3 +244,28 @@ def test_without_debug_done_jobs_log_nothing(
     start_worker()
     wait_for(lambda: all(_status(engine, i) == "done" for i in ids), what="every job done")
     assert not [r for r in caplog.records if r.name == "sqla_queue.worker.jobs"]
+
+
+def test_a_snooze_is_an_outcome(
+    engine: Engine, Sessions: sessionmaker[QueueSession], start_worker: Callable[..., Any]
+) -> None:
+    from sqla_queue import Snooze
+
+    def handler(job: Any) -> None:
+        if not job.payload.get("snoozed"):
+            with Sessions() as session:  # the next run sees it
+                session.execute(text("UPDATE tasks SET payload = '{\"snoozed\": true}' WHERE id = :id"),
+                                {"id": job.id})
+                session.commit()
+            raise Snooze(0.1, "not ready")
+
+    seen = Recorder()
+    tasks = Tasks()
+    tasks.register("later", handler)
+    [snoozed] = add(Sessions, "later")
+    worker = start_worker(tasks, observers=[seen])
+    wait_for(lambda: len(seen.of("finished", snoozed)) == 2, what="the snooze and the run")
+    first, second = seen.of("finished", snoozed)
+    assert first.outcome is JobOutcome.SNOOZED and first.delay == pytest.approx(0.1)
+    assert second.outcome is JobOutcome.DONE
+    wait_for(lambda: worker.stats.snoozed == 1, what="the counter")

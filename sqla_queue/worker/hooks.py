@@ -402,6 +402,9 @@ def _log_finished(events: Sequence[JobEvent]) -> None:
         elif outcome is JobOutcome.LOST:
             job_log.log(level, "job %s attempt %s: %s; its result was not recorded", e.job_id, e.attempt,
                         e.error or "lease lost", extra=extra)
+        elif outcome is JobOutcome.SNOOZED:  # the handler's plan, not a failure: INFO
+            job_log.log(level, "job %s attempt %s snoozed for %.1fs: %s", e.job_id, e.attempt, e.delay or 0.0,
+                        e.error, extra=extra)
         elif outcome is JobOutcome.SWEPT:
             job_log.log(level, "job %s attempt %s: lease expired, swept", e.job_id, e.attempt, extra=extra)
         else:
