@@ -13,10 +13,11 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from . import sql as q
+from .cancel import cancel as cancel_jobs
 from .driver import WorkerStartError
 from .model import queue_table, table_problem
 
-__all__ = ["check_table", "format_stats", "prune", "requeue", "sweep"]
+__all__ = ["cancel", "check_table", "format_stats", "prune", "requeue", "sweep"]
 
 _COLUMNS = text(
     "SELECT a.attname FROM pg_attribute a "
@@ -58,14 +59,30 @@ def sweep(engine: Engine, model: Any, *, limit: int = 1000) -> tuple[int, int]:
 
 
 def requeue(
-    engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None
+    engine: Engine,
+    model: Any,
+    *,
+    ids: Sequence[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[str] = ("failed",),
 ) -> int:
-    """Give dead-lettered jobs fresh attempts; returns how many.
+    """Give dead-lettered (and, with ``statuses``, cancelled) jobs fresh attempts;
+    returns how many.
 
-    ``ids=None`` means every dead letter (of ``queues``), an empty ``ids`` none at all.
+    ``ids=None`` means every such job (of ``queues``), an empty ``ids`` none at all.
     """
     with engine.begin() as conn:
-        return len(conn.scalars(q.requeue_failed(model, ids=ids, queues=queues or None)).all())
+        stmt = q.requeue_failed(model, ids=ids, queues=queues or None, statuses=statuses)
+        return len(conn.scalars(stmt).all())
+
+
+def cancel(
+    engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None
+) -> list[Any]:
+    """Cancel pending and running jobs (:func:`sqla_queue.cancel`) in a transaction of
+    its own; returns the keys cancelled."""
+    with engine.begin() as conn:
+        return cancel_jobs(conn, model, ids=ids, queues=queues or None)
 
 
 def prune(

@@ -176,6 +176,9 @@ class JobModel(SQLModel):
     isolated: bool = mixin_field("isolated")
     created_at: datetime | None = mixin_field("created_at")
     finished_at: datetime | None = mixin_field("finished_at")
+    timeout: float | None = mixin_field("timeout")
+    started_at: datetime | None = mixin_field("started_at")
+    deadline_at: datetime | None = mixin_field("deadline_at")
 
 
 class TaskModel(JobModel):

@@ -54,6 +54,7 @@ from .producer import Producer
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .watchdog import Watchdog
 from .work_signal import WorkSignal
 
 __all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
@@ -121,7 +122,8 @@ class Worker:
         cfg, driver = self.config, self._driver
         ops = self._ops = QueueOps(
             driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease,
-            statement_deadline=cfg.statement_deadline,
+            statement_deadline=cfg.statement_deadline, timeout=cfg.timeout,
+            task_timeouts=resolved.timeouts() if isinstance(resolved, Tasks) else None,
         )
         ctx = self._context = WorkerContext(cfg, self.ledger, driver, ops, self.signal, self.stats, self.owner)
         self._producer = Producer(ctx)
@@ -129,6 +131,9 @@ class Worker:
         executor = Executor(ctx, resolved, self.session_factory, job_context)
         self.executors = ExecutorPool(ctx, self._producer, executor, completer)
         self.heartbeat = Heartbeat(ctx)
+        #: Tells handlers their attempt is over (deadlines; cancels when polling only).
+        self.watchdog = Watchdog(ctx)
+        executor.watchdog = self.watchdog
         self.sweeper = Sweeper(ctx, self._producer) if cfg.sweep_interval > 0 else None
         self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
         self._stopping = Event()
@@ -190,7 +195,7 @@ class Worker:
     # -- lifecycle ---------------------------------------------------------------------
 
     def services(self) -> list[Service]:
-        found: list[Service | None] = [self.heartbeat, self.sweeper, self.listener, self.executors]
+        found: list[Service | None] = [self.heartbeat, self.watchdog, self.sweeper, self.listener, self.executors]
         return [s for s in found if s is not None]
 
     def start(self) -> None:
@@ -302,7 +307,9 @@ class Worker:
             self._driver.runtime.interrupt()
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
-        others: list[Service] = [s for s in (self.heartbeat, self.sweeper, self.listener) if s is not None]
+        others: list[Service] = [
+            s for s in (self.heartbeat, self.watchdog, self.sweeper, self.listener) if s is not None
+        ]
         for service in others:
             service.request_stop()
         deadline = time.monotonic() + _JOIN_SECONDS

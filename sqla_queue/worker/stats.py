@@ -19,6 +19,10 @@ class WorkerStats:
     lost: int = 0
     released: int = 0
     swept: int = 0
+    #: Jobs cancelled while this worker held them.
+    cancelled: int = 0
+    #: Handlers still running after their deadline had passed (see the watchdog).
+    stuck: int = 0
     heartbeats: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
