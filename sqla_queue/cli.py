@@ -1,4 +1,4 @@
-"""The sqla-queue command line: run workers, sweep, inspect, requeue and prune.
+"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel and prune.
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
@@ -259,6 +259,7 @@ def worker_overrides(
     shutdown_grace: float | None = None,
     queue: Sequence[str] | None = None,
     no_listen: bool = False,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Worker options given on a command line (only those given)."""
     given = {
@@ -271,6 +272,7 @@ def worker_overrides(
         "shutdown_grace": shutdown_grace,
         "queues": tuple(queue) if queue else None,
         "listen": False if no_listen else None,
+        "timeout": timeout,
     }
     return {key: value for key, value in given.items() if value is not None}
 
@@ -298,6 +300,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         sweep_interval=args.sweep_interval,
         shutdown_grace=args.shutdown_grace,
         queue=args.queue,
+        timeout=args.timeout,
         no_listen=args.no_listen,
     )
 
@@ -380,8 +383,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    count = _on_admin_target(args, lambda engine, model: admin.requeue(engine, model, ids=args.id, queues=args.queue))
-    print(f"requeued {count} dead-lettered job(s)")
+    statuses = args.status or ["failed"]
+    count = _on_admin_target(
+        args,
+        lambda engine, model: admin.requeue(engine, model, ids=args.id, queues=args.queue, statuses=statuses),
+    )
+    what = " or ".join(statuses) if args.status else "dead-lettered"
+    print(f"requeued {count} {what} job(s)")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    if not args.id and not args.queue:
+        raise SystemExit("sqla-queue cancel: give --id or --queue (it never cancels every job by default)")
+    cancelled = _on_admin_target(
+        args, lambda engine, model: admin.cancel(engine, model, ids=args.id, queues=args.queue)
+    )
+    print(f"cancelled {len(cancelled)} job(s)")
     return 0
 
 
@@ -439,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--sweep-interval", type=seconds, help="sweep expired leases this often (0: never)")
     worker.add_argument("--shutdown-grace", type=seconds, help="time running jobs get to finish on SIGTERM")
     worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
+    worker.add_argument("--timeout", type=positive_seconds, help="how long one attempt may run (default: no limit)")
     worker.add_argument("--until-idle", action="store_true", help="exit once no runnable job is left")
     worker.set_defaults(func=cmd_worker, parser=worker)
 
@@ -462,7 +481,18 @@ def build_parser() -> argparse.ArgumentParser:
     requeue = admin("requeue", "give dead-lettered jobs a fresh set of attempts")
     requeue.add_argument("--id", type=int, action="append", help="only this job (repeatable)")
     requeue.add_argument("--queue", type=queue_name, action="append", help="only this queue (repeatable)")
+    requeue.add_argument(
+        "--status", action="append", choices=["failed", "cancelled"],
+        help="requeue jobs in this state (repeatable; default failed)",
+    )
     requeue.set_defaults(func=cmd_requeue)
+
+    cancel = admin("cancel", "cancel pending and running jobs (their attempts can no longer complete)")
+    cancel.add_argument("--id", type=int, action="append", help="this job (repeatable)")
+    cancel.add_argument(
+        "--queue", type=queue_name, action="append", help="every unfinished job of this queue (repeatable)"
+    )
+    cancel.set_defaults(func=cmd_cancel)
 
     prune = admin("prune", "delete finished jobs older than a cutoff")
     prune.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")

@@ -197,6 +197,7 @@ _name = click.argument("name", required=False)
 @click.option("--sweep-interval", type=parse_duration, help="sweep expired leases this often (0: never)")
 @click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
+@click.option("--timeout", type=parse_duration, help="how long one attempt may run (default: no limit)")
 @click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
 @click.option(
     "--log-level",
@@ -245,10 +246,28 @@ def _stats_command(name: str | None) -> None:
 @_name
 @click.option("--id", "ids", type=int, multiple=True, help="only this job (repeatable)")
 @click.option("--queue", "queues", multiple=True, help="only this queue (repeatable)")
-def _requeue_command(name: str | None, ids: tuple[int, ...], queues: tuple[str, ...]) -> None:
-    """Give dead-lettered jobs a fresh set of attempts."""
-    count = admin.requeue(*_engine_and_model(name), ids=ids or None, queues=queues)
-    click.echo(f"requeued {count} dead-lettered job(s)")
+@click.option("--status", "statuses", multiple=True, type=click.Choice(["failed", "cancelled"]),
+              help="requeue jobs in this state (repeatable; default failed)")
+def _requeue_command(
+    name: str | None, ids: tuple[int, ...], queues: tuple[str, ...], statuses: tuple[str, ...]
+) -> None:
+    """Give dead-lettered (or cancelled) jobs a fresh set of attempts."""
+    count = admin.requeue(*_engine_and_model(name), ids=ids or None, queues=queues, statuses=statuses or ("failed",))
+    what = " or ".join(statuses) if statuses else "dead-lettered"
+    click.echo(f"requeued {count} {what} job(s)")
+
+
+@_queue_commands.command("cancel")
+@_name
+@click.option("--id", "ids", type=int, multiple=True, help="this job (repeatable)")
+@click.option("--queue", "queues", multiple=True, callback=_queue_names,
+              help="every unfinished job of this queue (repeatable)")
+def _cancel_command(name: str | None, ids: tuple[int, ...], queues: tuple[str, ...]) -> None:
+    """Cancel pending and running jobs: their attempts can no longer complete."""
+    if not ids and not queues:
+        raise click.UsageError("give --id or --queue (it never cancels every job by default)")
+    cancelled = admin.cancel(*_engine_and_model(name), ids=ids or None, queues=queues or None)
+    click.echo(f"cancelled {len(cancelled)} job(s)")
 
 
 @_queue_commands.command("prune")
