@@ -106,7 +106,7 @@ def test_cancel_checks_its_arguments_before_writing(engine: Engine) -> None:
         with pytest.raises(TypeError, match="not a single string"):
             cancel(session, Task, ids="12")
         with pytest.raises(TypeError, match="Session or a Connection"):
-            cancel(object(), Task, ids=[job_id])
+            cancel(object(), Task, ids=[job_id])  # type: ignore[call-overload]
         assert cancel(session, Task, ids=[]) == []
         assert cancel(session, Task, queues=["elsewhere"]) == []
         assert cancel(session, Task, queues=["default"]) == [job_id]  # by queue
