@@ -22,9 +22,9 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, cast
 from sqlalchemy import Connection
 
 from . import sql as q
-from .driver import DbConnection, Driver, RowError, Statement
+from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError
 from .loader import RowLoader
-from .model import queue_table
+from .model import TIMEOUT_COLUMNS, queue_table
 from .sql import ClaimToken, is_solitary
 
 __all__ = [
@@ -290,7 +290,16 @@ class QueueOps:
         """Fail fast (:class:`~sqla_queue.driver.WorkerStartError`) when the table is
         missing or lacks the queue columns; load claimed rows with the types the server
         reports for its columns."""
-        self._loader.use_type_codes(self.driver.check_table(self.table))
+        types = self.driver.check_table(self.table)
+        if self._deadline_index is not None:
+            missing = [name for name in TIMEOUT_COLUMNS if name not in types]
+            if missing:
+                raise WorkerStartError(
+                    f"table {self.driver.table_name(self.table)!r} lacks the columns {', '.join(missing)} "
+                    f"of timeouts and cancels, which the model has: migrate it (Alembic autogenerate "
+                    f"adds them: nullable, no index)"
+                )
+        self._loader.use_type_codes(types)
 
     # -- claims ------------------------------------------------------------------------
 

@@ -16,10 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select
-from sqlalchemy.orm import Session, sessionmaker
+from alembic.autogenerate import produce_migrations
+from alembic.operations.ops import AddColumnOp
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, select, text
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
-from sqla_queue import EnqueueError, QueueSession, Tasks, Worker, admin, current_job
+from sqla_queue import (
+    EnqueueError,
+    JobMixin,
+    QueueSession,
+    Tasks,
+    Worker,
+    WorkerStartError,
+    admin,
+    current_job,
+)
 from sqla_queue.driver import Driver
 from sqla_queue.ops import QueueOps
 from sqla_queue.sql import ClaimToken
@@ -191,3 +203,37 @@ def test_a_deadline_outlives_a_killed_worker(
     row = job(engine, job_id)
     assert row.last_error.startswith("timed out after 3 s: worker ")
     assert (row.finished_at - row.started_at).total_seconds() < 60  # before the lease would have lapsed
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class UnmigratedJob(_Base, JobMixin):
+    __tablename__ = "timeouts_unmigrated_jobs"
+
+
+def test_an_unmigrated_table_is_refused_and_autogenerate_adds_the_columns(engine: Engine) -> None:
+    """A table from before timeouts: the worker says to migrate; autogenerate writes it."""
+    _Base.metadata.create_all(engine)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "ALTER TABLE timeouts_unmigrated_jobs DROP COLUMN timeout, DROP COLUMN started_at, "
+                "DROP COLUMN deadline_at"
+            ))
+        with pytest.raises(WorkerStartError, match="lacks the columns timeout, started_at, deadline_at"):
+            Worker(engine, UnmigratedJob, lambda job: None).start()
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"target_metadata": _Base.metadata})
+            script = produce_migrations(context, _Base.metadata)
+        assert script.upgrade_ops is not None
+        added = sorted(
+            op.column.name for group in script.upgrade_ops.ops for op in getattr(group, "ops", [group])
+            if isinstance(op, AddColumnOp)
+        )
+        assert added == ["deadline_at", "started_at", "timeout"]
+        assert all(op.column.nullable for group in script.upgrade_ops.ops for op in getattr(group, "ops", [group])
+                   if isinstance(op, AddColumnOp))
+    finally:
+        _Base.metadata.drop_all(engine)
