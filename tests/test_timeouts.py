@@ -46,6 +46,17 @@ from .workers import job
 start = test_cancel.start
 
 
+def test_one_task_timeout_is_found_too(engine: Engine) -> None:
+    (job_id,) = enqueue(engine, task="timed")
+    driver = Driver(engine)
+    ops = QueueOps(driver, Task, lease=60.0, task_timeouts={"timed": 2.5})
+    ops.check_table()
+    conn = driver.connect("test")
+    (found,) = ops.fetch_claimed(conn, ops.claim_request("w/0.0", 10))
+    conn.close()
+    assert (found.token.job_id, round(found.timeout or 0, 2)) == (job_id, 2.5)
+
+
 def test_the_most_specific_timeout_wins(engine: Engine) -> None:
     """The job's own, else its task's, else the worker's; none: no deadline."""
     own = enqueue(engine, task="timed", timeout=1.5)[0]
