@@ -112,10 +112,6 @@ class Executor:
             return Outcome(held, Kind.FAIL, held.load_error)
         if held.stopped == CANCELLED:  # cancelled before it started
             return Outcome(held, Kind.CANCELLED)
-        if held.deadline is not None and held.deadline <= time.monotonic():
-            # Its time ran out waiting behind its batch-mates: not its own doing. Back to
-            # pending at once, the attempt refunded.
-            return Outcome(held, Kind.RELEASE, "its deadline passed before it started")
         if self._losses:  # a run that ends any other way ends the streak
             held.losses = self._losses.pop(held.token.job_id, 0)
         context = held.context = JobContext(held.job, held.token, held.timeout, held.deadline)
