@@ -350,14 +350,15 @@ class QueueOps:
         pk, attempt = self._pk_index, self._attempt_index
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(stmt, values, pk, attempt)
-        done: Moved = {}
+        done: dict[Any, str] = {}  # keyed by plain (pk, attempt) tuples: equal to the tokens
         claimed: list[tuple[Any, ...] | RowError] = []
+        keep = claimed.append
         for row in rows:  # the last column tells a completed token's row from a claimed one
             if isinstance(row, RowError) or not row[-1]:
-                claimed.append(row)
+                keep(row)
             else:
-                done[cast(ClaimToken, (row[pk], row[attempt]))] = "done"
-        return done, self._claimed(claimed, request.isolated)
+                done[row[pk], row[attempt]] = "done"
+        return cast(Moved, done), self._claimed(claimed, request.isolated)
 
     def _claimed(self, rows: list[tuple[Any, ...] | RowError], isolated: bool) -> list[Claimed]:
         pk, attempt = self._pk_index, self._attempt_index

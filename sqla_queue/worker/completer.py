@@ -280,19 +280,31 @@ class Completer:
         swept. ``sent``: when the statement went out (a retry's wake-up counts from then)."""
         results: list[Settled] = []
         missed: list[Held] = []
-        for o in outcomes:
-            status = moved.get(o.held.token)
-            if status is None:
-                missed.append(o.held)
-            elif o.unsure and status == "done":  # the transactional commit had landed after all
-                log.info("job %s attempt %d: its commit had landed; done", o.held.token.job_id, o.held.token.attempt)
-                results.append(Settled(o.held, "done", o))
-            elif kind is Kind.RELEASE:
-                results.append(Settled(o.held, "released", o))
-            elif kind is Kind.RETRY and status != "failed":
-                results.append(Settled(o.held, "retried", o, wake_at=sent + o.delay))
-            else:
-                results.append(Settled(o.held, "failed" if kind is not Kind.DONE else "done", o))
+        append = results.append
+        if kind is Kind.DONE:  # the hot path: a tuple per job and nothing else
+            for o in outcomes:
+                if o.held.token not in moved:
+                    missed.append(o.held)
+                    continue
+                if o.unsure:
+                    job = o.held.token
+                    log.info("job %s attempt %d: its commit had landed; done", job.job_id, job.attempt)
+                append(_new_settled(Settled, (o.held, "done", o, None, "")))
+        else:
+            for o in outcomes:
+                status = moved.get(o.held.token)
+                if status is None:
+                    missed.append(o.held)
+                elif o.unsure and status == "done":  # the transactional commit had landed after all
+                    job = o.held.token
+                    log.info("job %s attempt %d: its commit had landed; done", job.job_id, job.attempt)
+                    append(Settled(o.held, "done", o))
+                elif kind is Kind.RELEASE:
+                    append(Settled(o.held, "released", o))
+                elif kind is Kind.RETRY and status != "failed":
+                    append(Settled(o.held, "retried", o, wake_at=sent + o.delay))
+                else:
+                    append(Settled(o.held, "failed", o))
         self.settle(results)
         if missed:
             self._lost(missed, "re-claimed or swept before its outcome was recorded", settled=True)
@@ -316,7 +328,10 @@ class Completer:
         counts: dict[str, int] = {}
         for r in results:
             status = r.status
-            counts[status] = counts.get(status, 0) + 1
+            if status in counts:
+                counts[status] += 1
+            else:
+                counts[status] = 1
             if status == "done" or status == "released":
                 continue
             token = r.held.token
@@ -347,6 +362,9 @@ class Settled(NamedTuple):
     wake_at: float | None = None
     why: str = ""
 
+
+#: Settled's fields all given: the tuple made without NamedTuple's keyword handling.
+_new_settled = tuple.__new__
 
 #: A statement that records ``done`` for an owner's tokens, and maybe more (the next
 #: claim): ``statement(conn, owner, tokens)`` returns what it moved.

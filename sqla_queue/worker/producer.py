@@ -258,7 +258,9 @@ class Producer:
         now = time.monotonic()
         for token, job, problem, solitary, timeout in rows:
             deadline = None if timeout is None else now + timeout
-            if problem is None:
+            if problem is None and timeout is None:  # positional: the hot path, once per claimed row
+                append(Held(token, job, None, isolated, solitary, owner))
+            elif problem is None:
                 append(Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner, timeout=timeout,
                             deadline=deadline))
             else:
