@@ -16,6 +16,7 @@ runs a plain handler of an asyncio worker).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
@@ -28,6 +29,9 @@ from .sql import ClaimToken
 __all__ = ["CANCELLED", "TIMED_OUT", "JobContext", "current_job"]
 
 T = TypeVar("T")
+
+#: Guards the lazy creation of a context's flag.
+_MAKING: Final = threading.Lock()
 
 #: Why an attempt was told to stop.
 CANCELLED: Final = "cancelled"
@@ -52,7 +56,8 @@ class JobContext:
         self.timeout = timeout
         #: ``time.monotonic()`` at the deadline, in this process (None: none).
         self.deadline = deadline
-        self._flag = Event()
+        #: Made on first use (most handlers never wait on it): one per job is a cost.
+        self._flag: Event | None = None
         self._reason: str | None = None
         self._message = ""
         #: The task awaiting an ``async def`` handler, cancelled when the job stops.
@@ -99,7 +104,18 @@ class JobContext:
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep up to ``timeout`` seconds, waking at once when the attempt is told to
         stop; True if it was. An interruptible ``time.sleep``."""
-        return self._flag.wait(timeout)
+        return self._event().wait(timeout)
+
+    def _event(self) -> Event:
+        flag = self._flag
+        if flag is None:
+            with _MAKING:
+                flag = self._flag
+                if flag is None:
+                    flag = self._flag = Event()
+                    if self._reason is not None:
+                        flag.set()
+        return flag
 
     # -- the worker's side -------------------------------------------------------------
 
@@ -110,7 +126,7 @@ class JobContext:
             return False
         self._message = message
         self._reason = reason
-        self._flag.set()
+        self._event().set()
         task = self._task
         if task is not None:
             task.get_loop().call_soon_threadsafe(self._cancel_task, task)
