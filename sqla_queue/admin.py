@@ -6,18 +6,42 @@ large backlog never holds locks for long.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import timedelta
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, Row, func, select, text
 
 from . import sql as q
-from .cancel import cancel as cancel_jobs
+from .cancel import cancel as _cancel
 from .driver import WorkerStartError
 from .model import queue_table, table_problem
 
-__all__ = ["cancel", "check_table", "format_stats", "prune", "requeue", "sweep"]
+__all__ = [
+    "JobFilters",
+    "JobPage",
+    "LeaseOwner",
+    "QueueSummary",
+    "cancel",
+    "cancel_jobs",
+    "check_table",
+    "delete_jobs",
+    "format_job",
+    "format_jobs",
+    "format_stats",
+    "get_job",
+    "lease_owners",
+    "list_jobs",
+    "parse_job_id",
+    "queue_overview",
+    "prune",
+    "requeue",
+    "sweep",
+]
 
 _COLUMNS = text(
     "SELECT a.attname FROM pg_attribute a "
@@ -58,21 +82,107 @@ def sweep(engine: Engine, model: Any, *, limit: int = 1000) -> tuple[int, int]:
             return back, dead
 
 
+@dataclass(frozen=True)
+class JobFilters:
+    """The inspection filters, as both command lines and the dashboard take them: each
+    empty tuple (or ``None``) leaves its filter out, several values match any of them."""
+
+    queues: tuple[str, ...] = ()
+    statuses: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+    error_contains: str | None = None
+    ids: tuple[Any, ...] = ()
+
+    def builder_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`sqla_queue.sql.job_filter` and its users."""
+        return {
+            "ids": list(self.ids) or None,
+            "queues": list(self.queues) or None,
+            "statuses": list(self.statuses) or None,
+            "tasks": list(self.tasks) or None,
+            "error_contains": self.error_contains or None,
+        }
+
+    @property
+    def empty(self) -> bool:
+        return not (self.queues or self.statuses or self.tasks or self.error_contains or self.ids)
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """One page of :func:`list_jobs`: its rows (every column, newest first) and the key
+    to pass as ``before`` for the next page (None on the last)."""
+
+    rows: list[Row[Any]]
+    next_before: Any = None
+    columns: list[str] = field(default_factory=list)
+
+
+def list_jobs(
+    engine: Engine, model: Any, filters: JobFilters = JobFilters(), *, before: Any = None, limit: int = 50
+) -> JobPage:
+    """A page of jobs matching ``filters``, after the key ``before`` (keyset pagination)."""
+    stmt = q.list_jobs(model, **filters.builder_kwargs(), before=before, limit=limit + 1)
+    with engine.connect() as conn:
+        result = conn.execute(stmt)
+        columns = list(result.keys())
+        rows = list(result.all())
+    pk = queue_table(model).pk.name
+    if len(rows) > limit:
+        rows = rows[:limit]
+        return JobPage(rows, rows[-1]._mapping[pk], columns)
+    return JobPage(rows, None, columns)
+
+
+def get_job(engine: Engine, model: Any, job_id: Any) -> Row[Any] | None:
+    """One job's row, every column, or None."""
+    with engine.connect() as conn:
+        return conn.execute(q.get_job(model, job_id)).first()
+
+
+def parse_job_id(model: Any, value: str) -> Any:
+    """A job key typed on a command line or in a URL, as the primary key's Python type
+    (an int, a UUID, a string); ValueError when it cannot be one."""
+    column = queue_table(model).pk
+    try:
+        kind = column.type.python_type
+    except NotImplementedError:
+        return value
+    if kind is int:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"not a job id (a whole number): {value!r}") from None
+    if kind is uuid.UUID:
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            raise ValueError(f"not a job id (a UUID): {value!r}") from None
+    return value
+
+
 def requeue(
     engine: Engine,
     model: Any,
     *,
     ids: Sequence[Any] | None = None,
     queues: Sequence[str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
     statuses: Sequence[str] = ("failed",),
 ) -> int:
     """Give dead-lettered (and, with ``statuses``, cancelled) jobs fresh attempts;
     returns how many.
 
-    ``ids=None`` means every such job (of ``queues``), an empty ``ids`` none at all.
+    ``ids=None`` means every such job (of ``queues``, ``tasks``, with ``error_contains``
+    in ``last_error``), an empty ``ids`` none at all. ``statuses``: ``failed`` (the
+    default) and/or ``cancelled``.
     """
+    stmt = q.requeue_failed(
+        model, ids=ids, queues=queues or None, tasks=tasks or None, error_contains=error_contains or None,
+        statuses=statuses,
+    )
     with engine.begin() as conn:
-        stmt = q.requeue_failed(model, ids=ids, queues=queues or None, statuses=statuses)
         return len(conn.scalars(stmt).all())
 
 
@@ -82,7 +192,30 @@ def cancel(
     """Cancel pending and running jobs (:func:`sqla_queue.cancel`) in a transaction of
     its own; returns the keys cancelled."""
     with engine.begin() as conn:
-        return cancel_jobs(conn, model, ids=ids, queues=queues or None)
+        return _cancel(conn, model, ids=ids, queues=queues or None)
+
+
+def cancel_jobs(engine: Engine, model: Any, *, ids: Sequence[Any]) -> int:
+    """Cancel the jobs ``ids``, pending or running (:func:`sqla_queue.cancel`); returns
+    how many.
+
+    The one place the command lines and the dashboard cancel through.
+    """
+    return len(cancel(engine, model, ids=ids))
+
+
+def delete_jobs(engine: Engine, model: Any, filters: JobFilters, *, limit: int = 10_000) -> int:
+    """Delete the jobs matching ``filters`` (never running ones), ``limit`` per
+    transaction; returns how many. Empty filters are refused: that would be every job."""
+    if filters.empty:
+        raise ValueError("name the jobs to delete: ids, or at least one filter")
+    total = 0
+    while True:
+        with engine.begin() as conn:
+            deleted = len(conn.scalars(q.delete_jobs(model, **filters.builder_kwargs(), limit=limit)).all())
+        total += deleted
+        if deleted < limit:
+            return total
 
 
 def prune(
@@ -126,3 +259,158 @@ def _age(age: timedelta | None) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.1f}s"
+
+
+@dataclass
+class QueueSummary:
+    """One queue of one table: jobs per status, the oldest runnable job's age, and the
+    jobs done and failed in each of the last minutes (oldest first)."""
+
+    queue: str
+    counts: dict[str, int] = field(default_factory=dict)
+    oldest_runnable: timedelta | None = None
+    done: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+
+
+def queue_overview(engine: Engine, model: Any, *, minutes: int = 60) -> list[QueueSummary]:
+    """Every queue of ``model``'s table that holds a job, or finished one in the last
+    ``minutes``: :func:`sqla_queue.sql.queue_stats` and :func:`sqla_queue.sql.finished_per_minute`
+    read in one transaction (one snapshot, one clock)."""
+    with engine.connect() as conn:
+        now = conn.scalar(select(func.date_trunc("minute", func.now())))
+        stats = conn.execute(q.queue_stats(model)).all()
+        finished = conn.execute(q.finished_per_minute(model, minutes=minutes)).all()
+    summaries: dict[str, QueueSummary] = {}
+
+    def summary(queue: str) -> QueueSummary:
+        if queue not in summaries:
+            summaries[queue] = QueueSummary(queue, done=[0] * minutes, failed=[0] * minutes)
+        return summaries[queue]
+
+    for row in stats:
+        entry = summary(row.queue)
+        entry.counts[row.status] = int(row.jobs)
+        if row.oldest_runnable_age is not None:
+            entry.oldest_runnable = row.oldest_runnable_age
+    assert now is not None
+    for row in finished:
+        index = minutes - 1 - int((now - row.minute).total_seconds() // 60)
+        if not 0 <= index < minutes:
+            continue
+        entry = summary(row.queue)
+        if row.status == "failed":
+            entry.failed[index] += int(row.jobs)
+        elif row.status == "done":
+            entry.done[index] += int(row.jobs)
+    return [summaries[name] for name in sorted(summaries)]
+
+
+@dataclass(frozen=True)
+class LeaseOwner:
+    """A worker holding running jobs: its name (the lease owner of its executors, without
+    their ``/N``), how many executors and jobs, the earliest and latest lease expiry
+    among them, and (when the lease length is known) its last heartbeat."""
+
+    owner: str | None
+    executors: int
+    jobs: int
+    oldest_lease: datetime | None
+    latest_lease: datetime | None
+    last_heartbeat: datetime | None
+    expired: bool
+
+
+_EXECUTOR = re.compile(r"^(?P<worker>.+)/\d+$")
+
+
+def lease_owners(engine: Engine, model: Any, *, lease: float | None = None) -> list[LeaseOwner]:
+    """The workers of ``model``'s running jobs (:func:`sqla_queue.sql.lease_owners`, the
+    executors of one worker taken together).
+
+    A heartbeat sets every lease it extends to *now + lease*, so with the workers'
+    ``lease`` (seconds) the latest expiry gives the last heartbeat; ``expired`` says a
+    lease ran out (the worker stopped heartbeating; the sweeper will return its jobs).
+    """
+    with engine.connect() as conn:
+        now = conn.scalar(select(func.now()))
+        rows = conn.execute(q.lease_owners(model)).all()
+    grouped: dict[str | None, list[Any]] = {}
+    for row in rows:
+        match = _EXECUTOR.match(row.lease_owner or "")
+        grouped.setdefault(match["worker"] if match else row.lease_owner, []).append(row)
+    owners = []
+    for owner, group in grouped.items():
+        oldest = min((r.oldest_lease for r in group if r.oldest_lease is not None), default=None)
+        latest = max((r.latest_lease for r in group if r.latest_lease is not None), default=None)
+        heartbeat = latest - timedelta(seconds=lease) if lease and latest is not None else None
+        expired = oldest is not None and now is not None and oldest < now
+        owners.append(
+            LeaseOwner(owner, len(group), sum(int(r.jobs) for r in group), oldest, latest, heartbeat, expired)
+        )
+    return owners
+
+
+def _cell(value: Any, width: int | None = None) -> str:
+    if value is None:
+        text_ = "-"
+    elif isinstance(value, datetime):
+        text_ = value.isoformat(sep=" ", timespec="seconds")
+    elif isinstance(value, Mapping | list):
+        text_ = json.dumps(value, default=str, ensure_ascii=False)
+    else:
+        text_ = str(value)
+    text_ = " ".join(text_.split())  # one line per job
+    if width is not None and len(text_) > width:
+        text_ = text_[: width - 1] + "…"
+    return text_
+
+
+def format_jobs(model: Any, page: JobPage) -> str:
+    """A page of jobs as a text table (id, queue, status, task, attempts, run after,
+    error's first line), with the option that shows the next page."""
+    if not page.rows:
+        return "(no jobs)"
+    qt = queue_table(model)
+    task = ["task"] if "task" in qt.c else []
+    names = [qt.pk.name, "queue", "status", *task, "attempts", "run_after", "last_error"]
+    table = [tuple(names)]
+    for row in page.rows:
+        values = row._mapping
+        cells = []
+        for name in names:
+            value = values[name]
+            if name == "attempts":
+                cells.append(f"{value}/{values['max_attempts']}")
+            elif name == "last_error":
+                first = (value or "").strip().splitlines()
+                cells.append(_cell(first[-1] if first else None, 60))
+            else:
+                cells.append(_cell(value, 40))
+        table.append(tuple(cells))
+    widths = [max(len(row[i]) for row in table) for i in range(len(names))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    if page.next_before is not None:
+        lines.append(f"(more: --before {page.next_before})")
+    return "\n".join(lines)
+
+
+def format_job(row: Row[Any]) -> str:
+    """Every column of one job, one per line; ``last_error`` in full, below the rest."""
+    values = dict(row._mapping)
+    error = values.pop("last_error", None)
+    width = max(len(name) for name in values) if values else 0
+    lines = []
+    for name, value in values.items():
+        if isinstance(value, Mapping | list):
+            shown = json.dumps(value, default=str, ensure_ascii=False, indent=2).replace("\n", "\n" + " " * (width + 2))
+        elif isinstance(value, datetime):
+            shown = value.isoformat(sep=" ")
+        else:
+            shown = "-" if value is None else str(value)
+        lines.append(f"{name.ljust(width)}  {shown}")
+    lines.append("last_error:" if error is not None else "last_error: -")
+    if error is not None:
+        lines.append(str(error))
+    return "\n".join(lines)

@@ -28,6 +28,7 @@ from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 from . import admin
 from ._rules import check_queue
 from .errors import SqlaQueueError
+from .model import JobStatus
 from .urls import psycopg_url
 
 T = TypeVar("T")
@@ -131,6 +132,13 @@ def _worker_from(target: Any) -> Any:
 
 def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """The engine (an ``AsyncEngine`` for an AsyncWorker target) and the queue model."""
+    engine, model, _ = _resolve_target(args.target, args.url)
+    return engine, model
+
+
+def _resolve_target(spec: str, url: URL | None) -> tuple[Any, Any, Any]:
+    """``(engine, model, worker)`` of a TARGET: a model (with ``url`` or DATABASE_URL;
+    worker None), a Worker or AsyncWorker, or a function returning one (called once)."""
     from sqlalchemy import create_engine
 
     from .errors import NotAQueueModel
@@ -138,9 +146,8 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
     from .worker import Worker
     from .worker.aio import AsyncWorker
 
-    target = load_target(args.target)
+    target = load_target(spec)
     if isinstance(target, type):
-        url = args.url
         if url is None:
             raw = os.environ.get("DATABASE_URL")
             if not raw:
@@ -153,9 +160,9 @@ def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
             queue_table(target)
         except NotAQueueModel as exc:
             raise CommandError(str(exc)) from None
-        return create_engine(url), target
+        return create_engine(url), target, None
     worker = target if isinstance(target, Worker | AsyncWorker) else _worker_from(target)
-    return worker.engine, worker.model
+    return worker.engine, worker.model, worker
 
 
 # -- argument types: a bad value is a usage error naming its option, never a traceback ------
@@ -221,6 +228,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is between 0 and 65535, got {value}")
+    return value
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def queue_name(text: str) -> str:
@@ -382,12 +405,49 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _filters(args: argparse.Namespace, model: Any, *, ids: bool = True) -> admin.JobFilters:
+    """The filter options given, as :class:`~sqla_queue.admin.JobFilters`; bad ids are a
+    usage error naming the option."""
+    try:
+        parsed = tuple(admin.parse_job_id(model, value) for value in (getattr(args, "id", None) or ())) if ids else ()
+    except ValueError as exc:
+        raise CommandError(f"argument --id: {exc}") from None
+    return admin.JobFilters(
+        queues=tuple(args.queue or ()),
+        statuses=tuple(getattr(args, "status", None) or ()),
+        tasks=tuple(getattr(args, "task", None) or ()),
+        error_contains=getattr(args, "error", None),
+        ids=parsed,
+    )
+
+
+def _with_filters(
+    args: argparse.Namespace, command: Callable[[Engine, Any, admin.JobFilters], T]
+) -> Callable[[Engine, Any], T]:
+    """``command(engine, model, filters)``, the filters read once the model is known (it
+    gives the type of ``--id``); a filter the table cannot take is a usage error."""
+
+    def run(engine: Engine, model: Any) -> T:
+        filters = _filters(args, model)
+        try:
+            return command(engine, model, filters)
+        except (TypeError, ValueError) as exc:  # e.g. --task on a table without a task column
+            raise CommandError(str(exc)) from None
+
+    return run
+
+
 def cmd_requeue(args: argparse.Namespace) -> int:
     statuses = args.status or ["failed"]
-    count = _on_admin_target(
-        args,
-        lambda engine, model: admin.requeue(engine, model, ids=args.id, queues=args.queue, statuses=statuses),
-    )
+
+    def requeue(engine: Engine, model: Any, filters: admin.JobFilters) -> int:
+        kwargs = filters.builder_kwargs()
+        return admin.requeue(
+            engine, model, ids=kwargs["ids"], queues=kwargs["queues"], tasks=kwargs["tasks"],
+            error_contains=kwargs["error_contains"], statuses=statuses,
+        )
+
+    count = _on_admin_target(args, _with_filters(args, requeue))
     what = " or ".join(statuses) if args.status else "dead-lettered"
     print(f"requeued {count} {what} job(s)")
     return 0
@@ -395,12 +455,103 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     if not args.id and not args.queue:
-        raise SystemExit("sqla-queue cancel: give --id or --queue (it never cancels every job by default)")
-    cancelled = _on_admin_target(
-        args, lambda engine, model: admin.cancel(engine, model, ids=args.id, queues=args.queue)
-    )
+        raise CommandError("give --id or --queue (it never cancels every job by default)")
+
+    def cancel(engine: Engine, model: Any, filters: admin.JobFilters) -> list[Any]:
+        return admin.cancel(engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None)
+
+    cancelled = _on_admin_target(args, _with_filters(args, cancel))
     print(f"cancelled {len(cancelled)} job(s)")
     return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    def jobs(engine: Engine, model: Any, filters: admin.JobFilters) -> str:
+        before = None
+        if args.before is not None:
+            try:
+                before = admin.parse_job_id(model, args.before)
+            except ValueError as exc:
+                raise CommandError(f"argument --before: {exc}") from None
+        page = admin.list_jobs(engine, model, filters, before=before, limit=args.limit)
+        return admin.format_jobs(model, page)
+
+    print(_on_admin_target(args, _with_filters(args, jobs)))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    def show(engine: Engine, model: Any) -> str | None:
+        try:
+            job_id = admin.parse_job_id(model, args.job_id)
+        except ValueError as exc:
+            raise CommandError(f"argument ID: {exc}") from None
+        row = admin.get_job(engine, model, job_id)
+        return None if row is None else admin.format_job(row)
+
+    shown = _on_admin_target(args, show)
+    if shown is None:
+        print(f"sqla-queue: no job {args.job_id}", file=sys.stderr)
+        return 1
+    print(shown)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    def delete(engine: Engine, model: Any, filters: admin.JobFilters) -> int:
+        if filters.empty:
+            raise CommandError("name the jobs to delete: --id, or at least one of --queue, --status, --task, --error")
+        return admin.delete_jobs(engine, model, filters, limit=args.limit)
+
+    count = _on_admin_target(args, _with_filters(args, delete))
+    print(f"deleted {count} job(s)")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import serve
+
+    engine, models, lease = _dashboard_targets(args)
+    if args.lease is not None:
+        lease = args.lease
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"sqla-queue: warning: the dashboard has no login of its own and now listens on {args.host}: "
+            "put it behind your authentication (or mount dashboard_blueprint in your app with auth=)",
+            file=sys.stderr,
+        )
+    try:
+        for model in models:
+            admin.check_table(engine, model)
+        serve(engine, models, host=args.host, port=args.port, read_only=args.read_only, lease=lease)
+    finally:
+        engine.dispose()
+    return 0
+
+
+def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], float | None]:
+    """One synchronous engine (the first target's; an AsyncWorker's URL is reached with
+    psycopg's synchronous side) and every target's model, with the workers' lease when
+    they all have the same."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    engine: Any = None
+    models: list[Any] = []
+    leases: set[float] = set()
+    for spec in args.target:
+        target_engine, model, worker = _resolve_target(spec, args.url)
+        if worker is not None:
+            leases.add(float(worker.config.lease))
+        if engine is None:
+            engine = target_engine
+        elif target_engine is not engine:  # not connected yet: nothing to close but the pool
+            (target_engine.sync_engine if isinstance(target_engine, AsyncEngine) else target_engine).dispose()
+        if model not in models:
+            models.append(model)
+    if isinstance(engine, AsyncEngine):
+        engine = create_engine(engine.url.set(drivername="postgresql+psycopg"))
+    return engine, models, (leases.pop() if len(leases) == 1 else None)
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -478,9 +629,17 @@ def build_parser() -> argparse.ArgumentParser:
     stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age")
     stats.set_defaults(func=cmd_stats)
 
+    def filters(sub: argparse.ArgumentParser, *, statuses: Sequence[str] | None, ids: bool = True) -> None:
+        if ids:
+            sub.add_argument("--id", action="append", metavar="ID", help="only this job (repeatable)")
+        sub.add_argument("--queue", type=queue_name, action="append", help="only this queue (repeatable)")
+        if statuses:
+            sub.add_argument("--status", action="append", choices=statuses, help="only this status (repeatable)")
+        sub.add_argument("--task", action="append", help="only this task, on a task table (repeatable)")
+        sub.add_argument("--error", metavar="TEXT", type=_nonempty, help="only jobs whose last_error contains TEXT")
+
     requeue = admin("requeue", "give dead-lettered jobs a fresh set of attempts")
-    requeue.add_argument("--id", type=int, action="append", help="only this job (repeatable)")
-    requeue.add_argument("--queue", type=queue_name, action="append", help="only this queue (repeatable)")
+    filters(requeue, statuses=None)
     requeue.add_argument(
         "--status", action="append", choices=["failed", "cancelled"],
         help="requeue jobs in this state (repeatable; default failed)",
@@ -488,11 +647,43 @@ def build_parser() -> argparse.ArgumentParser:
     requeue.set_defaults(func=cmd_requeue)
 
     cancel = admin("cancel", "cancel pending and running jobs (their attempts can no longer complete)")
-    cancel.add_argument("--id", type=int, action="append", help="this job (repeatable)")
+    cancel.add_argument("--id", action="append", metavar="ID", help="this job (repeatable)")
     cancel.add_argument(
         "--queue", type=queue_name, action="append", help="every unfinished job of this queue (repeatable)"
     )
     cancel.set_defaults(func=cmd_cancel)
+
+    jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
+    filters(jobs, statuses=[s.value for s in JobStatus], ids=False)
+    jobs.add_argument("--limit", type=positive_int, default=50, help="jobs per page (default 50)")
+    jobs.add_argument("--before", metavar="ID", help="the page after this job id (printed under a full page)")
+    jobs.set_defaults(func=cmd_jobs)
+
+    show = admin("show", "every column of one job, and its full last_error")
+    show.add_argument("job_id", metavar="ID", help="the job's id")
+    show.set_defaults(func=cmd_show)
+
+    delete = admin("delete", "delete jobs by id or filter (never running ones)")
+    filters(delete, statuses=[s.value for s in JobStatus if s is not JobStatus.RUNNING])
+    delete.add_argument("--limit", type=positive_int, default=10_000, help="rows per statement")
+    delete.set_defaults(func=cmd_delete)
+
+    dashboard = _subcommand(subparsers, "dashboard", "serve the web dashboard (127.0.0.1 unless --host)")
+    dashboard.add_argument(
+        "target", nargs="+", help="module:attr of a Worker or AsyncWorker (or factory), or of a queue model"
+    )
+    dashboard.add_argument(
+        "--url", type=database_url, help="database URL when TARGET is a model (default: DATABASE_URL)"
+    )
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    dashboard.add_argument("--port", type=port_number, default=8787, help="port (default 8787; 0: any free port)")
+    dashboard.add_argument("--read-only", action="store_true", help="refuse every action (requeue, cancel, delete)")
+    dashboard.add_argument(
+        "--lease",
+        type=positive_seconds,
+        help="the workers' lease, to show their last heartbeat (default: the targets' own)",
+    )
+    dashboard.set_defaults(func=cmd_dashboard)
 
     prune = admin("prune", "delete finished jobs older than a cutoff")
     prune.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")

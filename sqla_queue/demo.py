@@ -263,7 +263,7 @@ class Tour:
             ).one()
             twice = conn.scalar(select(func.count()).where(DemoOrder.confirmations > 1))
             unconfirmed = conn.scalar(select(func.count()).where(DemoOrder.confirmations == 0))
-            picked = dict(conn.execute(select(DemoOrder.id, DemoOrder.picked_at)).all())
+            picked = {row.id: row.picked_at for row in conn.execute(select(DemoOrder.id, DemoOrder.picked_at))}
             dead_reason = conn.scalar(select(t.last_error).where(t.status == "failed").limit(1)) or ""
         latencies = sorted(
             (at - committed) * 1000

@@ -24,7 +24,7 @@ methods SQLAlchemy knows; ``init_app`` also gives that object ``enqueue`` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -41,15 +41,16 @@ from ._rules import check_queue
 from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
 from .cli import LOG_FORMAT, check_database, parse_duration, worker_overrides
 from .driver import WorkerStartError
-from .model import queue_table
+from .model import JobStatus, queue_table
 from .options import EnqueueKwargs
 from .session import enqueue
 from .tasks import Handler, Tasks
-from .worker import Worker
+from .worker import Worker, WorkerConfig
 
 __all__ = ["FlaskQueue"]
 
 J = TypeVar("J")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass
@@ -108,6 +109,23 @@ class FlaskQueue:
             raise RuntimeError("FlaskQueue is not initialised: call init_app(app, db) first")
         session: Session = self.db.session()
         return session
+
+    def dashboard(self, *, auth: Any, read_only: bool = False, name: str = "sqla_queue_dashboard") -> Any:
+        """The web dashboard over the registered workers' tables, as a blueprint to
+        register (``app.register_blueprint(queue.dashboard(auth=...), url_prefix=
+        "/queue")``); see :func:`sqla_queue.dashboard.dashboard_blueprint`. Needs the
+        ``dashboard`` extra and ``app.secret_key``."""
+        from .dashboard import dashboard_blueprint
+
+        models = list(dict.fromkeys(registration.model for registration in self._workers.values()))
+        if not models:
+            raise RuntimeError("register a worker (add_worker) before building the dashboard")
+        leases = {float(reg.options.get("lease", WorkerConfig.lease)) for reg in self._workers.values()}
+        db = self.db
+        return dashboard_blueprint(
+            lambda: db.engine, models, auth=auth, read_only=read_only, name=name,
+            lease=leases.pop() if len(leases) == 1 else None,
+        )
 
     @property
     def worker_names(self) -> list[str]:
@@ -242,32 +260,135 @@ def _stats_command(name: str | None) -> None:
     click.echo(admin.format_stats(*_engine_and_model(name)))
 
 
+def _filter_options(*, statuses: list[str] | None, ids: bool = True) -> Callable[[F], F]:
+    """The inspection filters of ``sqla-queue jobs|requeue|delete``, as click options."""
+
+    def decorate(command: F) -> F:
+        options = [
+            click.option("--error", "error", help="only jobs whose last_error contains TEXT", metavar="TEXT"),
+            click.option("--task", "tasks", multiple=True, help="only this task, on a task table (repeatable)"),
+        ]
+        if statuses:
+            options.append(
+                click.option("--status", "statuses", multiple=True, type=click.Choice(statuses),
+                             help="only this status (repeatable)")
+            )
+        options.append(
+            click.option("--queue", "queues", multiple=True, callback=_queue_names, help="only this queue (repeatable)")
+        )
+        if ids:
+            options.append(click.option("--id", "ids", multiple=True, help="only this job (repeatable)"))
+        for option in options:
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def _filters(model: Any, *, ids: tuple[str, ...] = (), queues: tuple[str, ...] = (), statuses: tuple[str, ...] = (),
+             tasks: tuple[str, ...] = (), error: str | None = None) -> admin.JobFilters:
+    try:
+        parsed = tuple(admin.parse_job_id(model, value) for value in ids)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--id") from None
+    if error == "":
+        raise click.BadParameter("must not be empty", param_hint="--error")
+    return admin.JobFilters(queues=queues, statuses=statuses, tasks=tasks, error_contains=error, ids=parsed)
+
+
+def _usage(run: Any) -> Any:
+    """``run()``, a filter the table cannot take (``--task`` on a typed table) a usage error."""
+    try:
+        return run()
+    except (TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+_STATUSES = [s.value for s in JobStatus]
+
+
 @_queue_commands.command("requeue")
 @_name
-@click.option("--id", "ids", type=int, multiple=True, help="only this job (repeatable)")
-@click.option("--queue", "queues", multiple=True, help="only this queue (repeatable)")
+@_filter_options(statuses=None)
 @click.option("--status", "statuses", multiple=True, type=click.Choice(["failed", "cancelled"]),
               help="requeue jobs in this state (repeatable; default failed)")
 def _requeue_command(
-    name: str | None, ids: tuple[int, ...], queues: tuple[str, ...], statuses: tuple[str, ...]
+    name: str | None, ids: tuple[str, ...], queues: tuple[str, ...], tasks: tuple[str, ...], error: str | None,
+    statuses: tuple[str, ...],
 ) -> None:
     """Give dead-lettered (or cancelled) jobs a fresh set of attempts."""
-    count = admin.requeue(*_engine_and_model(name), ids=ids or None, queues=queues, statuses=statuses or ("failed",))
+    engine, model = _engine_and_model(name)
+    filters = _filters(model, ids=ids, queues=queues, tasks=tasks, error=error).builder_kwargs()
+    count = _usage(lambda: admin.requeue(
+        engine, model, ids=filters["ids"], queues=filters["queues"], tasks=filters["tasks"],
+        error_contains=filters["error_contains"], statuses=statuses or ("failed",),
+    ))
     what = " or ".join(statuses) if statuses else "dead-lettered"
     click.echo(f"requeued {count} {what} job(s)")
 
 
 @_queue_commands.command("cancel")
 @_name
-@click.option("--id", "ids", type=int, multiple=True, help="this job (repeatable)")
+@click.option("--id", "ids", multiple=True, help="this job (repeatable)")
 @click.option("--queue", "queues", multiple=True, callback=_queue_names,
               help="every unfinished job of this queue (repeatable)")
-def _cancel_command(name: str | None, ids: tuple[int, ...], queues: tuple[str, ...]) -> None:
+def _cancel_command(name: str | None, ids: tuple[str, ...], queues: tuple[str, ...]) -> None:
     """Cancel pending and running jobs: their attempts can no longer complete."""
     if not ids and not queues:
         raise click.UsageError("give --id or --queue (it never cancels every job by default)")
-    cancelled = admin.cancel(*_engine_and_model(name), ids=ids or None, queues=queues or None)
+    engine, model = _engine_and_model(name)
+    filters = _filters(model, ids=ids, queues=queues)
+    cancelled = _usage(lambda: admin.cancel(
+        engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None
+    ))
     click.echo(f"cancelled {len(cancelled)} job(s)")
+
+
+@_queue_commands.command("jobs")
+@_name
+@_filter_options(statuses=_STATUSES, ids=False)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="jobs per page")
+@click.option("--before", metavar="ID", help="the page after this job id (printed under a full page)")
+def _jobs_command(name: str | None, limit: int, before: str | None, **options: Any) -> None:
+    """List jobs, newest first, by queue, status, task or error text."""
+    engine, model = _engine_and_model(name)
+    filters = _filters(model, **options)
+    try:
+        after = admin.parse_job_id(model, before) if before is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--before") from None
+    page = _usage(lambda: admin.list_jobs(engine, model, filters, before=after, limit=limit))
+    click.echo(admin.format_jobs(model, page))
+
+
+@_queue_commands.command("show")
+@click.argument("job_id", metavar="ID")
+@click.option("--table", "name", help="the registered worker (table) the job is in, if there are several")
+def _show_command(job_id: str, name: str | None) -> None:
+    """Every column of one job, and its full last_error."""
+    engine, model = _engine_and_model(name)
+    try:
+        key = admin.parse_job_id(model, job_id)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="ID") from None
+    row = admin.get_job(engine, model, key)
+    if row is None:
+        raise click.ClickException(f"no job {job_id}")
+    click.echo(admin.format_job(row))
+
+
+@_queue_commands.command("delete")
+@_name
+@_filter_options(statuses=[s for s in _STATUSES if s != JobStatus.RUNNING.value])
+@click.option("--limit", type=click.IntRange(min=1), default=10_000, show_default=True, help="rows per statement")
+def _delete_command(name: str | None, limit: int, **options: Any) -> None:
+    """Delete jobs by id or filter (never running ones)."""
+    engine, model = _engine_and_model(name)
+    filters = _filters(model, **options)
+    if filters.empty:
+        raise click.UsageError("name the jobs to delete: --id, or at least one of --queue, --status, --task, --error")
+    count = _usage(lambda: admin.delete_jobs(engine, model, filters, limit=limit))
+    click.echo(f"deleted {count} job(s)")
 
 
 @_queue_commands.command("prune")

@@ -59,7 +59,7 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, array
-from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
+from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
 from .model import FINISHED_STATUSES, TIMEOUT_COLUMNS, JobStatus, QueueTable, queue_table, status_literal
@@ -78,14 +78,20 @@ __all__ = [
     "complete_many_if_owner_then_claim",
     "complete_template",
     "delay_from_insert",
+    "delete_jobs",
     "extend_leases_if_owner",
     "extend_unlocked_leases_if_owner",
     "fail_if_owner",
     "fail_many_if_owner",
     "fail_unclaimable",
+    "finished_per_minute",
+    "get_job",
     "has_timeouts",
     "is_solitary",
     "isolated_waiting",
+    "job_filter",
+    "lease_owners",
+    "list_jobs",
     "next_run_after",
     "owned_tokens",
     "prune_finished",
@@ -618,12 +624,15 @@ def requeue_failed(
     ids: Iterable[Any] | None = None,
     queues: Sequence[str] | None = None,
     delay: Duration = 0,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
     statuses: Sequence[JobStatus | str] = (FAILED,),
 ) -> ReturningUpdate[Any]:
     """Give dead-lettered (``failed``) jobs a fresh set of attempts.
 
     ``last_error`` is kept for the record. ``ids=None`` requeues every failed job (of
-    ``queues``); an empty ``ids`` requeues none. ``delay`` counts from the update.
+    ``queues``, ``tasks``, with ``error_contains`` in ``last_error``: the filters of
+    :func:`list_jobs`); an empty ``ids`` requeues none. ``delay`` counts from the update.
     ``statuses``: the finished states to requeue, ``failed`` and/or ``cancelled``.
     """
     qt = queue_table(model)
@@ -633,9 +642,10 @@ def requeue_failed(
     status: ColumnElement[bool] = (
         _status(qt, wanted[0]) if len(wanted) == 1 else qt.c.status.in_([status_literal(s) for s in wanted])
     )
-    conditions = [status, *_queue_filter(qt, queues)]
-    if ids is not None:
-        conditions.append(_pk_in(qt, ids))
+    conditions = [
+        status,
+        *_job_filter(qt, ids=ids, queues=queues, tasks=tasks, error_contains=error_contains),
+    ]
     return (
         qt.table.update()
         .where(*conditions)
@@ -694,6 +704,201 @@ def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[
         .where(_status(qt, PENDING), _pk_in(qt, ids))
         .values(status=status_literal(CANCELLED), finished_at=_clock())
         .returning(qt.pk)
+    )
+
+
+def _statuses(statuses: Sequence[JobStatus | str] | None) -> list[JobStatus] | None:
+    if statuses is None:
+        return None
+    if isinstance(statuses, str):
+        raise TypeError("statuses must be a sequence of statuses, not a single string")
+    try:
+        wanted = list(dict.fromkeys(JobStatus(s) for s in statuses))
+    except ValueError:
+        raise ValueError(
+            f"unknown status in {list(statuses)!r} (one of {', '.join(s.value for s in JobStatus)})"
+        ) from None
+    if not wanted:
+        raise ValueError("statuses must name at least one status (or be None for all)")
+    return wanted
+
+
+def job_filter(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+) -> list[ColumnElement[bool]]:
+    """The WHERE conditions of the inspection filters, to compose into a statement of
+    your own: ``select(Model).where(*job_filter(Model, statuses=["failed"]))``.
+
+    ``None`` leaves a filter out; a list keeps jobs matching any of its values;
+    ``error_contains`` matches ``last_error`` case-insensitively, ``%`` and ``_`` taken
+    literally. ``tasks`` needs a task table (:class:`~sqla_queue.TaskMixin`). Statuses
+    are inline literals, so the partial indexes of ``pending`` and ``running`` jobs serve.
+    """
+    return _job_filter(
+        queue_table(model), ids=ids, queues=queues, statuses=statuses, tasks=tasks, error_contains=error_contains
+    )
+
+
+def _job_filter(
+    qt: QueueTable,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+) -> list[ColumnElement[bool]]:
+    c = qt.c
+    conditions: list[ColumnElement[bool]] = []
+    if ids is not None:
+        conditions.append(_pk_in(qt, ids))
+    conditions.extend(_queue_filter(qt, queues))
+    wanted = _statuses(statuses)
+    if wanted is not None:
+        column: ColumnElement[str] = c.status
+        literals = [status_literal(s) for s in wanted]
+        conditions.append(column == literals[0] if len(literals) == 1 else column.in_(literals))
+    if tasks is not None:
+        if "task" not in c:
+            raise ValueError(f"table {qt.table.fullname!r} has no task column: filter by task on a task table")
+        if isinstance(tasks, str):
+            raise TypeError("tasks must be a sequence of task names, not a single string")
+        names = list(dict.fromkeys(tasks))
+        if not names:
+            raise ValueError("tasks must name at least one task (or be None for all)")
+        task: ColumnElement[str] = c.task
+        conditions.append(
+            task == names[0] if len(names) == 1
+            else task == any_(bindparam("tasks", names, type_=ARRAY(c.task.type), unique=True))
+        )
+    if error_contains is not None:
+        if not error_contains:
+            raise ValueError("error_contains must not be empty (or be None for any error)")
+        error: ColumnElement[str] = c.last_error
+        conditions.append(error.icontains(error_contains, autoescape=True))
+    conditions.extend(_kind_filter(qt))
+    return conditions
+
+
+def list_jobs(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+    before: Any = None,
+    limit: int = 50,
+) -> Select[Any]:
+    """A page of jobs, every column, newest key first: the filters of :func:`job_filter`.
+
+    Keyset pagination: pass the key of the last row of a page as ``before`` to get the
+    next. The primary key's index is read backwards from there and stops after ``limit``
+    matching rows, so a page costs the same on the millionth row as on the first (no
+    ``OFFSET``); only a filter that few rows match reads far.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
+    qt = queue_table(model)
+    conditions = _job_filter(
+        qt, ids=ids, queues=queues, statuses=statuses, tasks=tasks, error_contains=error_contains
+    )
+    if before is not None:
+        conditions.append(qt.pk < bindparam("before", before, type_=qt.pk.type))
+    return select(qt.table).where(*conditions).order_by(qt.pk.desc()).limit(limit)
+
+
+def get_job(model: QueueModel, job_id: Any) -> Select[Any]:
+    """One job, every column (the user's own too), by key."""
+    qt = queue_table(model)
+    return select(qt.table).where(qt.pk == bindparam("job_id", job_id, type_=qt.pk.type))
+
+
+#: The statuses :func:`delete_jobs` may delete: all but ``running``.
+DELETABLE_STATUSES: Final = (PENDING, DONE, FAILED, CANCELLED)
+
+
+def delete_jobs(
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+    limit: int = 10_000,
+) -> ReturningDelete[Any]:
+    """Delete up to ``limit`` jobs matching the filters of :func:`job_filter`; returns
+    their keys. Never a ``running`` job (its worker holds it: cancel it, or let it end),
+    and rows another transaction holds are skipped, not waited for; run it until it
+    returns fewer than ``limit`` rows. ``statuses=None`` means every deletable status.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
+    wanted = _statuses(statuses)
+    if wanted is None:
+        wanted = list(DELETABLE_STATUSES)
+    if RUNNING in wanted:
+        raise ValueError("running jobs cannot be deleted: their worker holds them (cancel them first)")
+    qt = queue_table(model)
+    doomed = (
+        select(qt.pk)
+        .where(
+            *_job_filter(qt, ids=ids, queues=queues, statuses=wanted, tasks=tasks, error_contains=error_contains)
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery())).returning(qt.pk)
+
+
+def finished_per_minute(model: QueueModel, *, minutes: int = 60) -> Select[Any]:
+    """``(queue, minute, status, jobs)``: jobs that finished (``done``, ``failed``,
+    ``cancelled``) in each of the last ``minutes`` minutes, by queue; the throughput and
+    failure chart of the dashboard. Minutes without a finished job have no row."""
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or minutes < 1:
+        raise ValueError(f"minutes must be an integer of at least 1, got {minutes!r}")
+    qt = queue_table(model)
+    c = qt.c
+    minute = func.date_trunc("minute", c.finished_at, type_=DateTime(timezone=True)).label("minute")
+    return (
+        select(c.queue, minute, c.status, func.count().label("jobs"))
+        .where(
+            c.status.in_([status_literal(s) for s in FINISHED_STATUSES]),
+            c.finished_at >= func.date_trunc("minute", func.now()) - seconds_interval((minutes - 1) * 60.0),
+            *_kind_filter(qt),
+        )
+        .group_by(c.queue, minute, c.status)
+        .order_by(c.queue, minute, c.status)
+    )
+
+
+def lease_owners(model: QueueModel) -> Select[Any]:
+    """``(lease_owner, jobs, oldest_lease, latest_lease)``: each worker name holding
+    running jobs, how many, and the earliest and latest ``lease_expires_at`` among them.
+    Every heartbeat pushes the leases it holds forward, so the latest expiry minus the
+    worker's lease is its last heartbeat; an oldest lease in the past is a worker that
+    stopped heartbeating (the sweeper will return its jobs). Served by the partial index
+    of running jobs' leases."""
+    qt = queue_table(model)
+    c = qt.c
+    return (
+        select(
+            c.lease_owner,
+            func.count().label("jobs"),
+            func.min(c.lease_expires_at).label("oldest_lease"),
+            func.max(c.lease_expires_at).label("latest_lease"),
+        )
+        .where(_status(qt, RUNNING), *_kind_filter(qt))
+        .group_by(c.lease_owner)
+        .order_by(c.lease_owner)
     )
 
 

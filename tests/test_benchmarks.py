@@ -112,3 +112,24 @@ def test_quick_peers_run_prints_every_peer(server: Server) -> None:
     for line in table[1:]:
         assert len(line.split(" | ")) == 5, line
     assert "skipped" not in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quick_dashboard_page_run_prints_every_query(server: Server) -> None:
+    """``benchmarks/dashboard_page.py --quick``: 10,000 jobs, each query of the job list
+    timed; every page query returns its rows (a full page but for the text search)."""
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("dashboard_page.py")), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == ["| query", "rows", "median ms |"], result.stdout
+    names = [row[0].removeprefix("| ") for row in rows[1:]]
+    assert names[0] == "newest page" and names[-1] == "overview (counts and last hour)" and len(names) == 8
+    for row in rows[1:-2]:
+        assert row[1] in ("49", "50"), row  # a page of 50 (49 half-way down the failed ones of 10,000)

@@ -98,7 +98,8 @@ def test_console_script_help_lists_the_commands() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sqla_queue.cli", "--help"], capture_output=True, text=True, cwd=REPO, check=True
     )
-    for command in ("worker", "sweep", "stats", "requeue", "cancel", "prune", "alembic"):
+    for command in ("worker", "sweep", "stats", "requeue", "cancel", "prune", "jobs", "show", "delete", "dashboard",
+                    "alembic"):
         assert command in result.stdout
 
 
@@ -198,7 +199,7 @@ def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 def test_help_is_plain_text() -> None:
     parsers = _parsers(build_parser())
-    assert len(parsers) == 9  # the main parser, its seven commands, alembic init
+    assert len(parsers) == 13  # the main parser, its eleven commands, alembic init
     for parser in parsers:
         text = parser.format_help()
         for markup in ("``", ":class:", ":func:", ":mod:", ":meth:"):

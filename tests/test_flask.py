@@ -267,3 +267,69 @@ def test_flask_queue_cancel_and_requeue_cancelled(app: Any) -> None:
     assert worker.exit_code == 0, worker.output
     with app.app_context():
         assert shop.db.session.scalar(select(shop.ConfirmationEmail.status)) == "done"
+
+
+def test_flask_queue_inspection_commands(app: Any) -> None:
+    """``flask queue jobs|show|requeue|delete``: the filters of ``sqla-queue``, one value and several."""
+    client = app.test_client()
+    for email in ("a@example.com", "b@undeliverable.example", "c@undeliverable.example"):
+        assert client.post("/orders", json={"product_id": 1, "quantity": 1, "email": email}).status_code == 201
+    runner = app.test_cli_runner()
+    assert runner.invoke(args=["queue", "worker", "--until-idle", "--concurrency", "1"]).exit_code == 0
+    with app.app_context():
+        jobs = {j.to: j.id for j in shop.db.session.scalars(select(shop.ConfirmationEmail))}
+
+    def ids(*args: str) -> list[int]:
+        result = runner.invoke(args=["queue", "jobs", *args])
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        return [] if lines == ["(no jobs)"] else [int(line.split()[0]) for line in lines[2:]
+                                                  if not line.startswith("(more")]
+
+    a, b, c = jobs["a@example.com"], jobs["b@undeliverable.example"], jobs["c@undeliverable.example"]
+    assert ids() == [c, b, a]
+    assert ids("--status", "failed") == [c, b]
+    assert ids("--status", "failed", "--status", "done") == [c, b, a]
+    assert ids("--queue", "default") == [c, b, a]
+    assert ids("--queue", "default", "--queue", "other", "--error", "C@UNDELIVERABLE") == [c]
+    paged = runner.invoke(args=["queue", "jobs", "--limit", "1"])
+    assert f"(more: --before {c})" in paged.output
+    assert ids("--limit", "1", "--before", str(c)) == [b]
+
+    show = runner.invoke(args=["queue", "show", str(b)])
+    assert show.exit_code == 0 and "b@undeliverable.example" in show.output
+    assert "Undeliverable: mail server refused b@undeliverable.example" in show.output
+    assert runner.invoke(args=["queue", "show", "424242"]).exit_code != 0
+    assert "not a job id" in runner.invoke(args=["queue", "show", "x"]).output
+
+    requeue = runner.invoke(args=["queue", "requeue", "--error", "c@undeliverable"])
+    assert requeue.exit_code == 0 and "requeued 1" in requeue.output
+    requeue = runner.invoke(args=["queue", "requeue", "--id", str(a), "--id", str(b)])
+    assert "requeued 1" in requeue.output  # a is done, not a dead letter
+    assert "no task column" in runner.invoke(args=["queue", "requeue", "--task", "x"]).output
+    delete = runner.invoke(args=["queue", "delete"])
+    assert delete.exit_code != 0 and "name the jobs to delete" in delete.output
+    delete = runner.invoke(args=["queue", "delete", "--status", "done", "--status", "pending", "--queue", "default"])
+    assert delete.exit_code == 0 and "deleted 3 job(s)" in delete.output
+    assert ids() == []
+
+
+def test_flask_queue_dashboard_is_a_blueprint_behind_the_apps_auth(app: Any) -> None:
+    app.secret_key = "test"
+    allowed = {"yes": False}
+    app.register_blueprint(shop.queue.dashboard(auth=lambda: allowed["yes"]), url_prefix="/queue")
+    client = app.test_client()
+    assert client.post("/orders", json={"product_id": 1, "quantity": 1, "email": "a@x.example"}).status_code == 201
+    assert client.get("/queue/").status_code == 403
+    allowed["yes"] = True
+    page = client.get("/queue/confirmation_email/jobs").get_data(as_text=True)
+    assert 'data-id="1"' in page
+    detail = client.get("/queue/confirmation_email/job/1").get_data(as_text=True)
+    assert "a@x.example" in detail and "<dt>order_id</dt>" in detail
+    token = re.search(r'name="csrf_token" value="([^"]+)"', page)
+    assert token
+    cancel = client.post("/queue/confirmation_email/action",
+                         data={"csrf_token": token.group(1), "action": "cancel", "id": "1"})
+    assert cancel.status_code == 302
+    with app.app_context():
+        assert shop.db.session.get(shop.ConfirmationEmail, 1).status == "cancelled"

@@ -287,17 +287,15 @@ class Completer:
                     missed.append(o.held)
                     continue
                 if o.unsure:
-                    job = o.held.token
-                    log.info("job %s attempt %d: its commit had landed; done", job.job_id, job.attempt)
+                    _commit_landed(o.held.token)
                 append(_new_settled(Settled, (o.held, "done", o, None, "")))
         else:
             for o in outcomes:
                 status = moved.get(o.held.token)
                 if status is None:
                     missed.append(o.held)
-                elif o.unsure and status == "done":  # the transactional commit had landed after all
-                    job = o.held.token
-                    log.info("job %s attempt %d: its commit had landed; done", job.job_id, job.attempt)
+                elif o.unsure and status == "done":
+                    _commit_landed(o.held.token)
                     append(Settled(o.held, "done", o))
                 elif kind is Kind.RELEASE:
                     append(Settled(o.held, "released", o))
@@ -319,12 +317,12 @@ class Completer:
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
         statement or the handler's own transaction), retried, failed, handed back, or
-        lost. It forgets the jobs, counts them and says so; metrics and hooks attach
-        here. ``forgotten``: the ledger has let go of them already (lost jobs)."""
+        lost. It counts the jobs, says so and then forgets them, in that order: whoever
+        sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle) finds
+        it counted. Metrics and hooks attach here. ``forgotten``: the ledger has let go
+        of them already (lost jobs)."""
         if not results:
             return
-        if not forgotten:
-            self.ledger.remove(r.held for r in results)
         counts: dict[str, int] = {}
         for r in results:
             status = r.status
@@ -349,6 +347,8 @@ class Completer:
                 log.info("job %s attempt %d: cancelled", token.job_id, token.attempt)
         for status, n in counts.items():
             self.stats.add(status, n)
+        if not forgotten:
+            self.ledger.remove(r.held for r in results)
 
 
 class Settled(NamedTuple):
@@ -394,6 +394,11 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
         left = attempt - 1 if refund else attempt
         return "pending" if released and attempts == left and not swept else None
     return None
+
+
+def _commit_landed(token: ClaimToken) -> None:
+    """The handler's transaction, whose answer was lost, had committed the job done."""
+    log.info("job %s attempt %d: its commit had landed; done", token.job_id, token.attempt)
 
 
 def _first(text: str) -> str:

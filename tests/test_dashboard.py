@@ -1,0 +1,316 @@
+"""The web dashboard through Flask's test client, against real PostgreSQL: every page,
+every action, CSRF, read-only mode, auth, escaping and truncation."""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, insert, select, update
+
+pytest.importorskip("flask")
+
+from flask import Flask, redirect
+from markupsafe import escape
+
+from sqla_queue.dashboard import create_app, dashboard_blueprint
+
+from .helpers import table_of
+from .models import EmailJob, Order, Task
+
+JOBS = table_of(EmailJob)
+TASKS = table_of(Task)
+XSS = "<script>alert('x')</script>"
+
+
+@pytest.fixture
+def app(engine: Engine) -> Flask:
+    app = create_app(engine, [EmailJob, Task], lease=60.0, page_size=3)
+    app.testing = True
+    return app
+
+
+@pytest.fixture
+def client(app: Flask) -> Iterator[Any]:
+    with app.test_client() as client:
+        yield client
+
+
+def csrf(client: Any, path: str = "/email_jobs/jobs") -> str:
+    page = client.get(path).get_data(as_text=True)
+    match = re.search(r'name="csrf_token" value="([^"]+)"', page)
+    assert match, page
+    return match.group(1)
+
+
+def add(engine: Engine, table: Any, **values: Any) -> int:
+    with engine.begin() as conn:
+        key = conn.execute(insert(table).values(**values).returning(table.c.id)).scalar_one()
+    return int(key)
+
+
+def status_of(engine: Engine, table: Any, key: int) -> str | None:
+    with engine.connect() as conn:
+        return conn.scalar(select(table.c.status).where(table.c.id == key))
+
+
+def ids_on(page: str) -> list[int]:
+    return [int(x) for x in re.findall(r'<tr data-id="(\d+)">', page)]
+
+
+def test_overview_counts_ages_and_the_last_hours_chart(engine: Engine, client: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(JOBS), [{"queue": "mail"}] * 2)
+        conn.execute(insert(JOBS).values(queue="mail", run_after=func.now() - timedelta(minutes=5)))
+        conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now()), [{}] * 4)
+        conn.execute(insert(JOBS).values(queue="mail", status="failed", finished_at=func.now() - timedelta(minutes=30)))
+        conn.execute(insert(JOBS).values(queue="sms", status="done", finished_at=func.now() - timedelta(hours=2)))
+        conn.execute(insert(TASKS).values(task="resize", queue="images"))
+    page = client.get("/").get_data(as_text=True)
+    mail = page[page.index('data-queue="mail"'):page.index('data-queue="sms"')]
+    assert re.search(r"pending<b><a [^>]*>3</a>", mail)
+    assert re.search(r"done<b><a [^>]*>4</a>", mail)
+    assert re.search(r"failed<b><a [^>]*>1</a>", mail)
+    assert "oldest runnable<b>5.0m</b>" in mail
+    assert "4 done" in mail and "1 failed" in mail  # the last hour's totals under the chart
+    assert mail.count('class="done"') == 1 and mail.count('class="failed"') == 1  # one bar each
+    assert "30 min ago: 0 done, 1 failed" in mail or "31 min ago: 0 done, 1 failed" in mail
+    sms = page[page.index('data-queue="sms"'):]
+    assert "0 done" in sms.split("</section>")[0]  # finished two hours ago: not in the chart
+    assert 'data-queue="images"' in page and "tasks" in page
+
+
+def test_jobs_filters_one_and_several_values(engine: Engine, client: Any) -> None:
+    a = add(engine, JOBS, queue="a")
+    b = add(engine, JOBS, queue="b", status="failed", last_error="SMTP timeout")
+    c = add(engine, JOBS, queue="c", status="done", last_error="smtp REFUSED 100%")
+    add(engine, TASKS, task="resize", queue="x")
+    t2 = add(engine, TASKS, task="crop", queue="x")
+    t3 = add(engine, TASKS, task="send", queue="x")
+
+    def shown(query: str, table: str = "email_jobs") -> list[int]:
+        response = client.get(f"/{table}/jobs?{query}")
+        assert response.status_code == 200
+        return ids_on(response.get_data(as_text=True))
+
+    assert shown("queue=a") == [a]
+    assert shown("queue=a,c") == [c, a]
+    assert shown("queue=a&queue=b") == [b, a]
+    assert shown("status=failed") == [b]
+    assert shown("status=failed&status=pending") == [b, a]
+    assert shown("status=done,pending") == [c, a]
+    assert shown("error=smtp") == [c, b]  # case-insensitive
+    assert shown("error=100%25") == [c]  # % is literal
+    assert shown("error=10_%25") == []  # so is _
+    assert shown("queue=b&status=failed&error=timeout") == [b]
+    assert shown("task=crop", "tasks") == [t2]
+    assert shown("task=crop,send", "tasks") == [t3, t2]
+    assert shown("task=crop&task=send&queue=x", "tasks") == [t3, t2]
+
+
+def test_jobs_pages_by_key(engine: Engine, client: Any) -> None:
+    keys = [add(engine, JOBS, queue="q", status="failed") for _ in range(7)]
+    add(engine, JOBS, queue="other", status="failed")
+    seen: list[int] = []
+    url: str | None = "/email_jobs/jobs?queue=q"
+    pages = 0
+    while url:
+        page = client.get(url).get_data(as_text=True)
+        seen += ids_on(page)
+        pages += 1
+        match = re.search(r'<a href="([^"]+)" id="next-page">', page)
+        url = html.unescape(match.group(1)) if match else None
+        if url:
+            assert "queue=q" in url  # the filters carry over
+    assert pages == 3 and seen == sorted(keys, reverse=True)
+
+
+def test_dead_letters_page_shows_only_failed_jobs(engine: Engine, client: Any) -> None:
+    add(engine, JOBS, queue="q")
+    dead = add(engine, JOBS, queue="q", status="failed", last_error="boom")
+    page = client.get("/email_jobs/dead?status=pending").get_data(as_text=True)
+    assert ids_on(page) == [dead] and "Dead letters" in page
+
+
+def test_job_detail_shows_every_column_escaped(engine: Engine, client: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(table_of(Order)).values(id=7, customer="ann"))
+    error = "Traceback (most recent call last):\n  File x\n" + XSS + "\nValueError: " + "e" * 5000
+    key = add(engine, JOBS, queue="q", status="failed", order_id=7, recipient=XSS, attempts=3, last_error=error,
+              lease_owner="host:1:abcd/0")
+    response = client.get(f"/email_jobs/job/{key}")
+    page = response.get_data(as_text=True)
+    assert response.status_code == 200
+    for column in JOBS.c:
+        assert f"<dt>{column.name}</dt>" in page or column.name == "last_error"
+    assert "<h2>last_error</h2>" in page
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert str(escape(error)) in page  # the whole error, unabridged
+    assert "Attempt 3 of 20" in page and "host:1:abcd/0" in page
+    assert "script-src" not in response.headers["Content-Security-Policy"]  # default-src 'none': no script runs
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert client.get("/email_jobs/job/999999").status_code == 404
+    assert client.get("/email_jobs/job/not-a-number").status_code == 404
+    assert client.get("/nope/jobs").status_code == 404
+
+
+def test_payloads_are_escaped_and_large_ones_truncated(engine: Engine, client: Any) -> None:
+    big = {"html": XSS, "blob": "z" * 10_000}
+    key = add(engine, TASKS, task="render", payload=big, last_error=XSS)
+    listing = client.get("/tasks/jobs").get_data(as_text=True)
+    assert "<script>" not in listing and "&lt;script&gt;" in listing
+    page = client.get(f"/tasks/job/{key}").get_data(as_text=True)
+    assert "<script>" not in page
+    assert "z" * 10_000 not in page and "z" * 1000 in page
+    match = re.search(r'<a href="([^"]+)" class="full-value">full value \((\d+) characters\)', page)
+    assert match
+    raw = client.get(html.unescape(match.group(1)))
+    assert raw.mimetype == "text/plain" and raw.headers["X-Content-Type-Options"] == "nosniff"
+    assert raw.get_data(as_text=True).count("z") == 10_000 and XSS in raw.get_data(as_text=True)
+    assert int(match.group(2)) == len(raw.get_data(as_text=True))
+    assert client.get(f"/tasks/job/{key}/raw/no_such_column").status_code == 404
+
+
+def test_actions_run_the_fenced_statements(engine: Engine, client: Any) -> None:
+    dead = [add(engine, JOBS, status="failed", attempts=20, last_error="x") for _ in range(2)]
+    pending = [add(engine, JOBS) for _ in range(2)]
+    running = add(engine, JOBS, status="running", lease_owner="w/0", attempts=1)
+    token = csrf(client)
+
+    def act(action: str, *keys: int) -> str:
+        response = client.post(
+            "/email_jobs/action",
+            data={"csrf_token": token, "action": action, "id": [str(k) for k in keys], "next": "/email_jobs/dead"},
+        )
+        assert response.status_code == 302 and response.headers["Location"].endswith("/email_jobs/dead")
+        return str(client.get("/email_jobs/dead").get_data(as_text=True))
+
+    page = act("requeue", *dead, pending[0], running)  # a selection: only the dead letters move
+    assert "requeued 2 of 4 job(s)" in page
+    with engine.connect() as conn:
+        rows = conn.execute(select(JOBS.c.id, JOBS.c.status, JOBS.c.attempts).where(JOBS.c.id.in_(dead))).all()
+    assert {(r.status, r.attempts) for r in rows} == {("pending", 0)}
+    assert "cancelled 1 of 2 job(s)" in act("cancel", pending[0], running)  # one job, and a running one
+    assert status_of(engine, JOBS, pending[0]) == "cancelled" and status_of(engine, JOBS, running) == "running"
+    assert "deleted 2 of 3 job(s)" in act("delete", pending[0], pending[1], running)
+    assert status_of(engine, JOBS, pending[1]) is None and status_of(engine, JOBS, running) == "running"
+    assert "select at least one job" in act("requeue")
+
+
+def test_actions_need_the_csrf_token(engine: Engine, client: Any) -> None:
+    key = add(engine, JOBS, status="failed")
+    csrf(client)  # the session has a token; the forged request does not carry it
+    for data in ({"action": "requeue", "id": str(key)}, {"action": "requeue", "id": str(key), "csrf_token": "x"}):
+        response = client.post("/email_jobs/action", data=data)
+        assert response.status_code == 400 and "CSRF" in response.get_data(as_text=True)
+    assert status_of(engine, JOBS, key) == "failed"
+    assert client.get("/email_jobs/action").status_code == 405  # actions are POSTs only
+    token = csrf(client)
+    assert client.post("/email_jobs/action", data={"csrf_token": token, "action": "drop", "id": "1"}).status_code == 400
+
+
+def test_an_action_returns_only_to_the_dashboards_own_pages(engine: Engine, client: Any) -> None:
+    key = add(engine, JOBS, status="failed")
+    token = csrf(client)
+    for target in ("https://evil.example/", "//evil.example/x"):
+        response = client.post(
+            "/email_jobs/action", data={"csrf_token": token, "action": "requeue", "id": str(key), "next": target}
+        )
+        assert response.headers["Location"].endswith("/email_jobs/jobs")
+
+
+def test_read_only_mode_hides_and_refuses_actions(engine: Engine) -> None:
+    key = add(engine, JOBS, status="failed")
+    app = create_app(engine, [EmailJob], read_only=True)
+    with app.test_client() as client:
+        page = client.get("/email_jobs/jobs").get_data(as_text=True)
+        assert ids_on(page) == [key]
+        assert 'value="requeue"' not in page and 'type="checkbox" name="id"' not in page
+        assert 'value="requeue"' not in client.get(f"/email_jobs/job/{key}").get_data(as_text=True)
+        token = re.search(r'name="csrf_token" value="([^"]+)"', page)
+        response = client.post(
+            "/email_jobs/action",
+            data={"csrf_token": token.group(1) if token else "", "action": "requeue", "id": str(key)},
+        )
+        assert response.status_code == 403
+    assert status_of(engine, JOBS, key) == "failed"
+
+
+def test_workers_page_lists_lease_owners_with_their_last_heartbeat(engine: Engine, client: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(JOBS).values(status="running", lease_owner="h:1:aa/0"), [{}] * 2)
+        conn.execute(insert(JOBS).values(status="running", lease_owner="h:1:aa/1"))
+        conn.execute(insert(JOBS).values(status="running", lease_owner="h:2:bb/0"))
+        conn.execute(update(JOBS).where(JOBS.c.lease_owner.like("h:1:%"))
+                     .values(lease_expires_at=func.now() + timedelta(seconds=50)))
+        conn.execute(update(JOBS).where(JOBS.c.lease_owner == "h:2:bb/0")
+                     .values(lease_expires_at=func.now() - timedelta(seconds=5)))
+        heartbeat = conn.scalar(select(func.max(JOBS.c.lease_expires_at) - timedelta(seconds=60)))
+    page = client.get("/email_jobs/workers").get_data(as_text=True)
+    rows = re.findall(r"<tr>\s*(.*?)</tr>", page, re.S)
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows if "<td" in row]
+    assert [c[0] for c in cells] == ["h:1:aa", "h:2:bb"]
+    assert [c[1] for c in cells] == ["2", "1"]  # executors
+    assert [re.sub("<[^>]+>", "", c[2]) for c in cells] == ["3", "1"]  # held jobs
+    assert heartbeat is not None and heartbeat.isoformat(sep=" ", timespec="seconds") in cells[0][3]
+    assert "expired" in cells[1][5] and "expired" not in cells[0][5]
+
+
+def test_auth_callable_guards_every_page(engine: Engine) -> None:
+    allowed: dict[str, Any] = {"verdict": False}
+    app = Flask(__name__)
+    app.secret_key = "test"
+    app.register_blueprint(
+        dashboard_blueprint(engine, [EmailJob], auth=lambda: allowed["verdict"]), url_prefix="/admin/queue"
+    )
+    with app.test_client() as client:
+        for path in ("/admin/queue/", "/admin/queue/email_jobs/jobs", "/admin/queue/email_jobs/workers"):
+            assert client.get(path).status_code == 403
+        assert client.post("/admin/queue/email_jobs/action", data={}).status_code == 403
+        allowed["verdict"] = redirect("/login")
+        assert client.get("/admin/queue/").headers["Location"] == "/login"
+        allowed["verdict"] = True
+        page = client.get("/admin/queue/")
+        assert page.status_code == 200 and 'href="/admin/queue/email_jobs/jobs"' in page.get_data(as_text=True)
+
+
+def test_a_mounted_dashboard_needs_a_secret_key(engine: Engine) -> None:
+    app = Flask(__name__)
+    app.testing = True  # the error reaches the test, not a 500 page
+    app.register_blueprint(dashboard_blueprint(engine, [EmailJob], auth=None))
+    with app.test_client() as client, pytest.raises(RuntimeError, match="secret_key"):
+        client.get("/")
+
+
+def test_bad_arguments_are_refused_when_the_blueprint_is_made(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="at least one queue model"):
+        dashboard_blueprint(engine, [], auth=None)
+    with pytest.raises(ValueError, match="given twice"):
+        dashboard_blueprint(engine, [EmailJob, EmailJob], auth=None)
+    with pytest.raises(TypeError):
+        dashboard_blueprint(engine, [EmailJob])  # type: ignore[call-arg]  # auth= must be said
+
+
+def test_requeue_every_dead_letter_matching_the_filter(engine: Engine, client: Any) -> None:
+    smtp = [add(engine, JOBS, queue="mail", status="failed", last_error=f"SMTPError {i}") for i in range(5)]
+    dns = add(engine, JOBS, queue="mail", status="failed", last_error="DNS")
+    other_queue = add(engine, JOBS, queue="sms", status="failed", last_error="SMTPError")
+    page = client.get("/email_jobs/dead?queue=mail&error=smtp").get_data(as_text=True)
+    assert 'value="requeue_matching"' in page and len(ids_on(page)) == 3  # a page of 3; the action takes all
+    form = dict(re.findall(r'<input type="hidden" name="(queue|task|error)" value="([^"]*)">', page))
+    assert form == {"queue": "mail", "task": "", "error": "smtp"}
+    response = client.post("/email_jobs/action", data={"csrf_token": csrf(client), "action": "requeue_matching",
+                                                       **form})
+    assert response.status_code == 302
+    assert all(status_of(engine, JOBS, key) == "pending" for key in smtp)
+    assert status_of(engine, JOBS, dns) == "failed" and status_of(engine, JOBS, other_queue) == "failed"
+    assert "requeued 5 dead-lettered job(s) matching the filter" in client.get("/email_jobs/dead").get_data(
+        as_text=True)
+    task = add(engine, TASKS, task="crop", status="failed")
+    keep = add(engine, TASKS, task="send", status="failed")
+    client.post("/tasks/action", data={"csrf_token": csrf(client), "action": "requeue_matching", "task": "crop,x"})
+    assert status_of(engine, TASKS, task) == "pending" and status_of(engine, TASKS, keep) == "failed"

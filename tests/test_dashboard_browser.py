@@ -1,0 +1,204 @@
+"""The dashboard in a real browser: ``sqla-queue dashboard`` started on a free port,
+headless Chromium driven through chromedriver to filter jobs, requeue a dead letter and
+cancel a pending job, the database checked after each, a screenshot of every page.
+
+CI installs Debian's ``chromium`` and ``chromium-driver`` (.ci/run) and fails this test
+when they are missing; elsewhere it is skipped, saying what to install. Screenshots go
+to the test's tmp dir, or to ``$SQLA_QUEUE_SCREENSHOTS`` when set (the docs' pictures).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, insert, select
+
+from .helpers import Server, table_of, wait_for
+from .models import EmailJob, Order, Task
+
+pytest.importorskip("flask")
+
+JOBS = table_of(EmailJob)
+TASKS = table_of(Task)
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = ("/usr/bin/chromium", "chromium")
+CHROMEDRIVER = ("/usr/bin/chromedriver", "chromedriver")
+INSTALL = "apt-get install -y chromium chromium-driver"
+
+
+def _find(candidates: tuple[str, ...]) -> str | None:
+    for name in candidates:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _need(what: str) -> None:
+    """Missing browser: a failure in CI (it must run there), a skip that says why elsewhere."""
+    message = f"the dashboard's browser test needs {what} ({INSTALL})"
+    if os.environ.get("CI"):
+        pytest.fail(message + "; CI must have it, so this fails rather than skips")
+    pytest.skip(message)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    chromium, driver_path = _find(CHROMIUM), _find(CHROMEDRIVER)
+    if chromium is None:
+        _need("Debian's chromium")
+    if driver_path is None:
+        _need("Debian's chromium-driver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _need("selenium (the test extra)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(chromium)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(executable_path=str(driver_path)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def dashboard(server: Server, engine: Engine) -> Iterator[str]:
+    """``sqla-queue dashboard`` on a free port (``--port 0``); its address, once it listens."""
+    url = server.url.render_as_string(hide_password=False)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
+         "--url", url, "--port", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # printed once the socket listens; EOF if it died
+        assert line.startswith("sqla_queue dashboard on http://127.0.0.1:"), line
+        yield line.split()[3]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+@pytest.fixture
+def shots(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("SQLA_QUEUE_SCREENSHOTS") or tmp_path / "screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def status_of(engine: Engine, key: int) -> str | None:
+    with engine.connect() as conn:
+        return conn.scalar(select(JOBS.c.status).where(JOBS.c.id == key))
+
+
+def test_filter_requeue_and_cancel_in_a_real_browser(
+    engine: Engine, dashboard: str, browser: Any, shots: Path
+) -> None:
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    xss = "<script>alert('x')</script>"
+    with engine.begin() as conn:
+        conn.execute(insert(table_of(Order)).values(id=1, customer="ann"))
+        keys = {}
+        specs: dict[str, dict[str, Any]] = {
+            "mail_pending": {"queue": "mail"},
+            "mail_other": {"queue": "mail", "run_after": func.now() - timedelta(minutes=3)},
+            "sms_pending": {"queue": "sms"},
+            "dead": {"queue": "mail", "status": "failed", "attempts": 20, "order_id": 1, "recipient": xss,
+                     "last_error": "Traceback (most recent call last):\n  ...\n" + xss + "\nSMTPError: 550 refused",
+                     "finished_at": func.now()},
+            "running": {"queue": "mail", "status": "running", "attempts": 1, "lease_owner": "web-1:4242:1a2b3c4d/0",
+                        "lease_expires_at": func.now() + timedelta(seconds=45)},
+        }
+        for name, values in specs.items():
+            keys[name] = conn.execute(insert(JOBS).values(**values).returning(JOBS.c.id)).scalar_one()
+        conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now()), [{}] * 12)
+        conn.execute(insert(JOBS).values(queue="sms", status="done", finished_at=func.now() - timedelta(minutes=20)),
+                     [{}] * 5)
+        conn.execute(insert(TASKS).values(task="render", payload={"html": xss, "blob": "z" * 5000}, queue="pdf"))
+
+    def page(path: str, shot: str) -> None:
+        browser.get(dashboard.rstrip("/") + path)
+        wait_for(lambda: browser.execute_script("return document.readyState") == "complete", what=path)
+        with pytest.raises(NoAlertPresentException):  # no payload's script ran
+            browser.switch_to.alert  # noqa: B018 - the property raises when there is none
+        browser.save_screenshot(str(shots / f"{shot}.png"))
+
+    def shown() -> list[int]:
+        return [int(row.get_attribute("data-id")) for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-id]")]
+
+    page("/", "overview")
+    assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="mail"] svg rect.done')
+
+    # filter: queue mail, status pending
+    page("/email_jobs/jobs", "jobs")
+    queue = browser.find_element(By.NAME, "queue")
+    queue.clear()
+    queue.send_keys("mail")
+    browser.find_element(By.CSS_SELECTOR, 'input[name="status"][value="pending"]').click()
+    browser.find_element(By.ID, "apply-filters").click()
+    wait_for(lambda: "status=pending" in browser.current_url, what="the filtered page")
+    assert sorted(shown()) == sorted([keys["mail_pending"], keys["mail_other"]])
+    browser.save_screenshot(str(shots / "jobs-filtered.png"))
+
+    # cancel one pending job from the filtered list
+    browser.find_element(By.CSS_SELECTOR, f'input[name="id"][value="{keys["mail_pending"]}"]').click()
+    browser.find_element(By.ID, "cancel-selected").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+    assert "cancelled 1 of 1" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    assert status_of(engine, keys["mail_pending"]) == "cancelled"
+    assert status_of(engine, keys["mail_other"]) == "pending"
+    assert "status=pending" in browser.current_url  # back on the filtered page
+    assert keys["mail_pending"] not in shown()
+
+    # requeue the dead letter from the dead-letter page
+    page("/email_jobs/dead", "dead-letters")
+    assert shown() == [keys["dead"]]
+    browser.find_element(By.CSS_SELECTOR, f'input[name="id"][value="{keys["dead"]}"]').click()
+    browser.find_element(By.ID, "requeue-selected").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+    assert "requeued 1 of 1" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    with engine.connect() as conn:
+        row = conn.execute(select(JOBS.c.status, JOBS.c.attempts).where(JOBS.c.id == keys["dead"])).one()
+    assert (row.status, row.attempts) == ("pending", 0)
+    assert shown() == []
+
+    # the job's page: every column, the error in full and escaped
+    page(f"/email_jobs/job/{keys['dead']}", "job")
+    assert xss in browser.find_element(By.ID, "last-error").text  # shown as text, not run
+    assert "SMTPError: 550 refused" in browser.find_element(By.ID, "last-error").text
+    names = [dt.text for dt in browser.find_elements(By.CSS_SELECTOR, "dl.kv dt")]
+    assert {"recipient", "order_id", "lease_owner", "attempts"} <= set(names)
+
+    page("/tasks/job/1", "job-payload")
+    assert browser.find_element(By.CSS_SELECTOR, "a.full-value")
+
+    page("/email_jobs/workers", "workers")
+    assert "web-1:4242:1a2b3c4d" in browser.find_element(By.TAG_NAME, "table").text
+
+
+def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must have it, so this fails rather than skips"):
+        _need("Debian's chromium")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match=r"apt-get install -y chromium chromium-driver"):
+        _need("Debian's chromium")
