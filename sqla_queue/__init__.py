@@ -28,6 +28,7 @@ from .errors import (
     UnknownTask,
 )
 from .model import FINISHED_STATUSES, IdempotencyKeyMixin, JobMixin, JobStatus, TaskMixin, archive_table, queue_table
+from .periodic import Schedule, schedules_table
 from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
@@ -54,6 +55,7 @@ __all__ = [
     "NotAQueueModel",
     "QueueSession",
     "RetryLater",
+    "Schedule",
     "SqlaQueueError",
     "TaskMixin",
     "Tasks",
@@ -70,6 +72,7 @@ __all__ = [
     "enqueue_values",
     "notify_on_commit",
     "queue_table",
+    "schedules_table",
 ]
 
 __version__ = "0.1.0"

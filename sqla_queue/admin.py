@@ -11,7 +11,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Engine, Row, func, select, text
@@ -20,6 +20,7 @@ from . import sql as q
 from .cancel import cancel as _cancel
 from .driver import WorkerStartError
 from .model import queue_table, table_problem
+from .periodic import Schedule, schedules_table
 
 __all__ = [
     "JobFilters",
@@ -32,6 +33,7 @@ __all__ = [
     "delete_jobs",
     "format_job",
     "format_jobs",
+    "format_schedules",
     "format_stats",
     "get_job",
     "lease_owners",
@@ -249,6 +251,50 @@ def format_stats(engine: Engine, model: Any) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def format_schedules(
+    engine: Engine, model: Any, schedules: Sequence[Schedule], *, now: datetime | None = None
+) -> str:
+    """Each schedule of the code (``schedules``) and of the table's watermark rows, with
+    its last tick enqueued and its next tick, as a text table. A row whose schedule is no
+    longer in the code shows ``(not in code)``: it is harmless, and ticks no more."""
+    now = now or datetime.now(timezone.utc)
+    table = schedules_table(model)
+    with engine.connect() as conn:
+        exists = conn.scalar(text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _regclass(conn, table)})
+        rows = {r.name: r for r in conn.execute(q.schedule_states(model))} if exists else {}
+    if not schedules and not rows:
+        return "(no schedules)"
+    header = ("schedule", "when", "timezone", "last tick", "next tick")
+    lines: list[tuple[str, ...]] = [header]
+    for schedule in sorted(schedules, key=lambda s: s.name):
+        row = rows.get(schedule.name)
+        lines.append((
+            schedule.name, schedule.expression, schedule.timezone,
+            _moment(row.last_tick) if row is not None else "-", _moment(schedule.next_tick(now)),
+        ))
+    known = {s.name for s in schedules}
+    for name, row in rows.items():
+        if name not in known:
+            lines.append((name, "(not in code)", "-", _moment(row.last_tick), "-"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text_lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+    text_lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text_lines)
+
+
+def _regclass(conn: Any, table: Any) -> str:
+    schema = table.schema
+    translate = conn.get_execution_options().get("schema_translate_map")
+    if translate and schema in translate:
+        schema = translate[schema]
+    quote = conn.dialect.identifier_preparer.quote
+    return f"{quote(schema)}.{quote(table.name)}" if schema else str(quote(table.name))
+
+
+def _moment(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _age(age: timedelta | None) -> str:

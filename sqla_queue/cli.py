@@ -1,4 +1,4 @@
-"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel and prune.
+"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, prune, list schedules.
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
@@ -132,7 +132,9 @@ def _worker_from(target: Any) -> Any:
 
 def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """The engine (an ``AsyncEngine`` for an AsyncWorker target) and the queue model."""
-    engine, model, _ = _resolve_target(args.target, args.url)
+    engine, model, worker = _resolve_target(args.target, args.url)
+    if worker is not None:
+        args.schedules_found = tuple(worker.schedules)
     return engine, model
 
 
@@ -220,6 +222,33 @@ def _seconds(*, positive: bool) -> Callable[[str], float]:
     return seconds
 
 
+_FINISHED = ("done", "failed", "cancelled")
+
+
+def retention_age(text: str) -> tuple[str | None, float]:
+    """``7d`` (done and cancelled jobs) or ``STATUS=AGE`` (``failed=30d``)."""
+    status, sep, age = text.rpartition("=")
+    if sep and status not in _FINISHED:
+        raise argparse.ArgumentTypeError(f"not a finished status: {status!r} (one of {', '.join(_FINISHED)})")
+    seconds = parse_duration(age).total_seconds()
+    if seconds <= 0:
+        raise DurationError(f"a retention must be longer than 0, got {text!r}")
+    return (status or None), seconds
+
+
+def retention_option(given: Sequence[tuple[str | None, float]]) -> float | dict[str, float]:
+    """The ``retention`` worker option of ``--retention`` values: one age alone stays
+    one age; ages named by status make a mapping (an unnamed one then stands for done
+    and cancelled)."""
+    if len(given) == 1 and given[0][0] is None:
+        return given[0][1]
+    ages: dict[str, float] = {}
+    for status, seconds in given:
+        for name in (status,) if status is not None else ("done", "cancelled"):
+            ages[name] = seconds
+    return ages
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -283,6 +312,8 @@ def worker_overrides(
     queue: Sequence[str] | None = None,
     no_listen: bool = False,
     timeout: float | None = None,
+    retention: Sequence[tuple[str | None, float]] | None = None,
+    no_periodic: bool = False,
 ) -> dict[str, Any]:
     """Worker options given on a command line (only those given)."""
     given = {
@@ -296,6 +327,8 @@ def worker_overrides(
         "queues": tuple(queue) if queue else None,
         "listen": False if no_listen else None,
         "timeout": timeout,
+        "retention": retention_option(retention) if retention else None,
+        "periodic": False if no_periodic else None,
     }
     return {key: value for key, value in given.items() if value is not None}
 
@@ -325,6 +358,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         queue=args.queue,
         timeout=args.timeout,
         no_listen=args.no_listen,
+        retention=args.retention,
+        no_periodic=args.no_periodic,
     )
 
 
@@ -554,6 +589,13 @@ def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], flo
     return engine, models, (leases.pop() if len(leases) == 1 else None)
 
 
+def cmd_schedules(args: argparse.Namespace) -> int:
+    print(_on_admin_target(
+        args, lambda engine, model: admin.format_schedules(engine, model, getattr(args, "schedules_found", ()))
+    ))
+    return 0
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     statuses = args.status or ["done", "cancelled"]
     count = _on_admin_target(
@@ -609,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--shutdown-grace", type=seconds, help="time running jobs get to finish on SIGTERM")
     worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
     worker.add_argument("--timeout", type=positive_seconds, help="how long one attempt may run (default: no limit)")
+    worker.add_argument(
+        "--retention", type=retention_age, action="append", metavar="[STATUS=]AGE",
+        help="prune finished jobs this old: 7d (done and cancelled) or failed=30d (repeatable)",
+    )
+    worker.add_argument("--no-periodic", action="store_true", help="enqueue no periodic jobs from this worker")
     worker.add_argument("--until-idle", action="store_true", help="exit once no runnable job is left")
     worker.set_defaults(func=cmd_worker, parser=worker)
 
@@ -695,6 +742,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prune.add_argument("--limit", type=positive_int, default=10_000, help="rows per statement")
     prune.set_defaults(func=cmd_prune)
+
+    schedules = admin("schedules", "list the periodic schedules with their last and next tick")
+    schedules.set_defaults(func=cmd_schedules)
 
     _add_alembic_commands(subparsers)
     return parser

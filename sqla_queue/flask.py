@@ -23,6 +23,7 @@ methods SQLAlchemy knows; ``init_app`` also gives that object ``enqueue`` and
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from typing_extensions import Unpack
 from . import admin
 from ._rules import check_queue
 from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
-from .cli import LOG_FORMAT, check_database, parse_duration, worker_overrides
+from .cli import LOG_FORMAT, check_database, parse_duration, retention_age, worker_overrides
 from .driver import WorkerStartError
 from .model import JobStatus, queue_table
 from .options import EnqueueKwargs
@@ -200,6 +201,16 @@ def _queue_names(ctx: click.Context, param: click.Parameter, values: tuple[str, 
     return values
 
 
+def _retention(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> tuple[tuple[str | None, float], ...] | None:
+    """``--retention 7d`` / ``--retention failed=30d``, as ``sqla-queue worker`` reads them."""
+    try:
+        return tuple(retention_age(value) for value in values) or None
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 _queue_commands = AppGroup("queue", help="Run and inspect sqla_queue workers.")
 _name = click.argument("name", required=False)
 
@@ -216,6 +227,9 @@ _name = click.argument("name", required=False)
 @click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
 @click.option("--timeout", type=parse_duration, help="how long one attempt may run (default: no limit)")
+@click.option("--retention", multiple=True, callback=_retention, metavar="[STATUS=]AGE",
+              help="prune finished jobs this old: 7d (done and cancelled) or failed=30d (repeatable)")
+@click.option("--no-periodic", is_flag=True, help="enqueue no periodic jobs from this worker")
 @click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
 @click.option(
     "--log-level",
@@ -400,3 +414,14 @@ def _prune_command(name: str | None, older_than: timedelta, statuses: tuple[str,
     chosen = list(statuses) or ["done", "cancelled"]
     count = admin.prune(*_engine_and_model(name), older_than=older_than, statuses=chosen)
     click.echo(f"pruned {count} finished job(s) ({', '.join(chosen)}) older than {older_than}")
+
+
+@_queue_commands.command("schedules")
+@_name
+def _schedules_command(name: str | None) -> None:
+    """List the periodic schedules with their last and next tick."""
+    ext = _extension()
+    registration = ext._registration(name)
+    own = registration.handler.schedules if isinstance(registration.handler, Tasks) else ()
+    schedules = [*own, *registration.options.get("schedules", ())]
+    click.echo(admin.format_schedules(ext.db.engine, registration.model, schedules))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, NamedTuple, Protocol, TypeAlias, cast
 
 from sqlalchemy import Connection
@@ -24,11 +25,14 @@ from sqlalchemy import Connection
 from . import sql as q
 from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError
 from .loader import RowLoader
-from .model import TIMEOUT_COLUMNS, queue_table
+from .model import TIMEOUT_COLUMNS, queue_table, translated_schema
+from .periodic import Schedule, schedules_table
 from .sql import ClaimToken, is_solitary
+from .values import enqueue_values
 
 __all__ = [
-    "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RowProblem", "Swept", "TokenState",
+    "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RetentionOps", "RowProblem", "ScheduleOps",
+    "Swept", "TokenState",
 ]
 
 #: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
@@ -508,3 +512,75 @@ class QueueOps:
                 stmt = q.claim_template(model, queues=queues, isolated=isolated, by_key=True, fresh=True)
             found = self._rare[(kind, isolated)] = self.driver.compile(stmt)
         return found
+
+
+class ScheduleOps:
+    """The statements of periodic jobs on one queue table: claim a schedule's tick
+    (advance its watermark row) and insert the tick's jobs, in one transaction on the
+    SQLAlchemy connection the scheduler opened (:class:`~sqla_queue.worker.scheduler.
+    Scheduler`)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.table = schedules_table(model)
+        self._claim = q.schedule_tick_template(model)
+
+    def check_table(self, driver: Driver) -> None:
+        """Fail fast (:class:`~sqla_queue.driver.WorkerStartError`) when the watermark
+        table is missing from the database."""
+        table = self.table
+        conn = driver.connect("start-up check")
+        try:
+            with driver.deadline(conn, 30):
+                rows = conn.query("SELECT to_regclass(%s) IS NOT NULL", (_qualified(driver, table),))
+        finally:
+            conn.close()
+        if not rows or not rows[0][0]:
+            raise WorkerStartError(
+                f"table {driver.table_name(table)!r} does not exist in that database: the schedules need it "
+                f"(sqla_queue.schedules_table(model) adds it to the model's metadata: create it, or migrate)"
+            )
+
+    def claim_tick(self, sa: Connection, name: str, tick: datetime) -> tuple[bool, datetime | None]:
+        """Move the watermark of schedule ``name`` to ``tick`` in ``sa``'s transaction:
+        (claimed, where the watermark stood: None for a schedule seen for the first
+        time). Not claimed: another worker enqueued that tick (or a later one)."""
+        row = sa.execute(self._claim, {q.SCHEDULE_PARAM: name, q.TICK_PARAM: tick}).first()
+        if row is None:
+            return False, None
+        previous: datetime | None = row[0]
+        return True, previous
+
+    def enqueue_tick(self, sa: Connection, schedule: Schedule, tick: datetime) -> Any:
+        """Insert the job of ``schedule``'s ``tick`` in ``sa``'s transaction, its
+        ``run_after`` the tick, checked as ``enqueue_values()`` checks (with its NOTIFY,
+        delivered on commit). Returns its key."""
+        options = schedule.options
+        return enqueue_values(
+            sa, self.model, schedule.row(tick), run_at=tick, queue=options.queue, priority=options.priority,
+            max_attempts=options.max_attempts,
+        )
+
+
+def _qualified(driver: Driver, table: Any) -> str:
+    """``"schema"."name"`` of ``table`` under the engine's schema map, for ``to_regclass``."""
+    from psycopg import sql as pgsql
+
+    schema = translated_schema(table, driver.schema_translate_map)
+    return pgsql.Identifier(*([schema, table.name] if schema else [table.name])).as_string(None)
+
+
+class RetentionOps:
+    """The pruning statement of one worker: finished jobs past their status's age, up to
+    ``limit`` a statement, under the table's advisory lock (at most one worker prunes a
+    table at a time; the others delete nothing)."""
+
+    def __init__(self, driver: Driver, model: Any, ages: Mapping[str, float], *, limit: int) -> None:
+        self.limit = limit
+        pk = queue_table(model).pk
+        stmt = q.prune_finished(model, older_than=dict(ages), limit=limit, exclusive=True).returning(pk)
+        self._prune = driver.compile(stmt)
+
+    def prune(self, conn: DbConnection) -> int:
+        """Delete one batch (autocommit: one short transaction); how many rows went."""
+        return len(conn.execute(self._prune, {}))

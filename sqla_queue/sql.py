@@ -14,6 +14,7 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -59,10 +60,12 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, array
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
 from .model import FINISHED_STATUSES, TIMEOUT_COLUMNS, JobStatus, QueueTable, queue_table, status_literal
+from .periodic import schedules_table
 
 __all__ = [
     "Backoff",
@@ -71,6 +74,7 @@ __all__ = [
     "cancel_jobs",
     "cancel_pending",
     "claim",
+    "claim_schedule_tick",
     "claim_candidates",
     "claim_template",
     "complete_if_owner",
@@ -95,6 +99,7 @@ __all__ = [
     "next_run_after",
     "owned_tokens",
     "prune_finished",
+    "prune_lock_key",
     "queue_stats",
     "release_if_owner",
     "release_lost_claims",
@@ -102,6 +107,8 @@ __all__ = [
     "requeue_failed",
     "retry_if_owner",
     "retry_many_if_owner",
+    "schedule_states",
+    "schedule_tick_template",
     "seconds_interval",
     "still_fresh",
     "sweep_expired",
@@ -902,52 +909,85 @@ def lease_owners(model: QueueModel) -> Select[Any]:
     )
 
 
+#: Ages of finished jobs by status: what :func:`prune_finished` removes past which age.
+Ages: TypeAlias = "Mapping[JobStatus | str, Duration | datetime]"
+
+
 def _finished_before(
     qt: QueueTable,
-    older_than: Duration | datetime,
-    statuses: Sequence[JobStatus | str],
+    older_than: Duration | datetime | Ages,
+    statuses: Sequence[JobStatus | str] | None,
+    default: Sequence[JobStatus],
     limit: int,
+    exclusive: bool,
 ) -> Select[Any]:
-    wanted = [JobStatus(s) for s in statuses]
+    if isinstance(older_than, Mapping):
+        if statuses is not None:
+            raise ValueError("give the statuses either as the keys of older_than or as statuses, not both")
+        ages: dict[JobStatus, Duration | datetime] = {JobStatus(s): age for s, age in older_than.items()}
+        wanted = list(ages)
+    else:
+        wanted = [JobStatus(s) for s in (default if statuses is None else statuses)]
+        ages = dict.fromkeys(wanted, older_than)
     unfinished = [s for s in wanted if s not in FINISHED_STATUSES]
     if unfinished or not wanted:
         raise ValueError(
             f"only finished jobs ({', '.join(s.value for s in FINISHED_STATUSES)}) can be "
             f"removed, got {[s.value for s in wanted]}"
         )
-    if limit < 1:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
-    if isinstance(older_than, datetime):
-        if older_than.tzinfo is None:
-            raise ValueError("older_than must be timezone-aware")
-        cutoff: ColumnElement[datetime] = literal(older_than, DateTime(timezone=True))
-    else:
-        cutoff = func.now() - _interval(older_than, "older_than")
-    return (
-        select(qt.pk)
-        .where(
-            qt.c.status.in_([status_literal(s) for s in wanted]),
-            qt.c.finished_at < cutoff,
+    cutoffs: dict[Any, list[JobStatus]] = {}
+    for status, age in ages.items():
+        if isinstance(age, datetime):
+            if age.tzinfo is None:
+                raise ValueError("older_than must be timezone-aware")
+            key: Any = ("at", age)
+        else:
+            key = ("ago", _seconds(age, "older_than"))
+        cutoffs.setdefault(key, []).append(status)
+    conditions: list[ColumnElement[bool]] = []
+    for (kind, value), group in cutoffs.items():
+        cutoff: ColumnElement[datetime] = (
+            literal(value, DateTime(timezone=True)) if kind == "at" else func.now() - seconds_interval(value)
         )
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    )
+        conditions.append(and_(qt.c.status.in_([status_literal(s) for s in group]), qt.c.finished_at < cutoff))
+    where = [or_(*conditions) if len(conditions) > 1 else conditions[0]]
+    if exclusive:
+        where.insert(0, select(func.pg_try_advisory_xact_lock(prune_lock_key(qt.table))).scalar_subquery())
+    return select(qt.pk).where(*where).limit(limit).with_for_update(skip_locked=True)
+
+
+def prune_lock_key(table: Table) -> int:
+    """The advisory lock ``exclusive`` pruning takes for ``table``: a 64-bit number from
+    its name, the same in every process."""
+    digest = hashlib.sha1(f"sqla_queue.prune:{table.fullname}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def prune_finished(
     model: QueueModel,
     *,
-    older_than: Duration | datetime,
-    statuses: Sequence[JobStatus | str] = (DONE, CANCELLED),
+    older_than: Duration | datetime | Ages,
+    statuses: Sequence[JobStatus | str] | None = None,
     limit: int = 10_000,
+    exclusive: bool = False,
 ) -> Delete:
     """Delete up to ``limit`` jobs that finished before ``older_than`` ago.
 
-    Dead letters (``failed``) are kept unless named in ``statuses``. Bounded, so a large
-    backlog is pruned in short transactions: run it until its rowcount is 0.
+    ``statuses`` default to ``done`` and ``cancelled``: dead letters (``failed``) are
+    kept unless named. ``older_than`` may instead map statuses to their own ages,
+    ``{"done": timedelta(days=7), "failed": timedelta(days=90)}`` (those statuses only).
+    Bounded, so a large backlog is pruned in short transactions: run it until its
+    rowcount is below ``limit``. Rows another transaction holds are skipped, and only
+    finished rows are touched, so it never waits for (nor blocks) a claim.
+
+    ``exclusive=True``: the statement first takes a transaction-level advisory lock of
+    the table's (:func:`prune_lock_key`, tried, never waited for) and deletes nothing when
+    another pruner holds it: many workers, at most one pruning a table at a time.
     """
     qt = queue_table(model)
-    doomed = _finished_before(qt, older_than, statuses, limit)
+    doomed = _finished_before(qt, older_than, statuses, (DONE, CANCELLED), limit, exclusive)
     return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery()))
 
 
@@ -955,21 +995,24 @@ def archive_finished(
     model: QueueModel,
     archive: Table | type[Any],
     *,
-    older_than: Duration | datetime,
-    statuses: Sequence[JobStatus | str] = FINISHED_STATUSES,
+    older_than: Duration | datetime | Ages,
+    statuses: Sequence[JobStatus | str] | None = None,
     limit: int = 10_000,
+    exclusive: bool = False,
 ) -> ReturningInsert[Any]:
     """Move finished jobs into ``archive`` in one statement (``WITH moved AS (DELETE …
     RETURNING …) INSERT INTO archive SELECT … FROM moved``).
 
     Every column the two tables share by name is copied; see
-    :func:`sqla_queue.archive_table` for a ready-made archive table. Returns the ids it
-    moved; bounded by ``limit``, so run it until it returns none.
+    :func:`sqla_queue.archive_table` for a ready-made archive table. ``statuses``
+    default to every finished one; ``older_than`` and ``exclusive`` are those of
+    :func:`prune_finished`. Returns the ids it moved; bounded by ``limit``, so run it
+    until it returns fewer.
     """
     qt = queue_table(model)
     target: Table = archive if isinstance(archive, Table) else archive.__table__
     shared = [col.name for col in qt.table.c if col.name in target.c]
-    doomed = _finished_before(qt, older_than, statuses, limit)
+    doomed = _finished_before(qt, older_than, statuses, FINISHED_STATUSES, limit, exclusive)
     moved: CTE = (
         delete(qt.table)
         .where(qt.pk.in_(doomed.scalar_subquery()))
@@ -1500,3 +1543,56 @@ def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) ->
         .scalar_subquery()
     )
     return select(func.extract("epoch", soonest - now))
+
+
+# -- periodic jobs: the watermark of each schedule ------------------------------------------
+
+#: Bound-parameter names of :func:`schedule_tick_template`.
+SCHEDULE_PARAM: Final = "sqla_queue_schedule"
+TICK_PARAM: Final = "sqla_queue_tick"
+
+
+def schedule_tick_template(model: QueueModel) -> ReturningInsert[Any]:
+    """Claim a schedule's tick: ``{SCHEDULE_PARAM: name, TICK_PARAM: tick}``.
+
+    ``INSERT INTO <table>_schedules (name, last_tick) VALUES (:name, :tick) ON CONFLICT
+    (name) DO UPDATE SET last_tick = :tick, previous_tick = <the old last_tick> WHERE
+    last_tick < :tick RETURNING previous_tick``: one row when this call moved the
+    watermark forward (``previous_tick`` is where it stood, NULL for a schedule seen for
+    the first time), none when the tick was claimed already. Run it in the transaction
+    that inserts the tick's jobs: a concurrent claim of the same tick waits for that
+    transaction's row lock, then matches nothing if it committed (and claims the tick
+    itself if it rolled back), so a tick is claimed if and only if its jobs exist.
+    The graphile-worker design: no leader, one small row per schedule.
+    """
+    table = schedules_table(model)
+    tick = _param(TICK_PARAM, DateTime(timezone=True))
+    stmt = pg_insert(table).values(name=_param(SCHEDULE_PARAM, table.c.name.type), last_tick=tick)
+    return stmt.on_conflict_do_update(
+        index_elements=[table.c.name],
+        set_={
+            "last_tick": stmt.excluded.last_tick,
+            "previous_tick": table.c.last_tick,
+            "updated_at": _clock(),
+        },
+        where=table.c.last_tick < stmt.excluded.last_tick,
+    ).returning(table.c.previous_tick)
+
+
+def claim_schedule_tick(model: QueueModel, *, schedule: str, tick: datetime) -> ReturningInsert[Any]:
+    """:func:`schedule_tick_template` with the schedule's name and the tick (an aware
+    datetime) bound: returns ``previous_tick`` if this call claimed the tick, no row if
+    it was claimed already."""
+    if not isinstance(tick, datetime) or tick.tzinfo is None or tick.utcoffset() is None:
+        raise ValueError(f"tick must be a timezone-aware datetime, got {tick!r}")
+    with _values({SCHEDULE_PARAM: schedule, TICK_PARAM: tick}):
+        return schedule_tick_template(model)
+
+
+def schedule_states(model: QueueModel) -> Select[Any]:
+    """``(name, last_tick, previous_tick, updated_at)`` of every schedule row of the
+    queue table, by name: what ``sqla-queue schedules`` shows. A row whose schedule was
+    removed from the code stays, harmless (nothing reads it but this)."""
+    table = schedules_table(model)
+    c = table.c
+    return select(c.name, c.last_tick, c.previous_tick, c.updated_at).order_by(c.name)

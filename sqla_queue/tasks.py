@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 from ._rules import MAX_TIMEOUT_SECONDS
 from .errors import UnknownTask
+from .periodic import Schedule
 
 __all__ = ["Handler", "Tasks", "resolve_handler"]
 
@@ -84,11 +86,72 @@ class Tasks:
         def charge(job, session):                 # transactional: commits with completion
             session.add(Charge(**job.payload))
 
+        @tasks.periodic("0 3 * * *", timezone="Europe/Paris")
+        def nightly_report(job):                  # enqueued at 03:00 Paris time, once
+            ...
+
         Worker(engine, Task, tasks)
     """
 
     def __init__(self) -> None:
         self._handlers: dict[str, ResolvedHandler] = {}
+        self._schedules: dict[str, Schedule] = {}
+
+    def periodic(
+        self,
+        cron: str | None = None,
+        /,
+        *,
+        every: timedelta | float | None = None,
+        timezone: str = "UTC",
+        name: str | None = None,
+        task: str | None = None,
+        payload: Mapping[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        backfill: int = 0,
+    ) -> Callable[[F], F]:
+        """Register the function as task ``task`` (default: its ``__name__``; a task
+        registered already under that name is kept) and enqueue a job of it with
+        ``payload`` on every tick of ``cron`` in ``timezone`` (or ``every`` seconds).
+
+        The schedule is named ``name`` (default: the task's name): give two schedules of
+        one task names of their own. Each worker of this registry runs the schedules,
+        every tick enqueued once however many run (see :class:`~sqla_queue.Schedule`).
+        """
+
+        def register(func: F) -> F:
+            task_name = task or func.__name__
+            found = self._handlers.get(task_name)
+            if found is None:
+                self.register(task_name, func)
+            elif found.fn is not func:
+                raise ValueError(f"task {task_name!r} is already registered with another function")
+            self.schedule(
+                Schedule(
+                    name or task_name, cron, every=every, timezone=timezone,
+                    values={"task": task_name, "payload": dict(payload or {})},
+                    queue=queue, priority=priority, max_attempts=max_attempts, backfill=backfill,
+                )
+            )
+            return func
+
+        return register
+
+    def schedule(self, schedule: Schedule) -> None:
+        """Add ``schedule`` to the registry's (its jobs' task must be registered by
+        the time a worker starts)."""
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"expected a sqla_queue.Schedule, got {schedule!r}")
+        if schedule.name in self._schedules:
+            raise ValueError(f"a schedule named {schedule.name!r} is already registered: give name=")
+        self._schedules[schedule.name] = schedule
+
+    @property
+    def schedules(self) -> tuple[Schedule, ...]:
+        """The registry's schedules, by name."""
+        return tuple(self._schedules[name] for name in sorted(self._schedules))
 
     @overload
     def task(self, fn: F, /) -> F: ...

@@ -9,7 +9,7 @@ from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDec
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
-from sqla_queue import IdempotencyKeyMixin, JobMixin, TaskMixin
+from sqla_queue import IdempotencyKeyMixin, JobMixin, TaskMixin, schedules_table
 
 
 class Base(DeclarativeBase):
@@ -51,6 +51,11 @@ class Task(Base, TaskMixin):
     """A generic task table."""
 
     __tablename__ = "tasks"
+
+
+#: The watermark tables of the periodic jobs of the tables that have schedules.
+TASK_SCHEDULES = schedules_table(Task)
+REPORT_SCHEDULES = schedules_table(ReportJob)
 
 
 class UuidJob(Base, JobMixin):

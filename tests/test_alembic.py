@@ -704,3 +704,36 @@ def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
         "ix_shipment_weight" not in after["pg_indexes"]
         and "weight" not in after["shipment"]["columns"]
     )
+
+
+SCHEDULES = """
+    from sqla_queue import schedules_table
+
+    schedules_table(Task)
+"""
+
+
+def test_autogenerate_adds_the_schedules_table_to_an_existing_queue(
+    project: Project, new_database: NewDatabase
+) -> None:
+    """Schedules added to a deployed queue: autogenerate creates the watermark table,
+    the same as create_all, and nothing else; downgrade drops it."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    project.models(models(more=SCHEDULES))
+    migration = project.autogenerate("schedules")
+    upgrade = project.upgrade_body(migration)
+    assert "op.create_table('tasks_schedules'" in upgrade
+    assert upgrade.count("op.create_table(") == 1 and "create_index" not in upgrade
+    assert "info=" not in migration
+    assert "op.drop_table('tasks_schedules')" in migration.split("def downgrade()")[1]
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    migrated = schema(project.url)
+    assert migrated == schema(reference)
+    assert set(migrated["tasks_schedules"]["columns"]) == {"name", "last_tick", "previous_tick", "updated_at"}
+    project.alembic("check")
+    project.alembic("downgrade", "-1")
+    assert "tasks_schedules" not in schema(project.url)

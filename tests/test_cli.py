@@ -98,8 +98,11 @@ def test_console_script_help_lists_the_commands() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sqla_queue.cli", "--help"], capture_output=True, text=True, cwd=REPO, check=True
     )
-    for command in ("worker", "sweep", "stats", "requeue", "cancel", "prune", "jobs", "show", "delete", "dashboard",
-                    "alembic"):
+    commands = (
+        "worker", "sweep", "stats", "requeue", "cancel", "prune", "jobs", "show", "delete", "dashboard", "schedules",
+        "alembic",
+    )
+    for command in commands:
         assert command in result.stdout
 
 

@@ -91,6 +91,8 @@ def asyncified(handler: Any) -> Any:
         tasks = Tasks()
         for name in handler:
             tasks.register(name, asyncified(handler.lookup(name).fn))
+        for schedule in handler.schedules:
+            tasks.schedule(schedule)
         return tasks
     if asyncio.iscoroutinefunction(handler):
         return handler

@@ -9,7 +9,10 @@ only through the :class:`~sqla_queue.driver.Driver`:
   the **completer** (:mod:`.completer`), the one path by which results reach the table;
 - the **heartbeat** (:mod:`.heartbeat`) extends the leases of every held job;
 - the **sweeper** (:mod:`.sweeper`) returns expired leases of dead workers;
-- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups (unless ``listen=False``).
+- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups (unless ``listen=False``);
+- the **scheduler** (:mod:`.scheduler`) enqueues periodic jobs, each tick once across
+  every worker (when the worker has schedules);
+- the **pruner** (:mod:`.pruner`) deletes finished jobs past their ``retention`` (when set).
 
 Services get one :class:`~.context.WorkerContext` (the config, the ledger, the driver,
 the queue table's operations :class:`~sqla_queue.ops.QueueOps`, the signal, the
@@ -38,7 +41,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..driver import Driver, WorkerStartError
 from ..model import QueueTable, queue_table
-from ..ops import QueueOps
+from ..ops import QueueOps, RetentionOps, ScheduleOps
+from ..periodic import Schedule, check_schedules
 from ..runtime import Event, is_async_callable
 from ..session import QueueSession
 from ..sql import ClaimToken
@@ -51,6 +55,8 @@ from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
 from .producer import Producer
+from .pruner import Pruner
+from .scheduler import Scheduler
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
@@ -136,6 +142,14 @@ class Worker:
         executor.watchdog = self.watchdog
         self.sweeper = Sweeper(ctx, self._producer) if cfg.sweep_interval > 0 else None
         self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
+        schedules = self.schedules
+        self.scheduler = (
+            Scheduler(ctx, ScheduleOps(self._qt.mapped_class), schedules) if schedules and cfg.periodic else None
+        )
+        ages = cfg.retention_ages
+        self.pruner = (
+            Pruner(ctx, RetentionOps(driver, self._qt.mapped_class, ages, limit=cfg.retention_batch)) if ages else None
+        )
         self._stopping = Event()
         self._hard_stop = Event()
         self._stopped = Event()
@@ -194,8 +208,17 @@ class Worker:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    @property
+    def schedules(self) -> tuple[Schedule, ...]:
+        """The periodic schedules this worker runs: its ``schedules`` option and those of
+        its Tasks registry (``@tasks.periodic``)."""
+        own = self.handler.schedules if isinstance(self.handler, Tasks) else ()
+        return check_schedules([*own, *self.config.schedules])
+
     def services(self) -> list[Service]:
-        found: list[Service | None] = [self.heartbeat, self.watchdog, self.sweeper, self.listener, self.executors]
+        found: list[Service | None] = [
+            self.heartbeat, self.watchdog, self.sweeper, self.listener, self.scheduler, self.pruner, self.executors,
+        ]
         return [s for s in found if s is not None]
 
     def start(self) -> None:
@@ -208,6 +231,8 @@ class Worker:
             raise RuntimeError("worker already started")
         table = self._qt.table
         self._ops.check_table()
+        if self.scheduler is not None:
+            self.scheduler.check()
         self._started = True
         cfg = self.config
         log.info(
@@ -294,6 +319,9 @@ class Worker:
             self._stopped.set()
             return
         self.executors.request_stop()
+        for early in (self.scheduler, self.pruner):  # no new jobs, no deletes, while jobs finish
+            if early is not None:
+                early.request_stop()
         grace = self.config.shutdown_grace if grace is None else grace
         waiting = self.ledger.take_unstarted()
         if waiting:
@@ -308,7 +336,8 @@ class Worker:
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
         others: list[Service] = [
-            s for s in (self.heartbeat, self.watchdog, self.sweeper, self.listener) if s is not None
+            s for s in (self.heartbeat, self.watchdog, self.sweeper, self.listener, self.scheduler, self.pruner)
+            if s is not None
         ]
         for service in others:
             service.request_stop()

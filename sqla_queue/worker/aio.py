@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
 from ..driver import AsyncDriver, Driver
+from ..periodic import Schedule
 from ..runtime import run_in_greenlet
 from ..session import AsyncQueueSession
 from ..sql import ClaimToken
@@ -35,6 +36,8 @@ from .executor import ExecutorPool
 from .heartbeat import Heartbeat
 from .ledger import Ledger
 from .listener import Listener
+from .pruner import Pruner
+from .scheduler import Scheduler
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
@@ -137,6 +140,9 @@ class AsyncWorker:
     watchdog: _Delegated[Watchdog] = _Delegated()
     sweeper: _Delegated[Sweeper | None] = _Delegated()
     listener: _Delegated[Listener | None] = _Delegated()
+    scheduler: _Delegated[Scheduler | None] = _Delegated()
+    pruner: _Delegated[Pruner | None] = _Delegated()
+    schedules: _Delegated[tuple[Schedule, ...]] = _Delegated()
     stopped: _Delegated[bool] = _Delegated()
 
     @property

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from typing import Any
 
 from .._rules import RESERVED_QUEUE_PREFIX
+from ..model import FINISHED_STATUSES, JobStatus
+from ..periodic import Schedule, check_schedules
 from ..sql import Backoff
 
 __all__ = ["WorkerConfig", "check_options"]
@@ -49,6 +53,19 @@ class WorkerConfig:
     #: Seconds one attempt may run, for jobs without a timeout of their own or of their
     #: task; past it the attempt fails (``timed out after N s``). None: no limit.
     timeout: float | None = None
+    #: Periodic jobs this worker enqueues (besides those of its Tasks registry), each
+    #: tick once however many workers run them.
+    schedules: tuple[Schedule, ...] = ()
+    #: False: enqueue no periodic jobs here (other workers of the table do).
+    periodic: bool = True
+    #: Delete finished jobs this long (seconds or a timedelta) after they finished: one
+    #: age for ``done`` and ``cancelled`` (dead letters kept), or an age per status,
+    #: ``{"done": 86400, "failed": timedelta(days=30)}``. None (the default): keep all.
+    retention: float | timedelta | Mapping[str, float | timedelta] | None = None
+    #: Seconds between two pruning passes (a pass deletes batch after batch until done).
+    retention_interval: float = 60.0
+    #: Most rows one pruning statement deletes (one short transaction each).
+    retention_batch: int = 1000
 
     def __post_init__(self) -> None:
         if self.queues is not None and not isinstance(self.queues, tuple):
@@ -86,8 +103,41 @@ class WorkerConfig:
             # 200-character column.
             raise ValueError(f"name must be at most {MAX_NAME_LENGTH} characters, got {len(self.name)}")
         _positive_int("max_error_length", self.max_error_length)
+        if not isinstance(self.schedules, tuple):
+            object.__setattr__(self, "schedules", check_schedules(self.schedules))
+        else:
+            check_schedules(self.schedules)
+        if not isinstance(self.periodic, bool):
+            raise TypeError(f"periodic must be True or False, got {self.periodic!r}")
+        self.retention_ages  # noqa: B018 - checks the retention
+        _duration("retention_interval", self.retention_interval, positive=True)
+        _positive_int("retention_batch", self.retention_batch)
         if not isinstance(self.backoff, Backoff):
             raise TypeError(f"backoff must be a sqla_queue.Backoff, got {self.backoff!r}")
+
+    @property
+    def retention_ages(self) -> dict[str, float]:
+        """The retention as seconds per status (empty: none)."""
+        given = self.retention
+        if given is None:
+            return {}
+        if isinstance(given, Mapping):
+            if not given:
+                raise ValueError("retention must name at least one status, or be None")
+            ages: dict[str, float] = {}
+            for status, age in given.items():
+                try:
+                    wanted = JobStatus(status)
+                except ValueError:
+                    wanted = None
+                if wanted not in FINISHED_STATUSES:
+                    raise ValueError(f"retention: only finished jobs (done, failed, cancelled) can be pruned, "
+                                     f"got {status!r}")
+                assert wanted is not None
+                ages[wanted.value] = _age(f"retention[{status!r}]", age)
+            return ages
+        age = _age("retention", given)
+        return {JobStatus.DONE.value: age, JobStatus.CANCELLED.value: age}
 
     @property
     def max_batch(self) -> int:
@@ -121,6 +171,12 @@ def _duration(name: str, value: Any, *, positive: bool) -> None:
                          f"number of seconds, got {value!r}")
     if value > 10 * 365 * 86400:
         raise ValueError(f"{name} is implausibly long: {value!r} seconds")
+
+
+def _age(name: str, value: Any) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    _duration(name, seconds, positive=True)
+    return float(seconds)
 
 
 def check_options(**options: Any) -> WorkerConfig:

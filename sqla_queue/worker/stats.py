@@ -24,6 +24,9 @@ class WorkerStats:
     #: Handlers still running after their deadline had passed (see the watchdog).
     stuck: int = 0
     heartbeats: int = 0
+    #: Periodic jobs this worker enqueued, and finished jobs its pruner deleted.
+    scheduled: int = 0
+    pruned: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, counter: str, n: int = 1) -> None:
