@@ -178,6 +178,9 @@ class JobModel(SQLModel):
     finished_at: datetime | None = mixin_field("finished_at")
     #: At most one job per key (``enqueue(..., unique_key=...)``); None: no key.
     unique_key: str | None = mixin_field("unique_key")
+    timeout: float | None = mixin_field("timeout")
+    started_at: datetime | None = mixin_field("started_at")
+    deadline_at: datetime | None = mixin_field("deadline_at")
 
 
 class TaskModel(JobModel):
