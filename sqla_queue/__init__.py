@@ -14,11 +14,14 @@ Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
 from .bulk import enqueue_many
+from .cancel import cancel
+from .current import JobContext, current_job
 from .errors import (
     BulkRowError,
     DeadLetter,
     EnqueueError,
     InvalidPayload,
+    JobCancelled,
     LeaseLost,
     NotAQueueModel,
     RetryLater,
@@ -60,6 +63,8 @@ __all__ = [
     "EnqueuedMany",
     "IdempotencyKeyMixin",
     "InvalidPayload",
+    "JobCancelled",
+    "JobContext",
     "JobEvent",
     "JobMixin",
     "JobOutcome",
@@ -83,6 +88,8 @@ __all__ = [
     "WorkerStartError",
     "WorkerStats",
     "archive_table",
+    "cancel",
+    "current_job",
     "enqueue",
     "enqueue_many",
     "enqueue_values",

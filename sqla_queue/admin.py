@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Row, func, select, text
 
 from . import sql as q
+from .cancel import cancel as _cancel
 from .driver import WorkerStartError
 from .model import JobStatus, queue_table, table_problem, translated_schema
 from .periodic import Schedule, schedules_table
@@ -28,6 +29,7 @@ __all__ = [
     "QueueCount",
     "QueueDepth",
     "QueueSummary",
+    "cancel",
     "cancel_jobs",
     "check_table",
     "delete_jobs",
@@ -173,26 +175,39 @@ def requeue(
     queues: Sequence[str] | None = None,
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
+    statuses: Sequence[str] = ("failed",),
 ) -> int:
-    """Give dead-lettered jobs fresh attempts; returns how many.
+    """Give dead-lettered (and, with ``statuses``, cancelled) jobs fresh attempts;
+    returns how many.
 
-    ``ids=None`` means every dead letter (of ``queues``, ``tasks``, with
-    ``error_contains`` in ``last_error``), an empty ``ids`` none at all.
+    ``ids=None`` means every such job (of ``queues``, ``tasks``, with ``error_contains``
+    in ``last_error``), an empty ``ids`` none at all. ``statuses``: ``failed`` (the
+    default) and/or ``cancelled``.
     """
     stmt = q.requeue_failed(
-        model, ids=ids, queues=queues or None, tasks=tasks or None, error_contains=error_contains or None
+        model, ids=ids, queues=queues or None, tasks=tasks or None, error_contains=error_contains or None,
+        statuses=statuses,
     )
     with engine.begin() as conn:
         return len(conn.scalars(stmt).all())
 
 
+def cancel(
+    engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None
+) -> list[Any]:
+    """Cancel pending and running jobs (:func:`sqla_queue.cancel`) in a transaction of
+    its own; returns the keys cancelled."""
+    with engine.begin() as conn:
+        return _cancel(conn, model, ids=ids, queues=queues or None)
+
+
 def cancel_jobs(engine: Engine, model: Any, *, ids: Sequence[Any]) -> int:
-    """Cancel the jobs ``ids`` that are still pending; returns how many.
+    """Cancel the jobs ``ids``, pending or running (:func:`sqla_queue.cancel`); returns
+    how many.
 
     The one place the command lines and the dashboard cancel through.
     """
-    with engine.begin() as conn:
-        return len(conn.scalars(q.cancel_pending(model, ids=ids)).all())
+    return len(cancel(engine, model, ids=ids))
 
 
 def delete_jobs(engine: Engine, model: Any, filters: JobFilters, *, limit: int = 10_000) -> int:

@@ -235,6 +235,7 @@ _name = click.argument("name", required=False)
 @click.option("--sweep-interval", type=parse_duration, help="sweep expired leases this often (0: never)")
 @click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
+@click.option("--timeout", type=parse_duration, help="how long one attempt may run (default: no limit)")
 @click.option("--retention", multiple=True, callback=_retention, metavar="[STATUS=]AGE",
               help="prune finished jobs this old: 7d (done and cancelled) or failed=30d (repeatable)")
 @click.option("--no-periodic", is_flag=True, help="enqueue no periodic jobs from this worker")
@@ -338,17 +339,38 @@ _STATUSES = [s.value for s in JobStatus]
 @_queue_commands.command("requeue")
 @_name
 @_filter_options(statuses=None)
+@click.option("--status", "statuses", multiple=True, type=click.Choice(["failed", "cancelled"]),
+              help="requeue jobs in this state (repeatable; default failed)")
 def _requeue_command(
-    name: str | None, ids: tuple[str, ...], queues: tuple[str, ...], tasks: tuple[str, ...], error: str | None
+    name: str | None, ids: tuple[str, ...], queues: tuple[str, ...], tasks: tuple[str, ...], error: str | None,
+    statuses: tuple[str, ...],
 ) -> None:
-    """Give dead-lettered jobs a fresh set of attempts."""
+    """Give dead-lettered (or cancelled) jobs a fresh set of attempts."""
     engine, model = _engine_and_model(name)
     filters = _filters(model, ids=ids, queues=queues, tasks=tasks, error=error).builder_kwargs()
     count = _usage(lambda: admin.requeue(
         engine, model, ids=filters["ids"], queues=filters["queues"], tasks=filters["tasks"],
-        error_contains=filters["error_contains"],
+        error_contains=filters["error_contains"], statuses=statuses or ("failed",),
     ))
-    click.echo(f"requeued {count} dead-lettered job(s)")
+    what = " or ".join(statuses) if statuses else "dead-lettered"
+    click.echo(f"requeued {count} {what} job(s)")
+
+
+@_queue_commands.command("cancel")
+@_name
+@click.option("--id", "ids", multiple=True, help="this job (repeatable)")
+@click.option("--queue", "queues", multiple=True, callback=_queue_names,
+              help="every unfinished job of this queue (repeatable)")
+def _cancel_command(name: str | None, ids: tuple[str, ...], queues: tuple[str, ...]) -> None:
+    """Cancel pending and running jobs: their attempts can no longer complete."""
+    if not ids and not queues:
+        raise click.UsageError("give --id or --queue (it never cancels every job by default)")
+    engine, model = _engine_and_model(name)
+    filters = _filters(model, ids=ids, queues=queues)
+    cancelled = _usage(lambda: admin.cancel(
+        engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None
+    ))
+    click.echo(f"cancelled {len(cancelled)} job(s)")
 
 
 @_queue_commands.command("jobs")

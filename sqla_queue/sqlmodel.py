@@ -179,6 +179,9 @@ class JobModel(SQLModel):
     trace_context: dict[str, str] | None = mixin_field("trace_context")
     #: At most one job per key (``enqueue(..., unique_key=...)``); None: no key.
     unique_key: str | None = mixin_field("unique_key")
+    timeout: float | None = mixin_field("timeout")
+    started_at: datetime | None = mixin_field("started_at")
+    deadline_at: datetime | None = mixin_field("deadline_at")
 
 
 class TaskModel(JobModel):

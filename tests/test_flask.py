@@ -273,6 +273,24 @@ def test_docs_flask_example_passes_mypy_strict(tmp_path: Path) -> None:
     assert "queue.enqueue(" in example.read_text()  # the typed way is the one shown
 
 
+def test_flask_queue_cancel_and_requeue_cancelled(app: Any) -> None:
+    client = app.test_client()
+    assert client.post("/orders", json={"product_id": 1, "quantity": 1, "email": "c@example.com"}).status_code == 201
+    runner = app.test_cli_runner()
+    refused = runner.invoke(args=["queue", "cancel"])
+    assert refused.exit_code != 0 and "give --id or --queue" in refused.output
+    with app.app_context():
+        (job_id,) = shop.db.session.scalars(select(shop.ConfirmationEmail.id)).all()
+    cancelled = runner.invoke(args=["queue", "cancel", "--id", str(job_id)])
+    assert cancelled.exit_code == 0 and "cancelled 1 job(s)" in cancelled.output, cancelled.output
+    again = runner.invoke(args=["queue", "requeue", "--status", "cancelled"])
+    assert again.exit_code == 0 and "requeued 1 cancelled job(s)" in again.output, again.output
+    worker = runner.invoke(args=["queue", "worker", "--until-idle", "--concurrency", "1", "--timeout", "30s"])
+    assert worker.exit_code == 0, worker.output
+    with app.app_context():
+        assert shop.db.session.scalar(select(shop.ConfirmationEmail.status)) == "done"
+
+
 def test_flask_queue_inspection_commands(app: Any) -> None:
     """``flask queue jobs|show|requeue|delete``: the filters of ``sqla-queue``, one value and several."""
     client = app.test_client()

@@ -61,6 +61,7 @@ from .scheduler import Scheduler
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .watchdog import Watchdog
 from .work_signal import WorkSignal
 
 __all__ = [
@@ -146,7 +147,8 @@ class Worker:
 
         ops = self._ops = QueueOps(
             driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease,
-            statement_deadline=cfg.statement_deadline,
+            statement_deadline=cfg.statement_deadline, timeout=cfg.timeout,
+            task_timeouts=resolved.timeouts() if isinstance(resolved, Tasks) else None,
         )
         ctx = self._context = WorkerContext(
             cfg, self.ledger, driver, ops, self.signal, self.stats, self.owner, self.hooks
@@ -156,6 +158,9 @@ class Worker:
         executor = Executor(ctx, resolved, self.session_factory, job_context)
         self.executors = ExecutorPool(ctx, self._producer, executor, completer)
         self.heartbeat = Heartbeat(ctx)
+        #: Tells handlers their attempt is over (deadlines; cancels when polling only).
+        self.watchdog = Watchdog(ctx)
+        executor.watchdog = self.watchdog
         self.sweeper = Sweeper(ctx, self._producer) if cfg.sweep_interval > 0 else None
         self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
         schedules = self.schedules
@@ -244,7 +249,7 @@ class Worker:
 
     def services(self) -> list[Service]:
         found: list[Service | None] = [
-            self.heartbeat, self.sweeper, self.listener, self.scheduler, self.pruner, self.executors,
+            self.heartbeat, self.watchdog, self.sweeper, self.listener, self.scheduler, self.pruner, self.executors,
         ]
         return [s for s in found if s is not None]
 
@@ -366,7 +371,8 @@ class Worker:
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
         others: list[Service] = [
-            s for s in (self.heartbeat, self.sweeper, self.listener, self.scheduler, self.pruner) if s is not None
+            s for s in (self.heartbeat, self.watchdog, self.sweeper, self.listener, self.scheduler, self.pruner)
+            if s is not None
         ]
         for service in others:
             service.request_stop()

@@ -42,6 +42,7 @@ from .scheduler import Scheduler
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .watchdog import Watchdog
 from .work_signal import WorkSignal
 
 __all__ = ["AsyncWorker"]
@@ -140,6 +141,7 @@ class AsyncWorker:
     signal: _Delegated[WorkSignal] = _Delegated()
     executors: _Delegated[ExecutorPool] = _Delegated()
     heartbeat: _Delegated[Heartbeat] = _Delegated()
+    watchdog: _Delegated[Watchdog] = _Delegated()
     sweeper: _Delegated[Sweeper | None] = _Delegated()
     listener: _Delegated[Listener | None] = _Delegated()
     scheduler: _Delegated[Scheduler | None] = _Delegated()

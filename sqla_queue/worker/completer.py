@@ -67,9 +67,12 @@ class Completer:
         by_kind: dict[Kind, list[Outcome]] = {}
         committed: list[Outcome] = []
         lost: list[Held] = []
+        cancelled: list[Outcome] = []
         for outcome in outcomes:
             kind = outcome.kind
-            if outcome.held.lost or kind is Kind.LOST:
+            if kind is Kind.CANCELLED:
+                cancelled.append(outcome)
+            elif outcome.held.lost or kind is Kind.LOST:
                 lost.append(outcome.held)
             elif kind is Kind.DONE:
                 done.append(outcome)
@@ -79,6 +82,8 @@ class Completer:
                 by_kind.setdefault(kind, []).append(outcome)
         if committed:  # recorded by the handler's own transaction
             self.settle([Settled(o.held, "done", o) for o in committed])
+        if cancelled:  # recorded by the cancel itself
+            self.settle([Settled(o.held, "cancelled", o) for o in cancelled])
         if lost:
             self._lost(lost, "lease lost while running")
         for kind, group in by_kind.items():
@@ -365,7 +370,7 @@ _OUTCOMES = {o.value: o for o in JobOutcome}
 
 class Settled(NamedTuple):
     """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
-    letter), ``released`` (handed back), ``snoozed`` or ``lost`` (its lease was gone): each the name
+    letter), ``released`` (handed back), ``snoozed``, ``cancelled`` or ``lost`` (its lease was gone): each the name
     of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
 
     held: Held

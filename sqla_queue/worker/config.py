@@ -55,6 +55,9 @@ class WorkerConfig:
     #: Serve Prometheus metrics on this port (all interfaces); needs the ``prometheus``
     #: extra. None: no exporter (mount :mod:`sqla_queue.prometheus` in your app instead).
     metrics_port: int | None = None
+    #: Seconds one attempt may run, for jobs without a timeout of their own or of their
+    #: task; past it the attempt fails (``timed out after N s``). None: no limit.
+    timeout: float | None = None
     #: Periodic jobs this worker enqueues (besides those of its Tasks registry), each
     #: tick once however many workers run them.
     schedules: tuple[Schedule, ...] = ()
@@ -83,6 +86,8 @@ class WorkerConfig:
             _duration(name, getattr(self, name), positive=False)
         if self.heartbeat_interval is not None:
             _duration("heartbeat_interval", self.heartbeat_interval, positive=True)
+        if self.timeout is not None:
+            _duration("timeout", self.timeout, positive=True)
         if self.effective_heartbeat >= self.lease:
             raise ValueError(
                 f"heartbeat_interval ({self.effective_heartbeat}s) must be shorter than the "

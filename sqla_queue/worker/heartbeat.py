@@ -21,6 +21,7 @@ from ..sql import ClaimToken
 from .context import WorkerContext
 from .hooks import JobOutcome
 from .service import Reconnecting, Service
+from .watchdog import stop_cancelled
 
 __all__ = ["Heartbeat"]
 
@@ -53,6 +54,11 @@ class Heartbeat(Service):
         since = self.ledger.claims_since()
         if held or since is not None or not self.ledger.healthy:  # recover only on a beat that reached the table
             lost = self._beat([h.token for h in held], since)
+            if lost:  # a cancelled row is not running any more either: its handler is told
+                conn = self.link.connect()
+                with self.driver.deadline(conn, self.interval):
+                    told = stop_cancelled(self.ops, conn, [h for h in held if h.token in lost and h.started])
+                lost -= {h.token for h in told}
             gone = [h for h in held if h.token in lost and self.ledger.mark_lost(h) is not None]
             if gone:
                 hooks = self.hooks

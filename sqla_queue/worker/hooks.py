@@ -49,6 +49,8 @@ class JobOutcome(str, enum.Enum):
     #: The handler asked to run again later (``Snooze``): ``delay`` says when; no
     #: attempt spent.
     SNOOZED = "snoozed"
+    #: Cancelled while it ran (``sqla-queue cancel``, ``cancel_jobs``): nothing more recorded.
+    CANCELLED = "cancelled"
     #: An expired lease of some worker, returned to ``pending`` (or dead-lettered) by
     #: this worker's sweeper: ``attempt`` is the one that expired, no run time.
     SWEPT = "swept"
@@ -370,6 +372,7 @@ _LEVELS = {
     JobOutcome.LOST: logging.WARNING,
     JobOutcome.SWEPT: logging.INFO,
     JobOutcome.SNOOZED: logging.INFO,
+    JobOutcome.CANCELLED: logging.INFO,
 }
 
 

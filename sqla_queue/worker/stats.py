@@ -21,6 +21,10 @@ class WorkerStats:
     #: Jobs whose handler raised ``Snooze``: run again later, no attempt spent.
     snoozed: int = 0
     swept: int = 0
+    #: Jobs cancelled while this worker held them.
+    cancelled: int = 0
+    #: Handlers still running after their deadline had passed (see the watchdog).
+    stuck: int = 0
     heartbeats: int = 0
     #: Events not given to the observers: their queue was full (see ``observer_queue_size``).
     hook_dropped: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from ..control import SWEPT_PREFIX
 from .context import WorkerContext
 from .hooks import JobEvent, JobOutcome
 from .producer import Producer
@@ -21,8 +22,6 @@ __all__ = ["SWEPT_PREFIX", "Sweeper"]
 log = logging.getLogger("sqla_queue.worker")
 
 SWEEP_LIMIT = 1000
-#: Marks a NOTIFY payload ``SWEPT_PREFIX + queue``: jobs of that queue were just swept.
-SWEPT_PREFIX = "sqla_queue.swept:"
 #: A sweep stuck longer than this (behind a table lock, a hung server) is cut short.
 SWEEP_DEADLINE = 10.0
 
