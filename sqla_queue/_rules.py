@@ -19,7 +19,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from sqlalchemy import JSON, Column, String, Table, TypeDecorator
@@ -113,7 +113,7 @@ def check_run_at(value: Any, name: str = "run_at") -> None:
     if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
         raise EnqueueError(f"{name} must be a timezone-aware datetime, got {value!r}")
     try:
-        value.astimezone(timezone.utc)  # year 9999 at +02:00 is year 10000 in UTC
+        value.astimezone(UTC)  # year 9999 at +02:00 is year 10000 in UTC
     except OverflowError:
         raise EnqueueError(f"{name} is out of range, got {value!r}") from None
 

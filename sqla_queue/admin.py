@@ -11,7 +11,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, func, select, text
@@ -263,7 +263,7 @@ def format_schedules(
     """Each schedule of the code (``schedules``) and of the table's watermark rows, with
     its last tick enqueued and its next tick, as a text table. A row whose schedule is no
     longer in the code shows ``(not in code)``: it is harmless, and ticks no more."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     table = schedules_table(model)
     with engine.connect() as conn:
         exists = conn.scalar(text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _regclass(conn, table)})
@@ -298,7 +298,7 @@ def _regclass(conn: Any, table: Any) -> str:
 
 
 def _moment(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _age(age: timedelta | None) -> str:

@@ -72,7 +72,7 @@ _INFO_KEY: Final = "sqla_queue"
 _UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
 
 
-class JobStatus(str, enum.Enum):
+class JobStatus(enum.StrEnum):
     """The life of a job. ``failed`` is the dead letter: no attempts left, kept for review."""
 
     PENDING = "pending"

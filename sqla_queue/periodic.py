@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -39,7 +39,7 @@ __all__ = ["MAX_BACKFILL", "Schedule", "schedules_table"]
 MAX_BACKFILL: Final = 1000
 #: Longest schedule name: the primary key of the watermark table.
 MAX_NAME_LENGTH: Final = 200
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _INFO_KEY: Final = "sqla_queue.schedules_table"
 #: A moment just past ``now``: cronsim's reverse iteration returns ticks strictly before.
 _EPSILON: Final = timedelta(microseconds=1)
@@ -50,7 +50,7 @@ RowValues = Mapping[str, Any] | Callable[[datetime], Mapping[str, Any]]
 def _utc(moment: datetime) -> datetime:
     if moment.tzinfo is None or moment.utcoffset() is None:
         raise ValueError(f"expected a timezone-aware datetime, got {moment!r}")
-    return moment.astimezone(timezone.utc)
+    return moment.astimezone(UTC)
 
 
 @dataclass(frozen=True)

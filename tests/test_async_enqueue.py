@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
@@ -166,7 +166,7 @@ def test_rows_match_what_enqueue_writes(run: Run, method: Any) -> None:
         "queue": "q",
         "priority": -4,
         "max_attempts": 3,
-        "run_at": datetime(2031, 5, 1, tzinfo=timezone.utc),
+        "run_at": datetime(2031, 5, 1, tzinfo=UTC),
     }
 
     async def body(db: Db) -> None:

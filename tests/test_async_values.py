@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Awaitable, Callable, Coroutine
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -189,7 +189,7 @@ def test_async_scoped_session(run: Run, engine: Engine, listening: Any, server: 
 
 
 def test_defaults_options_and_delay_as_the_sync_call(run: Run, engine: Engine) -> None:
-    at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
 
     async def body(async_engine: AsyncEngine) -> None:
         async with AsyncSession(async_engine) as session:

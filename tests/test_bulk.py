@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -214,7 +214,7 @@ def _rows_by_id(session: Session, model: Any) -> list[dict[str, Any]]:
     [
         {},
         {"queue": "q", "priority": -4, "max_attempts": 3, "delay": 90},
-        {"run_at": datetime(2031, 5, 1, tzinfo=timezone.utc)},
+        {"run_at": datetime(2031, 5, 1, tzinfo=UTC)},
     ],
 )
 def test_rows_match_what_enqueue_writes(
@@ -287,7 +287,7 @@ def test_delay_is_measured_by_the_database_clock_at_the_call(
 
 @pytest.mark.parametrize("method", METHODS)
 def test_row_values_win_over_options(Sessions: sessionmaker[QueueSession], method: Any) -> None:
-    at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
     with Sessions() as session:
         before = session.scalar(select(func.clock_timestamp()))
         session.enqueue_many(
@@ -421,7 +421,7 @@ def test_bad_row_in_the_first_batch_writes_nothing(
         (EmailJob, {"lease_owner": "w"}, "the queue manages lease_owner"),
         (
             EmailJob,
-            EmailJob(finished_at=datetime.now(timezone.utc)),
+            EmailJob(finished_at=datetime.now(UTC)),
             "the queue manages finished_at",
         ),
         (EmailJob, {"recipient": None}, "recipient is NOT NULL"),
@@ -547,7 +547,7 @@ def test_rows_the_database_would_reject_are_refused_first(
         ({"delay": "soon"}, "seconds or a timedelta"),
         ({"run_at": datetime(2030, 1, 1)}, "timezone-aware"),
         (
-            {"delay": 1, "run_at": datetime(2030, 1, 1, tzinfo=timezone.utc)},
+            {"delay": 1, "run_at": datetime(2030, 1, 1, tzinfo=UTC)},
             "either delay or run_at",
         ),
         ({"priority": 2**40}, "32-bit"),

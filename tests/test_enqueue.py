@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -139,7 +139,7 @@ def test_options_set_queue_priority_attempts_and_delay(
 ) -> None:
     with Sessions() as session:
         delayed = session.enqueue(EmailJob(), queue="later", priority=-3, max_attempts=2, delay=90)
-        at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        at = datetime(2030, 1, 1, tzinfo=UTC)
         scheduled = session.enqueue(EmailJob(), run_at=at)
         session.commit()
         now = session.scalar(select(func.now()))
@@ -157,7 +157,7 @@ def test_options_set_queue_priority_attempts_and_delay(
         ({"delay": float("nan")}, "non-negative"),
         ({"delay": "soon"}, "seconds or a timedelta"),
         ({"run_at": datetime(2030, 1, 1)}, "timezone-aware"),
-        ({"delay": 1, "run_at": datetime(2030, 1, 1, tzinfo=timezone.utc)}, "either delay or run_at"),
+        ({"delay": 1, "run_at": datetime(2030, 1, 1, tzinfo=UTC)}, "either delay or run_at"),
         ({"priority": 2**40}, "32-bit"),
         ({"priority": "high"}, "32-bit"),
         ({"max_attempts": 0}, ">= 1"),

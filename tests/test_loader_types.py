@@ -57,7 +57,7 @@ class Mood(enum.Enum):
     sad = "sad"
 
 
-_UTC = dt.timezone.utc
+_UTC = dt.UTC
 _T0 = dt.datetime(2024, 5, 6, 7, 8, 9, 123456)
 _T0Z = _T0.replace(tzinfo=_UTC)
 

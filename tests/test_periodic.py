@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -24,7 +24,7 @@ from .workers import FAST
 
 TASKS = table_of(Task)
 REPORTS = table_of(ReportJob)
-UTC = timezone.utc
+UTC = UTC
 PARIS = ZoneInfo("Europe/Paris")
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 

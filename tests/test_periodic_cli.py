@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -15,7 +15,7 @@ from sqla_queue.cli import build_parser, main, worker_overrides
 from .helpers import Server
 from .models import Task
 
-TICK = datetime(2026, 6, 1, 12, 0, 5, tzinfo=timezone.utc)
+TICK = datetime(2026, 6, 1, 12, 0, 5, tzinfo=UTC)
 
 
 @pytest.fixture
@@ -41,8 +41,8 @@ def test_schedules_lists_each_schedule_with_its_last_and_next_tick(
     beat, gone = lines[2], lines[3]
     assert beat.split()[:6] == ["beat", "every", "1s", "UTC", "2026-06-01", "12:00:05"]
     assert gone.split()[:4] == ["gone", "(not", "in", "code)"]
-    next_tick = datetime.strptime(" ".join(beat.split()[7:9]), "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
-    assert abs((next_tick - datetime.now(timezone.utc)).total_seconds()) < 5
+    next_tick = datetime.strptime(" ".join(beat.split()[7:9]), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+    assert abs((next_tick - datetime.now(UTC)).total_seconds()) < 5
 
 
 def test_schedules_of_a_model_target_are_its_rows(engine: Engine, url: str, capsys: Any) -> None:

@@ -6,7 +6,7 @@ import functools
 import multiprocessing
 import uuid
 from concurrent.futures import ProcessPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -84,7 +84,7 @@ def test_claim_order_priority_then_due_time_then_id(engine: Engine) -> None:
     with engine.begin() as conn:
         low = add_jobs(conn, 2, priority=0)
         high = add_jobs(conn, 1, priority=10)
-        older = add_jobs(conn, 1, priority=0, run_after=datetime.now(timezone.utc) - timedelta(hours=1))
+        older = add_jobs(conn, 1, priority=0, run_after=datetime.now(UTC) - timedelta(hours=1))
         order = [r.id for r in claim(conn, limit=10)]
     assert order == high + older + low
 
@@ -726,10 +726,10 @@ def test_intervals_are_seconds_across_a_daylight_saving_change(engine: Engine) -
         calendar = conn.scalar(select(at + literal(timedelta(days=1), Interval())))
         exact = conn.scalar(select(at + q.seconds_interval(timedelta(days=1).total_seconds())))
         conn.rollback()
-    utc_start = start.astimezone(timezone.utc)
+    utc_start = start.astimezone(UTC)
     assert calendar is not None and exact is not None
-    assert calendar.astimezone(timezone.utc) - utc_start == timedelta(hours=23)  # the trap
-    assert exact.astimezone(timezone.utc) - utc_start == timedelta(seconds=86400)
+    assert calendar.astimezone(UTC) - utc_start == timedelta(hours=23)  # the trap
+    assert exact.astimezone(UTC) - utc_start == timedelta(seconds=86400)
 
 
 def test_every_builder_sends_its_durations_as_seconds() -> None:

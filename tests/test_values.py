@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -60,7 +60,7 @@ def test_writes_what_enqueue_writes_and_notifies_once_on_commit(
 
 
 def test_python_defaults_and_options(engine: Engine, listening: Any, server: Server) -> None:
-    at = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
     with Session(engine) as session:
         enqueue_values(session, Task, {"task": "resize"}, queue="images", priority=3, max_attempts=2, run_at=at)
         enqueue_values(session, EmailJob)  # every column from its default

@@ -32,7 +32,7 @@ log = logging.getLogger("sqla_queue.worker")
 job_log = logging.getLogger("sqla_queue.worker.jobs")
 
 
-class JobOutcome(str, enum.Enum):
+class JobOutcome(enum.StrEnum):
     """How a job's attempt ended in a worker; each value is also the name of the
     :class:`~sqla_queue.WorkerStats` counter it adds to."""
 

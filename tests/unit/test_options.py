@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, get_type_hints
 
 import pytest
@@ -14,7 +14,7 @@ import sqla_queue
 from sqla_queue import EnqueueError
 from sqla_queue.options import NO_OPTIONS, EnqueueKwargs, EnqueueOptions, enqueue_options
 
-AT = datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+AT = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def test_no_option_sets_nothing() -> None:
