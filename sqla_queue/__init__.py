@@ -14,11 +14,14 @@ Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
 from .bulk import enqueue_many
+from .cancel import cancel
+from .current import JobContext, current_job
 from .errors import (
     BulkRowError,
     DeadLetter,
     EnqueueError,
     InvalidPayload,
+    JobCancelled,
     LeaseLost,
     NotAQueueModel,
     RetryLater,
@@ -44,7 +47,7 @@ from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .unique import Enqueued, EnqueuedMany
 from .values import enqueue_values
-from .worker import Worker, WorkerConfig, WorkerStartError, WorkerStats
+from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
 from .worker.aio import AsyncWorker
 
 __all__ = [
@@ -60,7 +63,11 @@ __all__ = [
     "EnqueuedMany",
     "IdempotencyKeyMixin",
     "InvalidPayload",
+    "JobCancelled",
+    "JobContext",
+    "JobEvent",
     "JobMixin",
+    "JobOutcome",
     "JobStatus",
     "LeaseLost",
     "NotAQueueModel",
@@ -77,9 +84,12 @@ __all__ = [
     "UnknownTask",
     "Worker",
     "WorkerConfig",
+    "WorkerObserver",
     "WorkerStartError",
     "WorkerStats",
     "archive_table",
+    "cancel",
+    "current_job",
     "enqueue",
     "enqueue_many",
     "enqueue_values",

@@ -45,6 +45,8 @@ __all__ = [
     "check_run_at",
     "check_task_name",
     "check_text",
+    "check_timeout",
+    "timeout_seconds",
     "delay_seconds",
     "dialect_json_serializer",
     "jsonb_size",
@@ -66,6 +68,8 @@ _MANAGED_DEFAULTS: Final = {
     "lease_owner": (None,),
     "lease_expires_at": (None,),
     "finished_at": (None,),
+    "started_at": (None,),
+    "deadline_at": (None,),
 }
 #: Their names: a row setting none of them needs no closer look.
 MANAGED_KEYS: Final = frozenset(_MANAGED_DEFAULTS)
@@ -147,6 +151,34 @@ def delay_seconds(delay: Any) -> float:
     if seconds > MAX_DELAY_SECONDS:
         raise EnqueueError(f"delay must be at most 1000 years, got {delay!r}")
     return seconds
+
+
+#: The longest ``timeout``: ten years (a deadline must stay a readable timestamp).
+MAX_TIMEOUT_SECONDS: Final = 10 * 365 * 86400.0
+
+
+def timeout_seconds(value: Any, name: str = "timeout") -> float:
+    """A timeout (positive seconds or a timedelta) as float seconds, checked."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value) if abs(value) < 2**63 else math.inf
+    else:
+        raise EnqueueError(f"{name} must be seconds or a timedelta, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_TIMEOUT_SECONDS:
+        raise EnqueueError(f"{name} must be a positive duration of at most ten years, got {value!r}")
+    return seconds
+
+
+def check_timeout(value: Any, name: str = "timeout") -> None:
+    timeout_seconds(value, name)
+
+
+def _check_timeout_column(value: Any, name: str = "timeout") -> None:
+    """A row's own ``timeout`` value: seconds, as the column stores them."""
+    if isinstance(value, timedelta):
+        raise EnqueueError(f"{name} of a row must be seconds (the column's type), got {value!r}")
+    timeout_seconds(value, name)
 
 
 def managed_violation(values: Any) -> tuple[str, Any] | None:
@@ -531,6 +563,7 @@ _QUEUE_CHECKS: Final[dict[str, Check]] = {
     "priority": check_priority,
     "max_attempts": check_max_attempts,
     "run_after": check_run_at,
+    "timeout": _check_timeout_column,
 }
 
 

@@ -14,18 +14,22 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Engine, Row, func, select, text
+from sqlalchemy import Connection, Engine, Row, func, select, text
 
 from . import sql as q
+from .cancel import cancel as _cancel
 from .driver import WorkerStartError
-from .model import queue_table, table_problem
+from .model import JobStatus, queue_table, table_problem, translated_schema
 from .periodic import Schedule, schedules_table
 
 __all__ = [
     "JobFilters",
     "JobPage",
     "LeaseOwner",
+    "QueueCount",
+    "QueueDepth",
     "QueueSummary",
+    "cancel",
     "cancel_jobs",
     "check_table",
     "delete_jobs",
@@ -37,9 +41,11 @@ __all__ = [
     "lease_owners",
     "list_jobs",
     "parse_job_id",
+    "queue_depth",
     "queue_overview",
     "prune",
     "requeue",
+    "stats_json",
     "sweep",
 ]
 
@@ -169,26 +175,39 @@ def requeue(
     queues: Sequence[str] | None = None,
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
+    statuses: Sequence[str] = ("failed",),
 ) -> int:
-    """Give dead-lettered jobs fresh attempts; returns how many.
+    """Give dead-lettered (and, with ``statuses``, cancelled) jobs fresh attempts;
+    returns how many.
 
-    ``ids=None`` means every dead letter (of ``queues``, ``tasks``, with
-    ``error_contains`` in ``last_error``), an empty ``ids`` none at all.
+    ``ids=None`` means every such job (of ``queues``, ``tasks``, with ``error_contains``
+    in ``last_error``), an empty ``ids`` none at all. ``statuses``: ``failed`` (the
+    default) and/or ``cancelled``.
     """
     stmt = q.requeue_failed(
-        model, ids=ids, queues=queues or None, tasks=tasks or None, error_contains=error_contains or None
+        model, ids=ids, queues=queues or None, tasks=tasks or None, error_contains=error_contains or None,
+        statuses=statuses,
     )
     with engine.begin() as conn:
         return len(conn.scalars(stmt).all())
 
 
+def cancel(
+    engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None
+) -> list[Any]:
+    """Cancel pending and running jobs (:func:`sqla_queue.cancel`) in a transaction of
+    its own; returns the keys cancelled."""
+    with engine.begin() as conn:
+        return _cancel(conn, model, ids=ids, queues=queues or None)
+
+
 def cancel_jobs(engine: Engine, model: Any, *, ids: Sequence[Any]) -> int:
-    """Cancel the jobs ``ids`` that are still pending; returns how many.
+    """Cancel the jobs ``ids``, pending or running (:func:`sqla_queue.cancel`); returns
+    how many.
 
     The one place the command lines and the dashboard cancel through.
     """
-    with engine.begin() as conn:
-        return len(conn.scalars(q.cancel_pending(model, ids=ids)).all())
+    return len(cancel(engine, model, ids=ids))
 
 
 def delete_jobs(engine: Engine, model: Any, filters: JobFilters, *, limit: int = 10_000) -> int:
@@ -290,6 +309,66 @@ def _age(age: timedelta | None) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{seconds:.1f}s"
+
+
+@dataclass(frozen=True)
+class QueueCount:
+    """Jobs of one queue in one status; ``oldest_runnable_seconds``: the age of the
+    oldest job that could run now (pending rows only, None when none can)."""
+
+    queue: str
+    status: str
+    jobs: int
+    oldest_runnable_seconds: float | None
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """What :func:`queue_depth` read: the counts, and the table's dead tuples."""
+
+    table: str
+    counts: tuple[QueueCount, ...]
+    dead_tuples: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, for JSON."""
+        return {
+            "table": self.table,
+            "dead_tuples": self.dead_tuples,
+            "queues": [
+                {"queue": c.queue, "status": c.status, "jobs": c.jobs,
+                 "oldest_runnable_seconds": c.oldest_runnable_seconds}
+                for c in self.counts
+            ],
+        }
+
+
+def queue_depth(
+    bind: Engine | Connection, model: Any, *, statuses: Sequence[JobStatus | str] = q.DEPTH_STATUSES
+) -> QueueDepth:
+    """Run :func:`sqla_queue.sql.queue_depth` (one statement) on ``bind``: the counts per
+    queue and status, the oldest runnable age and the dead tuples of ``model``'s table,
+    under the connection's ``schema_translate_map``."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return queue_depth(conn, model, statuses=statuses)
+    table = queue_table(model).table
+    schema = translated_schema(table, bind.get_execution_options().get("schema_translate_map"))
+    quote = bind.dialect.identifier_preparer.quote
+    name = f"{schema}.{table.name}" if schema else table.name
+    regclass = f"{quote(schema)}.{quote(table.name)}" if schema else quote(table.name)
+    rows = bind.execute(q.queue_depth(model, statuses=statuses, regclass=regclass)).all()
+    counts = tuple(
+        QueueCount(r.queue, r.status, int(r.jobs), None if r.oldest_runnable_seconds is None
+                   else max(float(r.oldest_runnable_seconds), 0.0))
+        for r in rows if r.queue is not None
+    )
+    return QueueDepth(name, counts, int(rows[0].dead_tuples) if rows else 0)
+
+
+def stats_json(engine: Engine, model: Any) -> dict[str, Any]:
+    """``sqla-queue stats --json``: every status of every queue, and the dead tuples."""
+    return queue_depth(engine, model, statuses=list(JobStatus)).as_dict()
 
 
 @dataclass

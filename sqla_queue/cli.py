@@ -1,4 +1,4 @@
-"""The sqla-queue command line: run workers, sweep, inspect, requeue, prune, list schedules.
+"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, prune, list schedules.
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -311,6 +312,8 @@ def worker_overrides(
     shutdown_grace: float | None = None,
     queue: Sequence[str] | None = None,
     no_listen: bool = False,
+    metrics_port: int | None = None,
+    timeout: float | None = None,
     retention: Sequence[tuple[str | None, float]] | None = None,
     no_periodic: bool = False,
 ) -> dict[str, Any]:
@@ -325,6 +328,8 @@ def worker_overrides(
         "shutdown_grace": shutdown_grace,
         "queues": tuple(queue) if queue else None,
         "listen": False if no_listen else None,
+        "metrics_port": metrics_port,
+        "timeout": timeout,
         "retention": retention_option(retention) if retention else None,
         "periodic": False if no_periodic else None,
     }
@@ -354,7 +359,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         sweep_interval=args.sweep_interval,
         shutdown_grace=args.shutdown_grace,
         queue=args.queue,
+        timeout=args.timeout,
         no_listen=args.no_listen,
+        metrics_port=args.metrics_port,
         retention=args.retention,
         no_periodic=args.no_periodic,
     )
@@ -433,7 +440,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    print(_on_admin_target(args, admin.format_stats))
+    if args.json:
+        print(json.dumps(_on_admin_target(args, admin.stats_json), indent=2))
+    else:
+        print(_on_admin_target(args, admin.format_stats))
     return 0
 
 
@@ -470,15 +480,30 @@ def _with_filters(
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
+    statuses = args.status or ["failed"]
+
     def requeue(engine: Engine, model: Any, filters: admin.JobFilters) -> int:
         kwargs = filters.builder_kwargs()
         return admin.requeue(
             engine, model, ids=kwargs["ids"], queues=kwargs["queues"], tasks=kwargs["tasks"],
-            error_contains=kwargs["error_contains"],
+            error_contains=kwargs["error_contains"], statuses=statuses,
         )
 
     count = _on_admin_target(args, _with_filters(args, requeue))
-    print(f"requeued {count} dead-lettered job(s)")
+    what = " or ".join(statuses) if args.status else "dead-lettered"
+    print(f"requeued {count} {what} job(s)")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    if not args.id and not args.queue:
+        raise CommandError("give --id or --queue (it never cancels every job by default)")
+
+    def cancel(engine: Engine, model: Any, filters: admin.JobFilters) -> list[Any]:
+        return admin.cancel(engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None)
+
+    cancelled = _on_admin_target(args, _with_filters(args, cancel))
+    print(f"cancelled {len(cancelled)} job(s)")
     return 0
 
 
@@ -632,12 +657,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--sweep-interval", type=seconds, help="sweep expired leases this often (0: never)")
     worker.add_argument("--shutdown-grace", type=seconds, help="time running jobs get to finish on SIGTERM")
     worker.add_argument("--no-listen", action="store_true", help="poll only (PgBouncer transaction pooling)")
+    worker.add_argument("--timeout", type=positive_seconds, help="how long one attempt may run (default: no limit)")
     worker.add_argument(
         "--retention", type=retention_age, action="append", metavar="[STATUS=]AGE",
         help="prune finished jobs this old: 7d (done and cancelled) or failed=30d (repeatable)",
     )
     worker.add_argument("--no-periodic", action="store_true", help="enqueue no periodic jobs from this worker")
     worker.add_argument("--until-idle", action="store_true", help="exit once no runnable job is left")
+    worker.add_argument("--metrics-port", type=positive_int, metavar="PORT",
+                        help="serve Prometheus metrics on this port (the prometheus extra)")
     worker.set_defaults(func=cmd_worker, parser=worker)
 
     def admin(name: str, help: str) -> argparse.ArgumentParser:
@@ -655,6 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(func=cmd_sweep)
 
     stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age")
+    stats.add_argument("--json", action="store_true", help="as JSON (with the table's dead tuples)")
     stats.set_defaults(func=cmd_stats)
 
     def filters(sub: argparse.ArgumentParser, *, statuses: Sequence[str] | None, ids: bool = True) -> None:
@@ -668,7 +697,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     requeue = admin("requeue", "give dead-lettered jobs a fresh set of attempts")
     filters(requeue, statuses=None)
+    requeue.add_argument(
+        "--status", action="append", choices=["failed", "cancelled"],
+        help="requeue jobs in this state (repeatable; default failed)",
+    )
     requeue.set_defaults(func=cmd_requeue)
+
+    cancel = admin("cancel", "cancel pending and running jobs (their attempts can no longer complete)")
+    cancel.add_argument("--id", action="append", metavar="ID", help="this job (repeatable)")
+    cancel.add_argument(
+        "--queue", type=queue_name, action="append", help="every unfinished job of this queue (repeatable)"
+    )
+    cancel.set_defaults(func=cmd_cancel)
 
     jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
     filters(jobs, statuses=[s.value for s in JobStatus], ids=False)

@@ -56,6 +56,16 @@ class LeaseLost(SqlaQueueError):
     """
 
 
+class JobCancelled(SqlaQueueError):
+    """Raised by :meth:`JobContext.check() <sqla_queue.JobContext.check>` in a handler
+    whose job was cancelled or ran past its deadline: the attempt is over, and nothing
+    it does now can complete it. ``reason``: ``"cancelled"`` or ``"timed out"``."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
 class UnknownTask(SqlaQueueError, LookupError):
     """A task row names a task that is not registered with the worker's :class:`Tasks`."""
 

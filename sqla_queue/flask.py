@@ -24,6 +24,7 @@ methods SQLAlchemy knows; ``init_app`` also gives that object ``enqueue`` and
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -234,10 +235,13 @@ _name = click.argument("name", required=False)
 @click.option("--sweep-interval", type=parse_duration, help="sweep expired leases this often (0: never)")
 @click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
+@click.option("--timeout", type=parse_duration, help="how long one attempt may run (default: no limit)")
 @click.option("--retention", multiple=True, callback=_retention, metavar="[STATUS=]AGE",
               help="prune finished jobs this old: 7d (done and cancelled) or failed=30d (repeatable)")
 @click.option("--no-periodic", is_flag=True, help="enqueue no periodic jobs from this worker")
 @click.option("--until-idle", is_flag=True, help="exit once no runnable job is left")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535),
+              help="serve Prometheus metrics on this port (the prometheus extra)")
 @click.option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
@@ -276,9 +280,13 @@ def _sweep_command(name: str | None) -> None:
 
 @_queue_commands.command("stats")
 @_name
-def _stats_command(name: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="as JSON (with the table's dead tuples)")
+def _stats_command(name: str | None, as_json: bool) -> None:
     """Jobs per queue and status, and the oldest runnable job's age."""
-    click.echo(admin.format_stats(*_engine_and_model(name)))
+    if as_json:
+        click.echo(json.dumps(admin.stats_json(*_engine_and_model(name)), indent=2))
+    else:
+        click.echo(admin.format_stats(*_engine_and_model(name)))
 
 
 def _filter_options(*, statuses: list[str] | None, ids: bool = True) -> Callable[[F], F]:
@@ -331,17 +339,38 @@ _STATUSES = [s.value for s in JobStatus]
 @_queue_commands.command("requeue")
 @_name
 @_filter_options(statuses=None)
+@click.option("--status", "statuses", multiple=True, type=click.Choice(["failed", "cancelled"]),
+              help="requeue jobs in this state (repeatable; default failed)")
 def _requeue_command(
-    name: str | None, ids: tuple[str, ...], queues: tuple[str, ...], tasks: tuple[str, ...], error: str | None
+    name: str | None, ids: tuple[str, ...], queues: tuple[str, ...], tasks: tuple[str, ...], error: str | None,
+    statuses: tuple[str, ...],
 ) -> None:
-    """Give dead-lettered jobs a fresh set of attempts."""
+    """Give dead-lettered (or cancelled) jobs a fresh set of attempts."""
     engine, model = _engine_and_model(name)
     filters = _filters(model, ids=ids, queues=queues, tasks=tasks, error=error).builder_kwargs()
     count = _usage(lambda: admin.requeue(
         engine, model, ids=filters["ids"], queues=filters["queues"], tasks=filters["tasks"],
-        error_contains=filters["error_contains"],
+        error_contains=filters["error_contains"], statuses=statuses or ("failed",),
     ))
-    click.echo(f"requeued {count} dead-lettered job(s)")
+    what = " or ".join(statuses) if statuses else "dead-lettered"
+    click.echo(f"requeued {count} {what} job(s)")
+
+
+@_queue_commands.command("cancel")
+@_name
+@click.option("--id", "ids", multiple=True, help="this job (repeatable)")
+@click.option("--queue", "queues", multiple=True, callback=_queue_names,
+              help="every unfinished job of this queue (repeatable)")
+def _cancel_command(name: str | None, ids: tuple[str, ...], queues: tuple[str, ...]) -> None:
+    """Cancel pending and running jobs: their attempts can no longer complete."""
+    if not ids and not queues:
+        raise click.UsageError("give --id or --queue (it never cancels every job by default)")
+    engine, model = _engine_and_model(name)
+    filters = _filters(model, ids=ids, queues=queues)
+    cancelled = _usage(lambda: admin.cancel(
+        engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None
+    ))
+    click.echo(f"cancelled {len(cancelled)} job(s)")
 
 
 @_queue_commands.command("jobs")

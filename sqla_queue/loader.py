@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import ARRAY, JSON, Column, TypeDecorator, inspect
+from sqlalchemy import ARRAY, JSON, Column, Double, Float, TypeDecorator, inspect
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, attributes, configure_mappers
 from sqlalchemy.orm.exc import UnmappedColumnError
@@ -63,6 +63,10 @@ def polymorphic_column(mapper: Mapper[Any]) -> Column[Any] | None:
     return None
 
 
+#: The type code of ``double precision``.
+_FLOAT8_OID = 701
+
+
 class _MapperPlan:
     """How one mapper's instance is built from a row: which columns go to which
     attributes, and which need their type's result processor."""
@@ -78,6 +82,9 @@ class _MapperPlan:
             except UnmappedColumnError:
                 continue
             coltype = type_codes.get(column.name) if type_codes is not None else None
+            if coltype is None and isinstance(column.type, Float):
+                # PostgreSQL's numeric processors need the server's type: the column's own.
+                coltype = _FLOAT8_OID if isinstance(column.type, Double) or column.type.precision is None else None
             process = column.type.dialect_impl(dialect).result_processor(dialect, coltype)
             json_kind = _json_kind(column.type, dialect)
             if process is None and not json_kind:

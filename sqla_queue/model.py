@@ -24,6 +24,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Double,
     Identity,
     Index,
     Integer,
@@ -221,9 +222,21 @@ class JobMixin:
         DateTime(timezone=True), server_default=func.now()
     )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: The OpenTelemetry context of the code that enqueued the job (``traceparent``...),
+    #: when a span was recording; the job's span links to it. NULL otherwise.
+    trace_context: Mapped[dict[str, str] | None] = mapped_column(
+        JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql"), nullable=True
+    )
     #: At most one job per key in the statuses of the model's :class:`UniqueJobs`
     #: (``enqueue(..., unique_key=...)``); NULL: no key.
     unique_key: Mapped[str | None] = mapped_column(String(UNIQUE_KEY_LENGTH))
+    #: Seconds one attempt may run, set at enqueue (``timeout=``); None: the task's, or
+    #: the worker's. The most specific wins.
+    timeout: Mapped[float | None] = mapped_column(Double)
+    #: When the current attempt was claimed, and when it must be over: set by the claim,
+    #: so the deadline survives the worker (the sweeper enforces it after a crash).
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class TaskMixin(JobMixin):
@@ -283,6 +296,10 @@ REQUIRED_COLUMNS: Final = (
     "created_at",
     "finished_at",
 )
+
+#: Columns of cancellation and timeouts: the worker uses them when the model has them
+#: (every JobMixin model), and runs without timeouts on a table mapped without them.
+TIMEOUT_COLUMNS: Final = ("timeout", "started_at", "deadline_at")
 
 
 def table_problem(name: str, columns: Collection[str]) -> str | None:

@@ -25,14 +25,14 @@ from sqlalchemy import Connection
 from . import sql as q
 from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError
 from .loader import RowLoader
-from .model import queue_table, translated_schema
+from .model import TIMEOUT_COLUMNS, queue_table, translated_schema
 from .periodic import Schedule, schedules_table
 from .sql import ClaimToken, is_solitary
 from .values import enqueue_values
 
 __all__ = [
     "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RetentionOps", "RowProblem", "ScheduleOps",
-    "Swept", "TokenState",
+    "Swept", "SweptJob", "TokenState",
 ]
 
 #: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
@@ -74,13 +74,15 @@ class RowProblem(NamedTuple):
 
 class Claimed(NamedTuple):
     """A claimed row: its token, the model instance (None if the row could not be read or
-    loaded: ``problem`` says why), and whether it must run with no other job in its
-    worker (an isolated job whose lease expired on its last two attempts)."""
+    loaded: ``problem`` says why), whether it must run with no other job in its worker
+    (an isolated job whose lease expired on its last two attempts), and the seconds its
+    attempt may run (None: no deadline)."""
 
     token: ClaimToken
     job: Any
     problem: RowProblem | None
     solitary: bool
+    timeout: float | None = None
 
 
 class TokenState(NamedTuple):
@@ -95,14 +97,27 @@ class TokenState(NamedTuple):
     last_error: str | None
 
 
+class SweptJob(NamedTuple):
+    """One job a sweep moved: its key, the status it left it in, its queue, the attempt
+    whose lease expired, and its task (None on a table without one)."""
+
+    job_id: Any
+    status: str
+    queue: str
+    attempt: int
+    task: str | None
+
+
 class Swept(NamedTuple):
     """What one sweep did: how many expired leases it moved, how many of those went back to
-    ``pending`` (isolated), the keys dead-lettered, and the queues (sorted) to wake."""
+    ``pending`` (isolated), the keys dead-lettered, the queues (sorted) to wake, and each
+    job moved."""
 
     total: int
     back: int
     dead: list[Any]
     queues: list[str]
+    jobs: Sequence[SweptJob] = ()
 
 
 class Operations(Protocol):
@@ -187,6 +202,15 @@ class Operations(Protocol):
         """The transactional completion, in the transaction ``sa`` (the handler's) is in."""
 
 
+def _seconds_between(start: Any, end: Any) -> float:
+    """Seconds from ``start`` to ``end`` (the claim's timestamps: datetimes, or the
+    text a driver left undecoded)."""
+    try:
+        return max(float((end - start).total_seconds()), 0.0)
+    except (TypeError, AttributeError):
+        return 0.0
+
+
 def _int_array(values: list[Any]) -> Any:
     """Integers as a PostgreSQL array literal (``'{1,2,3}'``, cast by the statement):
     psycopg dumps a list element by element in Python, the literal is built in C."""
@@ -222,6 +246,8 @@ class QueueOps:
         queues: Sequence[str] | None = None,
         lease: float = 30.0,
         statement_deadline: float = 30.0,
+        timeout: float | None = None,
+        task_timeouts: Mapping[str, float] | None = None,
     ) -> None:
         qt = queue_table(model)
         table = qt.table
@@ -232,6 +258,14 @@ class QueueOps:
         self.lease = float(lease)
         self.statement_deadline = float(statement_deadline)
         self.channel = driver.channel(table)
+        #: The claim's deadline of jobs without a timeout of their own (see sql._timeout_of).
+        self._timeouts: dict[str, Any] = {}
+        if q.has_timeouts(qt):
+            self._timeouts[q.TIMEOUT_PARAM] = timeout
+            if qt.is_task_table:
+                named = dict(task_timeouts or {})
+                self._timeouts[q.TASK_NAMES_PARAM] = list(named)
+                self._timeouts[q.TASK_TIMEOUTS_PARAM] = [float(v) for v in named.values()]
         compile_ = driver.compile
         # Every claim is guarded (fresh=True): one its caller gave up on (the deadline
         # dropped its connection) claims nothing if the server runs it later.
@@ -267,13 +301,26 @@ class QueueOps:
         self._attempt_index = where[id(qt.c.attempts)]
         self._isolated_index = where[id(qt.c.isolated)]
         self._last_error_index = where[id(qt.c.last_error)]
+        #: Where the claim's started_at and deadline_at are (None: no timeouts).
+        self._deadline_index: tuple[int, int] | None = (
+            (where[id(qt.c.started_at)], where[id(qt.c.deadline_at)]) if q.has_timeouts(qt) else None
+        )
         self._loader = RowLoader(qt.mapped_class or model, columns, driver.dialect)
 
     def check_table(self) -> None:
         """Fail fast (:class:`~sqla_queue.driver.WorkerStartError`) when the table is
         missing or lacks the queue columns; load claimed rows with the types the server
         reports for its columns."""
-        self._loader.use_type_codes(self.driver.check_table(self.table))
+        types = self.driver.check_table(self.table)
+        if self._deadline_index is not None:
+            missing = [name for name in TIMEOUT_COLUMNS if name not in types]
+            if missing:
+                raise WorkerStartError(
+                    f"table {self.driver.table_name(self.table)!r} lacks the columns {', '.join(missing)} "
+                    f"of timeouts and cancels, which the model has: migrate it (Alembic autogenerate "
+                    f"adds them: nullable, no index)"
+                )
+        self._loader.use_type_codes(types)
 
     # -- claims ------------------------------------------------------------------------
 
@@ -286,7 +333,7 @@ class QueueOps:
         if isolated:
             limit = 1
         values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self.lease,
-                  q.FRESH_PARAM: self.statement_deadline}
+                  q.FRESH_PARAM: self.statement_deadline, **self._timeouts}
         if key is not None:
             values[q.LIMIT_PARAM] = limit = 1
             values[q.KEY_PARAM] = key
@@ -337,22 +384,26 @@ class QueueOps:
     def _claimed(self, rows: list[tuple[Any, ...] | RowError], isolated: bool) -> list[Claimed]:
         pk, attempt = self._pk_index, self._attempt_index
         load = self._loader.load
+        deadline = self._deadline_index
         found: list[Claimed] = []
         append = found.append
         for row in rows:
             if isinstance(row, RowError):
                 problem = RowProblem("cannot read the row", row.error)
-                append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False)))
+                append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False, None)))
                 continue
             token = _new_tuple(ClaimToken, (row[pk], row[attempt]))
             solitary = isolated and is_solitary(row[self._isolated_index], row[self._last_error_index])
+            timeout = None
+            if deadline is not None and row[deadline[1]] is not None:
+                timeout = _seconds_between(row[deadline[0]], row[deadline[1]])
             try:
                 job = load(row)
             except Exception as exc:  # noqa: BLE001 - this row fails alone
                 problem = RowProblem("cannot load the row as the model", exc)
-                append(_new_tuple(Claimed, (token, None, problem, solitary)))
+                append(_new_tuple(Claimed, (token, None, problem, solitary, timeout)))
                 continue
-            append(_new_tuple(Claimed, (token, job, None, solitary)))
+            append(_new_tuple(Claimed, (token, job, None, solitary, timeout)))
         return found
 
     def claim_candidates(
@@ -457,7 +508,9 @@ class QueueOps:
         when their attempts are used up."""
         stmt = self._sweeps.get(limit)
         if stmt is None:
-            sweep = q.sweep_expired(self.table, limit=limit).returning(self.table.c.queue)
+            c = self.table.c
+            extra = [c.queue, c.attempts, c.task] if "task" in c else [c.queue, c.attempts]
+            sweep = q.sweep_expired(self.table, limit=limit).returning(*extra)
             stmt = self._sweeps[limit] = self.driver.compile(sweep)
         rows = conn.execute(stmt, {})
         return Swept(
@@ -465,6 +518,7 @@ class QueueOps:
             sum(1 for row in rows if row[1] == "pending"),
             [row[0] for row in rows if row[1] == "failed"],
             sorted({row[2] for row in rows}),
+            [SweptJob(row[0], row[1], row[2], row[3], row[4] if len(row) > 4 else None) for row in rows],
         )
 
     # -- the rare statements -----------------------------------------------------------

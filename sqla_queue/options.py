@@ -16,7 +16,16 @@ from typing import Any, Final
 
 from typing_extensions import TypedDict
 
-from ._rules import Check, check_max_attempts, check_priority, check_queue, check_run_at, delay_seconds
+from ._rules import (
+    Check,
+    check_max_attempts,
+    check_priority,
+    check_queue,
+    check_run_at,
+    check_timeout,
+    delay_seconds,
+    timeout_seconds,
+)
 from .errors import EnqueueError
 
 __all__ = ["NO_OPTIONS", "EnqueueKwargs", "EnqueueOptions", "enqueue_options"]
@@ -30,6 +39,7 @@ class EnqueueKwargs(TypedDict, total=False):
     delay: timedelta | float | None
     run_at: datetime | None
     max_attempts: int | None
+    timeout: timedelta | float | None
 
 
 def _column(key: str, check: Check) -> Any:
@@ -42,7 +52,9 @@ class EnqueueOptions:
     """The options of one enqueue call, checked: constructing one validates them.
 
     ``queue`` (a non-empty string), ``priority`` (a 32-bit integer, higher first),
-    ``max_attempts`` (at least 1), and when the job may run: ``delay`` (seconds or a
+    ``max_attempts`` (at least 1), ``timeout`` (positive seconds or a timedelta: how long
+    each attempt may run, over the task's and the worker's timeout), and when the job
+    may run: ``delay`` (seconds or a
     timedelta, counted by the database clock at the insert) or ``run_at`` (an aware
     datetime), not both. None leaves an option unset. :attr:`values` are the column
     values the options set, :attr:`delay_seconds` the delay as checked float seconds.
@@ -55,6 +67,8 @@ class EnqueueOptions:
     queue: str | None = _column("queue", check_queue)
     priority: int | None = _column("priority", check_priority)
     max_attempts: int | None = _column("max_attempts", check_max_attempts)
+    #: Seconds (or a timedelta) each attempt may run; stored in the ``timeout`` column.
+    timeout: timedelta | float | None = _column("timeout", check_timeout)  # noqa: RUF009 - frozen, as the others
     delay: timedelta | float | None = None
     run_at: datetime | None = None
     #: The job's unique key (``unique_key=``): a non-empty string, or with a key column of
@@ -70,7 +84,7 @@ class EnqueueOptions:
             value = getattr(self, name)
             if value is not None:
                 check(value, name)
-                values[key] = value
+                values[key] = timeout_seconds(value) if name == "timeout" else value
         # delay and run_at both say when: one of them, run_at checked after delay.
         if self.delay is not None and self.run_at is not None:
             raise EnqueueError("give either delay or run_at, not both")

@@ -54,6 +54,7 @@ from .dbapi import SchemaMapKey, compile_statement
 from .errors import BulkRowError, EnqueueError, NotAQueueModel
 from .model import DEFAULT_QUEUE, QueueTable, UniqueJobs, notify_channel, queue_table, unique_jobs
 from .sql import delay_from_insert, insert_unique
+from .tracing import TRACE_COLUMN, current_trace_context
 
 __all__ = [
     "DELAY_PARAM",
@@ -131,6 +132,8 @@ class TablePlan:
         self.order = {key: n for n, key in enumerate(self.columns)}
         self.pk_key = qt.pk.key
         self.is_task_table = qt.is_task_table
+        #: The key of the column enqueuers store the trace context in, if the table has it.
+        self.trace_key: str | None = TRACE_COLUMN if TRACE_COLUMN in self.columns else None
         self.default_queue = default_queue(table)
         #: (key, is_callable, value) of the Python defaults filled outside SQLAlchemy.
         self.defaults: list[tuple[str, bool, Any]] = []
@@ -465,6 +468,11 @@ class RowWriter:
         self.plan = plan
         self.table = plan.table
         self.for_copy = for_copy
+        trace_key = plan.trace_key
+        if trace_key is not None and trace_key not in options:
+            context = current_trace_context()  # once per call, the same for every row
+            if context is not None:
+                options = {**options, trace_key: context}
         self.options = options
         self.default_queue = plan.default_queue
         self.queues: set[str] = set()

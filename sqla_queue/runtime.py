@@ -254,8 +254,12 @@ class Runtime(Protocol):
         """Run ``target(*args)``; ``own_thread``: out of reach of a blocked event loop."""
         ...
 
-    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
-        """Call a handler; ``on_loop``: a synchronous handler that must run here."""
+    def call(
+        self, fn: Callable[..., Any], *args: Any, on_loop: bool = False,
+        around: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Call a handler; ``on_loop``: a synchronous handler that must run here;
+        ``around``: wraps the awaitable of an ``async def`` one before it is awaited."""
         ...
 
     def is_async(self, fn: Callable[..., Any]) -> bool:
@@ -291,7 +295,10 @@ class ThreadRuntime:
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
         return _on_thread(target, name, *args)
 
-    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, on_loop: bool = False,
+        around: Callable[[Any], Any] | None = None,
+    ) -> Any:
         return self._running.run(fn, *args)
 
     def is_async(self, fn: Callable[..., Any]) -> bool:
@@ -369,9 +376,14 @@ class AsyncRuntime:
             return is_async_callable(fn)
         return kind
 
-    def call(self, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, on_loop: bool = False,
+        around: Callable[[Any], Any] | None = None,
+    ) -> Any:
         if self.is_async(fn):
-            return self._await(fn(*args))
+            awaitable = fn(*args)
+            return self._await(around(awaitable) if around is not None and inspect.isawaitable(awaitable)
+                               else awaitable)
         if on_loop:
             result = fn(*args)
         else:

@@ -27,6 +27,7 @@ from .options import EnqueueKwargs, enqueue_options
 from .outbox import hook_session_class, install_hooks, notify_on_commit
 from .rows import queue_table_of, table_plan
 from .sql import delay_from_insert
+from .tracing import current_trace_context
 from .unique import Enqueued, EnqueuedMany, UniqueKey, enqueue_keyed
 
 if TYPE_CHECKING:
@@ -107,6 +108,11 @@ def _enqueue(sync: Session, job: J, unique_key: Any, options: EnqueueKwargs) -> 
     values = dict(checked.values)
     mapper = object_mapper(job)
     plan = table_plan(mapper.class_)
+    trace_key = plan.trace_key
+    if trace_key is not None and trace_key not in values and state.dict.get(trace_key) is None:
+        context = current_trace_context()
+        if context is not None:
+            values[trace_key] = context
     key_column = plan.unique_column
     if unique_key is not None:
         plan.key_values(values, unique_key)

@@ -33,6 +33,7 @@ from sqlalchemy import (
     Delete,
     Float,
     Interval,
+    Numeric,
     Select,
     String,
     Table,
@@ -60,12 +61,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, Insert, array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.base import PGDialect, PGIdentifierPreparer
+from sqlalchemy.sql import column as _sql_column
+from sqlalchemy.sql import table as _sql_table
 from sqlalchemy.sql.dml import ReturningDelete, ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, Grouping
 
 from .errors import EnqueueError
 from .model import (
     FINISHED_STATUSES,
+    TIMEOUT_COLUMNS,
     JobStatus,
     QueueTable,
     UniqueJobs,
@@ -80,6 +85,7 @@ __all__ = [
     "Backoff",
     "ClaimToken",
     "archive_finished",
+    "cancel_jobs",
     "cancel_pending",
     "claim",
     "claim_schedule_tick",
@@ -98,6 +104,7 @@ __all__ = [
     "fail_unclaimable",
     "finished_per_minute",
     "get_job",
+    "has_timeouts",
     "insert_unique",
     "is_solitary",
     "isolated_waiting",
@@ -107,6 +114,7 @@ __all__ = [
     "next_run_after",
     "owned_tokens",
     "prune_finished",
+    "queue_depth",
     "prune_lock_key",
     "queue_stats",
     "release_if_owner",
@@ -129,6 +137,8 @@ __all__ = [
 #: A queue model class or its Table.
 QueueModel: TypeAlias = Any
 Duration: TypeAlias = "timedelta | float"
+
+_PG_PREPARER: Final = PGIdentifierPreparer(PGDialect())  # type: ignore[no-untyped-call]
 
 PENDING = JobStatus.PENDING
 RUNNING = JobStatus.RUNNING
@@ -291,6 +301,7 @@ def claim(
     lease: Duration = 30.0,
     queues: Sequence[str] | None = None,
     isolated: bool = False,
+    timeout: Duration | None = None,
 ) -> ReturningUpdate[Any]:
     """Atomically claim up to ``limit`` runnable jobs for ``owner``.
 
@@ -303,12 +314,19 @@ def claim(
     ``isolated=True`` claims (one at a time) the jobs whose last attempt ended with an
     expired lease; the default claim leaves them alone so they never share a batch.
 
+    Each claimed attempt gets a deadline (``deadline_at``) when the job has a
+    ``timeout`` of its own, or ``timeout`` is given (the job's wins); its lease never
+    runs past it.
+
     This is :func:`claim_template`, the statement the worker runs, with the values bound.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
     seconds = _seconds(lease, "lease")
-    with _values({OWNER_PARAM: owner, LIMIT_PARAM: 1 if isolated else limit, LEASE_PARAM: seconds}):
+    values: dict[str, Any] = {OWNER_PARAM: owner, LIMIT_PARAM: 1 if isolated else limit, LEASE_PARAM: seconds}
+    if timeout is not None:
+        values[TIMEOUT_PARAM] = _seconds(timeout, "timeout")
+    with _values(values):
         return claim_template(model, queues=queues, isolated=isolated)
 
 
@@ -319,7 +337,7 @@ def _claim(
     *,
     limit: int | ColumnElement[int],
     owner: str | ColumnElement[str],
-    lease_expires_at: ColumnElement[datetime],
+    lease: ColumnElement[Any],
     extra: Sequence[ColumnElement[bool]] = (),
 ) -> ReturningUpdate[Any]:
     """The claim of :func:`claim` and :func:`claim_template`: values or bound parameters.
@@ -377,6 +395,13 @@ def _claim(
             .limit(limit)
             .subquery("claimable")
         )
+    lease_expires_at: ColumnElement[Any] = _clock() + seconds_interval(lease)
+    timed: dict[str, Any] = {}
+    if has_timeouts(qt):
+        deadline = _clock() + seconds_interval(_timeout_of(qt))
+        # LEAST ignores NULL: no deadline, the lease alone.
+        lease_expires_at = func.least(lease_expires_at, deadline, type_=DateTime(timezone=True))
+        timed = {"started_at": _clock(), "deadline_at": deadline}
     return (
         qt.table.update()
         .where(qt.pk == claimable.c[qt.pk.name])
@@ -385,9 +410,31 @@ def _claim(
             lease_owner=owner,
             lease_expires_at=lease_expires_at,
             attempts=c.attempts + 1,
+            **timed,
         )
         .returning(*(_loadable_run_after(qt) if col is c.run_after else col for col in qt.table.c))
     )
+
+
+def has_timeouts(model: QueueModel) -> bool:
+    """Whether the table has the columns of timeouts (``timeout``, ``started_at``,
+    ``deadline_at``): every :class:`~sqla_queue.JobMixin` model does."""
+    qt = model if isinstance(model, QueueTable) else queue_table(model)
+    return all(name in qt.c for name in TIMEOUT_COLUMNS)
+
+
+def _timeout_of(qt: QueueTable) -> ColumnElement[Any]:
+    """The seconds a claimed attempt may run: the job's own ``timeout``, else its task's
+    (a task table: ``TASK_NAMES_PARAM``/``TASK_TIMEOUTS_PARAM``, two arrays), else
+    ``TIMEOUT_PARAM``; NULL when none is set. The most specific wins."""
+    c = qt.c
+    choices: list[ColumnElement[Any]] = [c.timeout]
+    if qt.is_task_table:
+        names = _param(TASK_NAMES_PARAM, ARRAY(c.task.type), None)
+        timeouts = _param(TASK_TIMEOUTS_PARAM, ARRAY(Float()), None)
+        choices.append(Grouping(timeouts)[func.array_position(names, c.task)])
+    choices.append(_param(TIMEOUT_PARAM, Float(), None))
+    return func.coalesce(*choices, type_=Float())
 
 
 #: The widest timestamps Python's ``datetime`` holds in any time zone (a day inside).
@@ -558,9 +605,19 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
     # A job already isolated when its lease expires again has now been running when two
     # workers in a row vanished: it is marked to run alone in its worker from now on
     # (see SOLITARY_REASON), so that it cannot take other jobs with it any more.
+    why: ColumnElement[Any] = case(
+        (c.isolated, literal(SOLITARY_REASON + ": worker ", String)), else_=literal("lease expired: worker ", String)
+    )
+    isolated: ColumnElement[Any] = true()
+    if has_timeouts(qt):
+        # Past its deadline, the attempt timed out (its lease never runs past it): the
+        # job's own failure, retried or dead-lettered, and not a sign its worker died.
+        timed_out = and_(c.deadline_at.is_not(None), c.deadline_at <= _clock())
+        why = case((timed_out, literal("timed out after ", String) + _seconds_text(c.deadline_at - c.started_at)
+                    + literal(" s: worker ", String)), else_=why)
+        isolated = case((timed_out, c.isolated), else_=true())
     reason = (
-        case((c.isolated, literal(SOLITARY_REASON + ": worker ", String)),
-             else_=literal("lease expired: worker ", String))
+        why
         + func.coalesce(c.lease_owner, "?")
         + literal(" did not finish attempt ", String)
         + cast(c.attempts, String)
@@ -576,10 +633,17 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
             last_error=reason,
             lease_owner=null(),
             lease_expires_at=null(),
-            isolated=true(),
+            isolated=isolated,
         )
         .returning(qt.pk, c.status)
     )
+
+
+def _seconds_text(interval: ColumnElement[Any]) -> ColumnElement[str]:
+    """An interval as seconds, ``30`` or ``0.5``: as :func:`sqla_queue.current.timeout_text` writes them."""
+    rounded = cast(func.round(cast(func.extract("epoch", interval), Numeric()), 3), String)
+    return func.coalesce(func.rtrim(func.rtrim(rounded, "0"), "."), "?")
+
 
 
 def requeue_failed(
@@ -590,30 +654,38 @@ def requeue_failed(
     delay: Duration = 0,
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
+    statuses: Sequence[JobStatus | str] = (FAILED,),
 ) -> ReturningUpdate[Any]:
     """Give dead-lettered (``failed``) jobs a fresh set of attempts.
 
     ``last_error`` is kept for the record. ``ids=None`` requeues every failed job (of
     ``queues``, ``tasks``, with ``error_contains`` in ``last_error``: the filters of
     :func:`list_jobs`); an empty ``ids`` requeues none. ``delay`` counts from the update.
+    ``statuses``: the finished states to requeue, ``failed`` and/or ``cancelled``.
 
-    Unique jobs: a failed job whose key another job holds now (or a newer failed job
-    with the same key) stays failed, so the requeue never breaks the unique index; an
+    Unique jobs: a job whose key another job holds now (or a newer job of ``statuses``
+    with the same key) stays as it is, so the requeue never breaks the unique index; an
     enqueue of that key racing the requeue can still make it fail with an
     ``IntegrityError`` (an UPDATE cannot skip a conflict), so run it again.
     """
     qt = queue_table(model)
+    wanted = list(dict.fromkeys(JobStatus(s) for s in statuses))
+    if not wanted or any(s not in (FAILED, CANCELLED) for s in wanted):
+        raise ValueError(f"only failed and cancelled jobs can be requeued, got {[str(s) for s in wanted]}")
+    status: ColumnElement[bool] = (
+        _status(qt, wanted[0]) if len(wanted) == 1 else qt.c.status.in_([status_literal(s) for s in wanted])
+    )
     conditions = [
-        _status(qt, FAILED),
+        status,
         *_job_filter(qt, ids=ids, queues=queues, tasks=tasks, error_contains=error_contains),
     ]
     unique = unique_jobs(qt.table)
-    if unique is not None and FAILED not in unique.statuses:
+    if unique is not None and any(s not in unique.statuses for s in wanted):
         other = qt.table.alias("sqla_queue_holder")
         other_pk = other.c[qt.pk.key]
         held = or_(
             other.c.status.in_([status_literal(st) for st in unique.statuses]),
-            and_(other.c.status == status_literal(FAILED), other_pk > qt.pk),
+            and_(other.c.status.in_([status_literal(st) for st in wanted]), other_pk > qt.pk),
         )
         conditions.append(
             ~select(literal(1))
@@ -633,6 +705,37 @@ def requeue_failed(
             isolated=False,
         )
         .returning(qt.pk)
+    )
+
+
+def cancel_jobs(
+    model: QueueModel, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
+) -> ReturningUpdate[Any]:
+    """Cancel pending **and running** jobs: ``cancelled``, finished now, lease cleared.
+
+    A fenced transition: a running attempt of a cancelled job can no longer complete,
+    retry or fail (every later statement of its worker is fenced by ``status =
+    'running'``), so its handler's transactional writes roll back, whatever it does. The
+    cancel and a completion racing it lock the same row: the first to commit wins, the
+    other matches nothing. ``ids`` and/or ``queues`` choose the jobs (an empty ``ids``
+    cancels none; neither: every unfinished job). Returns ``(pk, status before)`` of
+    each job cancelled; the running ones' workers learn it from
+    :func:`sqla_queue.cancel`'s NOTIFY, or their next poll of their jobs.
+    """
+    qt = queue_table(model)
+    c = qt.c
+    conditions: list[ColumnElement[bool]] = [
+        c.status.in_([status_literal(PENDING), status_literal(RUNNING)]), *_queue_filter(qt, queues), *_kind_filter(qt)
+    ]
+    if ids is not None:
+        conditions.append(_pk_in(qt, ids))
+    before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
+    name = qt.pk.name
+    return (
+        qt.table.update()
+        .where(qt.pk == before.c[name], c.status.in_([status_literal(PENDING), status_literal(RUNNING)]))
+        .values(status=status_literal(CANCELLED), finished_at=_clock(), lease_expires_at=null())
+        .returning(qt.pk, before.c.status)
     )
 
 
@@ -979,6 +1082,70 @@ def queue_stats(model: QueueModel) -> Select[Any]:
     )
 
 
+#: The statuses :func:`queue_depth` counts unless told: each has a partial index, so the
+#: count reads only their rows, however many finished jobs the table keeps.
+DEPTH_STATUSES: Final = (PENDING, RUNNING)
+
+_PG_STAT_USER_TABLES = _sql_table("pg_stat_user_tables", _sql_column("relid"), _sql_column("n_dead_tup"))
+
+
+def queue_depth(
+    model: QueueModel,
+    *,
+    statuses: Sequence[JobStatus | str] = DEPTH_STATUSES,
+    regclass: str | None = None,
+) -> Select[Any]:
+    """Jobs per queue and status among ``statuses``, the oldest runnable job's age per
+    queue (``oldest_runnable_seconds``, on the ``pending`` rows), and the table's dead
+    tuples (``pg_stat_user_tables.n_dead_tup``, the same on every row): what the
+    Prometheus gauges and the dashboard's overview show, in one cheap statement.
+
+    Rows ``(queue, status, jobs, oldest_runnable_seconds, dead_tuples)``, ordered by
+    queue and status; an empty table gives one row whose queue and status are NULL (its
+    dead tuples still told). Each status is counted on its own, so ``pending`` and
+    ``running`` read only their partial indexes' rows; ``done`` or ``failed`` read the
+    whole table unless you give them an index of their own. ``regclass``: the table's
+    name as PostgreSQL should look it up (default: the model's, quoted; pass the
+    translated one under a ``schema_translate_map``).
+    """
+    qt = queue_table(model)
+    c = qt.c
+    if not statuses:
+        raise ValueError("queue_depth needs at least one status")
+    parts: list[Select[Any]] = []
+    for status in dict.fromkeys(JobStatus(s) for s in statuses):
+        if status is PENDING:
+            oldest: ColumnElement[Any] = func.extract(
+                "epoch", func.now() - func.min(c.run_after).filter(c.run_after <= func.now())
+            )
+        else:
+            oldest = cast(null(), Float)
+        parts.append(
+            select(
+                c.queue.label("queue"),
+                status_literal(status).label("status"),
+                func.count().label("jobs"),
+                cast(oldest, Float).label("oldest_runnable_seconds"),
+            )
+            .where(_status(qt, status))
+            .group_by(c.queue)
+        )
+    groups = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("depth")
+    if regclass is None:
+        preparer = _PG_PREPARER
+        table = qt.table
+        regclass = (f"{preparer.quote(table.schema)}.{preparer.quote(table.name)}" if table.schema
+                    else preparer.quote(table.name))
+    stat = _PG_STAT_USER_TABLES.c
+    dead_tuples = select(stat.n_dead_tup).where(stat.relid == func.to_regclass(literal(regclass, Text)))
+    dead = select(func.coalesce(dead_tuples.scalar_subquery(), 0).label("dead_tuples")).subquery("dead")
+    return (
+        select(groups.c.queue, groups.c.status, groups.c.jobs, groups.c.oldest_runnable_seconds, dead.c.dead_tuples)
+        .select_from(dead.outerjoin(groups, true()))
+        .order_by(groups.c.queue, groups.c.status)
+    )
+
+
 #: The longest delay a :class:`Backoff` gives (about ten years), whatever its cap: a
 #: longer one could not be added to a timestamp, nor held by a ``timedelta``.
 MAX_BACKOFF_SECONDS: Final = 10 * 365 * 86400.0
@@ -1052,6 +1219,11 @@ FRESH_PARAM: Final = "sqla_queue_fresh_seconds"
 DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 #: :func:`extend_unlocked_leases_if_owner`'s window (seconds back from now), or NULL.
 SINCE_PARAM: Final = "sqla_queue_since_seconds"
+#: The claim's timeout (seconds) of jobs without one of their own (or their task's), or NULL.
+TIMEOUT_PARAM: Final = "sqla_queue_timeout_seconds"
+#: A task table's claim: task names, and the timeout (seconds) of each.
+TASK_NAMES_PARAM: Final = "sqla_queue_task_names"
+TASK_TIMEOUTS_PARAM: Final = "sqla_queue_task_timeouts"
 
 
 def _id_arrays(qt: QueueTable) -> tuple[ColumnElement[Any], ColumnElement[Any]]:
@@ -1096,6 +1268,23 @@ def _token_fence(
     )
 
 
+def _before_deadline(qt: QueueTable) -> list[ColumnElement[bool]]:
+    """An attempt past its deadline can no longer complete (it has timed out): the
+    completion's extra guard, on a table with timeouts."""
+    if not has_timeouts(qt):
+        return []
+    deadline = qt.c.deadline_at
+    return [or_(deadline.is_(None), deadline > _clock())]
+
+
+def _capped(qt: QueueTable, lease_expires_at: ColumnElement[Any]) -> ColumnElement[Any]:
+    """A new lease, never past the attempt's deadline: a heartbeat cannot keep a job
+    that timed out, so after a crash the sweeper ends it at its deadline."""
+    if not has_timeouts(qt):
+        return lease_expires_at
+    return func.least(lease_expires_at, qt.c.deadline_at, type_=DateTime(timezone=True))
+
+
 def _owner_match(qt: QueueTable, *, owner_prefix: bool) -> ColumnElement[bool]:
     """``lease_owner = :owner``, or with ``owner_prefix`` every owner starting with it."""
     owner = _param(OWNER_PARAM, qt.c.lease_owner.type)
@@ -1121,7 +1310,9 @@ def claim_template(
     ``skip=True`` also takes ``SKIP_PARAM``, keys the claim must pass over (rows its
     UPDATE cannot change: a trigger that raises, a ``NOT VALID`` CHECK they violate);
     ``by_key=True`` claims only the row whose key is ``KEY_PARAM``, if it is claimable;
-    ``fresh=True`` takes ``FRESH_PARAM`` (see :func:`still_fresh`).
+    ``fresh=True`` takes ``FRESH_PARAM`` (see :func:`still_fresh`). ``TIMEOUT_PARAM``
+    (seconds, optional) and, on a task table, ``TASK_NAMES_PARAM``/``TASK_TIMEOUTS_PARAM``
+    set the deadline of jobs without a ``timeout`` of their own.
     """
     qt = queue_table(model)
     extra: list[ColumnElement[bool]] = []
@@ -1137,7 +1328,7 @@ def claim_template(
         isolated,
         limit=_param(LIMIT_PARAM, qt.c.attempts.type),
         owner=_param(OWNER_PARAM, qt.c.lease_owner.type),
-        lease_expires_at=_clock() + seconds_interval(_param(LEASE_PARAM, Float())),
+        lease=_param(LEASE_PARAM, Float()),
         extra=extra,
     )
 
@@ -1207,7 +1398,7 @@ def _complete_many(qt: QueueTable, ids: ColumnElement[Any], attempts: ColumnElem
     tokens = _token_table(qt, arrays=(ids, attempts))
     return (
         qt.table.update()
-        .where(_token_fence(qt, tokens, ids=ids))
+        .where(_token_fence(qt, tokens, ids=ids), *_before_deadline(qt))
         .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
         .returning(qt.pk, tokens.c.attempt)
     )
@@ -1407,7 +1598,7 @@ def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = F
         .subquery("lockable")
     )
     lease = _param(LEASE_PARAM, Float())
-    extended = _clock() + seconds_interval(lease)
+    extended = _capped(qt, _clock() + seconds_interval(lease))
     known = (
         qt.table.update()
         .where(qt.pk == lockable.c[name], _status(qt, RUNNING))

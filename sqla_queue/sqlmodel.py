@@ -176,8 +176,12 @@ class JobModel(SQLModel):
     isolated: bool = mixin_field("isolated")
     created_at: datetime | None = mixin_field("created_at")
     finished_at: datetime | None = mixin_field("finished_at")
+    trace_context: dict[str, str] | None = mixin_field("trace_context")
     #: At most one job per key (``enqueue(..., unique_key=...)``); None: no key.
     unique_key: str | None = mixin_field("unique_key")
+    timeout: float | None = mixin_field("timeout")
+    started_at: datetime | None = mixin_field("started_at")
+    deadline_at: datetime | None = mixin_field("deadline_at")
 
 
 class TaskModel(JobModel):

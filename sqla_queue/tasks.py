@@ -11,11 +11,13 @@ up in a dict, never imported or evaluated.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
+from ._rules import MAX_TIMEOUT_SECONDS
 from .errors import UnknownTask
 from .periodic import Schedule
 
@@ -32,6 +34,8 @@ class ResolvedHandler:
     name: str
     fn: Handler
     transactional: bool
+    #: Seconds one attempt may run (None: the worker's timeout, if any).
+    timeout: float | None = None
 
 
 def _takes_session(fn: Handler) -> bool:
@@ -55,12 +59,18 @@ def _takes_session(fn: Handler) -> bool:
     )
 
 
-def resolve_handler(fn: Handler, name: str | None = None) -> ResolvedHandler:
+def resolve_handler(fn: Handler, name: str | None = None, *, timeout: float | None = None) -> ResolvedHandler:
     """Check a handler's signature once, at registration, not when a job arrives."""
     if not callable(fn):
         raise TypeError(f"handler must be callable, got {fn!r}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0 or timeout > MAX_TIMEOUT_SECONDS:
+            raise ValueError(f"timeout must be a positive number of seconds (at most ten years), got {timeout!r}")
+        timeout = float(timeout)
     label = name or getattr(fn, "__qualname__", None) or repr(fn)
-    return ResolvedHandler(label, fn, _takes_session(fn))
+    return ResolvedHandler(label, fn, _takes_session(fn), timeout)
 
 
 class Tasks:
@@ -147,23 +157,29 @@ class Tasks:
     def task(self, fn: F, /) -> F: ...
 
     @overload
-    def task(self, /, *, name: str | None = None) -> Callable[[F], F]: ...
+    def task(self, /, *, name: str | None = None, timeout: float | None = None) -> Callable[[F], F]: ...
 
-    def task(self, fn: Any = None, /, *, name: str | None = None) -> Any:
-        """Register ``fn`` under ``name`` (default: the function's ``__name__``)."""
+    def task(self, fn: Any = None, /, *, name: str | None = None, timeout: float | None = None) -> Any:
+        """Register ``fn`` under ``name`` (default: the function's ``__name__``);
+        ``timeout``: seconds one attempt of the task may run (a job's own ``timeout``
+        wins, and this one wins over the worker's)."""
 
         def register(func: F) -> F:
-            self.register(name or func.__name__, func)
+            self.register(name or func.__name__, func, timeout=timeout)
             return func
 
         return register(fn) if fn is not None else register
 
-    def register(self, name: str, fn: Handler) -> None:
+    def register(self, name: str, fn: Handler, *, timeout: float | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"task name must be a non-empty string, got {name!r}")
         if name in self._handlers:
             raise ValueError(f"task {name!r} is already registered")
-        self._handlers[name] = resolve_handler(fn, name)
+        self._handlers[name] = resolve_handler(fn, name, timeout=timeout)
+
+    def timeouts(self) -> dict[str, float]:
+        """The timeout (seconds) of each task registered with one."""
+        return {name: h.timeout for name, h in sorted(self._handlers.items()) if h.timeout is not None}
 
     def lookup(self, name: str) -> ResolvedHandler:
         try:

@@ -33,6 +33,7 @@ from .dbapi import SchemaMapKey, reraise_as_sqlalchemy, schema_map_key
 from .errors import EnqueueError
 from .options import EnqueueKwargs, EnqueueOptions
 from .rows import InsertPlan, TablePlan, insert_plan, table_plan
+from .tracing import current_trace_context
 from .unique import MAX_TRIES, Enqueued, UniqueKey, holder_of
 
 __all__ = ["enqueue_values"]
@@ -143,6 +144,11 @@ def enqueue_values(
             target.key_values(row, unique_key)
     if target.polymorphic is not None:
         target.polymorphic.fill(row)
+    trace_key = target.trace_key
+    if trace_key is not None and trace_key not in row:
+        context = current_trace_context()
+        if context is not None:
+            row[trace_key] = context
     keyed = target.unique_column is not None and row.get(target.unique_column) is not None
     if conn is None:
         # The dialect without a connection: a bad value begins nothing on the session.
@@ -205,6 +211,11 @@ async def _enqueue_values_async(
             target.key_values(row, unique_key)
     if target.polymorphic is not None:
         target.polymorphic.fill(row)
+    trace_key = target.trace_key
+    if trace_key is not None and trace_key not in row:
+        context = current_trace_context()
+        if context is not None:
+            row[trace_key] = context
     keyed = target.unique_column is not None and row.get(target.unique_column) is not None
     if isinstance(session, AsyncConnection):
         conn = session.sync_connection

@@ -13,12 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import psycopg
 
 from sqla_queue.driver import Driver
-from sqla_queue.ops import Claimed, ClaimRequest, Moved, Operations, Swept, TokenState
+from sqla_queue.ops import Claimed, ClaimRequest, Moved, Operations, Swept, SweptJob, TokenState
 from sqla_queue.sql import ClaimToken, is_solitary
 
 __all__ = ["Fault", "FakeConn", "FakeDriver", "FakeJob", "FakeOps", "connection_lost", "rejected"]
@@ -55,6 +56,7 @@ class FakeJob:
     last_error: str | None = None
     #: ``time.monotonic()`` before which no claim takes it (set by a snooze only).
     run_after: float = 0.0
+    created_at: datetime | None = None
 
 
 class FakeConn:
@@ -295,7 +297,8 @@ class FakeOps:
             job.status = "failed" if job.attempts >= job.max_attempts else "pending"
             job.lease_owner, job.lease_expires_at, job.isolated = None, None, True
         return Swept(len(expired), sum(1 for j in expired if j.status == "pending"),
-                     [j.id for j in expired if j.status == "failed"], sorted({j.queue for j in expired}))
+                     [j.id for j in expired if j.status == "failed"], sorted({j.queue for j in expired}),
+                     [SweptJob(j.id, j.status, j.queue, j.attempts, None) for j in expired])
 
     def complete_in_transaction(self, sa: Any, owner: str, token: ClaimToken) -> bool:
         return bool(self._complete(owner, [token]))

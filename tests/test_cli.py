@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -47,6 +48,21 @@ def test_stats(engine: Engine, url: str, capsys: Any) -> None:
     assert out[0].split() == ["queue", "status", "jobs", "oldest", "runnable"]
     assert out[2].split()[:3] == ["mail", "failed", "1"]
     assert out[3].split()[:3] == ["mail", "pending", "3"]
+
+
+def test_stats_as_json(engine: Engine, url: str, capsys: Any) -> None:
+    with engine.begin() as conn:
+        rows = [{"queue": "mail", "status": "pending"}] * 3 + [{"queue": "mail", "status": "failed"}]
+        conn.execute(insert(JOBS), rows)
+        conn.execute(insert(JOBS), [{"queue": "sms", "status": "done"}])
+    assert main(["stats", "tests.models:EmailJob", "--url", url, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["table"] == "email_jobs" and isinstance(found["dead_tuples"], int)
+    counts = {(q["queue"], q["status"]): q["jobs"] for q in found["queues"]}
+    assert counts == {("mail", "pending"): 3, ("mail", "failed"): 1, ("sms", "done"): 1}
+    [pending] = [q for q in found["queues"] if q["status"] == "pending"]
+    assert pending["oldest_runnable_seconds"] >= 0
+    assert all(q["oldest_runnable_seconds"] is None for q in found["queues"] if q["status"] != "pending")
 
 
 def test_sweep_requeue_prune(engine: Engine, url: str, capsys: Any) -> None:
@@ -99,7 +115,8 @@ def test_console_script_help_lists_the_commands() -> None:
         [sys.executable, "-m", "sqla_queue.cli", "--help"], capture_output=True, text=True, cwd=REPO, check=True
     )
     commands = (
-        "worker", "sweep", "stats", "requeue", "prune", "jobs", "show", "delete", "dashboard", "schedules", "alembic"
+        "worker", "sweep", "stats", "requeue", "cancel", "prune", "jobs", "show", "delete", "dashboard", "schedules",
+        "alembic",
     )
     for command in commands:
         assert command in result.stdout
@@ -145,6 +162,8 @@ MODEL = "tests.models:EmailJob"
         (["worker", WORKER, "--heartbeat", "90s"], {}, "must be shorter than the lease (60.0s)"),  # the worker's
         (["worker", WORKER, "--concurrency", "0"], {}, "argument --concurrency: must be at least 1"),
         (["worker", WORKER, "--batch-size", "-3"], {}, "argument --batch-size"),
+        (["worker", WORKER, "--metrics-port", "0"], {}, "argument --metrics-port: must be at least 1"),
+        (["worker", WORKER, "--metrics-port", "70000"], {}, "metrics_port must be a TCP port (1-65535)"),
         (["worker", WORKER, "--lease", "0s"], {}, "argument --lease: must be longer than 0"),
         (["worker", WORKER, "--queue", ""], {}, "argument --queue: a queue name must be a non-empty string"),
         (["worker", WORKER, "--queue", "a", "--queue", "sqla_queue.swept:a"], {}, "which sqla_queue reserves"),
@@ -201,7 +220,7 @@ def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 def test_help_is_plain_text() -> None:
     parsers = _parsers(build_parser())
-    assert len(parsers) == 13  # the main parser, its eleven commands, alembic init
+    assert len(parsers) == 14  # the main parser, its twelve commands, alembic init
     for parser in parsers:
         text = parser.format_help()
         for markup in ("``", ":class:", ":func:", ":mod:", ":meth:"):

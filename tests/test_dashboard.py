@@ -194,10 +194,12 @@ def test_actions_run_the_fenced_statements(engine: Engine, client: Any) -> None:
     with engine.connect() as conn:
         rows = conn.execute(select(JOBS.c.id, JOBS.c.status, JOBS.c.attempts).where(JOBS.c.id.in_(dead))).all()
     assert {(r.status, r.attempts) for r in rows} == {("pending", 0)}
-    assert "cancelled 1 of 2 job(s)" in act("cancel", pending[0], running)  # one job, and a running one
-    assert status_of(engine, JOBS, pending[0]) == "cancelled" and status_of(engine, JOBS, running) == "running"
-    assert "deleted 2 of 3 job(s)" in act("delete", pending[0], pending[1], running)
-    assert status_of(engine, JOBS, pending[1]) is None and status_of(engine, JOBS, running) == "running"
+    assert "cancelled 2 of 2 job(s)" in act("cancel", pending[0], running)  # a pending job, and a running one
+    assert status_of(engine, JOBS, pending[0]) == "cancelled" and status_of(engine, JOBS, running) == "cancelled"
+    assert "cancelled 0 of 1 job(s)" in act("cancel", running)  # finished now: nothing to cancel
+    still = add(engine, JOBS, status="running", lease_owner="w/0", attempts=1)
+    assert "deleted 3 of 4 job(s)" in act("delete", pending[0], pending[1], running, still)
+    assert status_of(engine, JOBS, pending[1]) is None and status_of(engine, JOBS, still) == "running"
     assert "select at least one job" in act("requeue")
 
 

@@ -138,7 +138,7 @@ def _table_rows(page: str, heading: str) -> dict[str, list[str]]:
 def test_the_worker_options_table_lists_every_option_with_type_and_default() -> None:
     rows = _table_rows("reference/worker-options.md", "## Options")
     rows.pop("option", None)
-    expected = {f.name for f in fields(WorkerConfig)} | {"session_factory", "job_context", "config"}
+    expected = {f.name for f in fields(WorkerConfig)} | {"session_factory", "job_context", "observers", "config"}
     assert set(rows) == expected
     for f in fields(WorkerConfig):
         kind, default, meaning, _flag = rows[f.name]

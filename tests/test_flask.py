@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -135,6 +136,10 @@ def test_flask_queue_commands(app: Any, tmp_path: Path) -> None:
         assert jobs["b@undeliverable.example"].attempts == 3
         confirmed = shop.db.session.scalars(select(shop.ShopOrder.confirmed).order_by(shop.ShopOrder.id)).all()
         assert confirmed == [True, False]  # the handler's write committed with its completion
+    as_json = runner.invoke(args=["queue", "stats", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    counts = {(q["queue"], q["status"]): q["jobs"] for q in json.loads(as_json.output)["queues"]}
+    assert counts == {("default", "done"): 1, ("default", "failed"): 1}
     # the handler ran in its thread inside an app context: it used db.session and current_app
     assert (tmp_path / "order-1.eml").read_text().startswith("To: a@example.com")
 
@@ -236,6 +241,7 @@ def test_flask_queue_worker_refuses_bad_options(app: Any, server: Server) -> Non
         (["--lease", "1s", "--heartbeat", "2s"], "must be shorter than the lease"),
         (["--queue", ""], "a queue name must be a non-empty string"),
         (["--log-level", "LOUD"], "--log-level"),
+        (["--metrics-port", "0"], "--metrics-port"),
     ]:
         result = _flask("worker", "--until-idle", *args, env=env)
         assert result.returncode == 2, (args, result.stderr)
@@ -265,6 +271,24 @@ def test_docs_flask_example_passes_mypy_strict(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "queue.enqueue(" in example.read_text()  # the typed way is the one shown
+
+
+def test_flask_queue_cancel_and_requeue_cancelled(app: Any) -> None:
+    client = app.test_client()
+    assert client.post("/orders", json={"product_id": 1, "quantity": 1, "email": "c@example.com"}).status_code == 201
+    runner = app.test_cli_runner()
+    refused = runner.invoke(args=["queue", "cancel"])
+    assert refused.exit_code != 0 and "give --id or --queue" in refused.output
+    with app.app_context():
+        (job_id,) = shop.db.session.scalars(select(shop.ConfirmationEmail.id)).all()
+    cancelled = runner.invoke(args=["queue", "cancel", "--id", str(job_id)])
+    assert cancelled.exit_code == 0 and "cancelled 1 job(s)" in cancelled.output, cancelled.output
+    again = runner.invoke(args=["queue", "requeue", "--status", "cancelled"])
+    assert again.exit_code == 0 and "requeued 1 cancelled job(s)" in again.output, again.output
+    worker = runner.invoke(args=["queue", "worker", "--until-idle", "--concurrency", "1", "--timeout", "30s"])
+    assert worker.exit_code == 0, worker.output
+    with app.app_context():
+        assert shop.db.session.scalar(select(shop.ConfirmationEmail.status)) == "done"
 
 
 def test_flask_queue_inspection_commands(app: Any) -> None:

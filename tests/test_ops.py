@@ -497,10 +497,14 @@ def test_sweep_returns_expired_leases_and_says_what_it_did(engine: Engine, on: O
         assert swept.total == 3
         return
     assert (swept.total, swept.back, swept.dead, swept.queues) == (4, 3, dead, ["a", "b", "c"])
+    expected = [(i, "pending", q, 1) for i, q in zip(back, ["a", "a", "b"], strict=True)]
+    expected.append((dead[0], "failed", "c", 1))
+    assert sorted((j.job_id, j.status, j.queue, j.attempt) for j in swept.jobs) == sorted(expected)
+    assert all(isinstance(j.task, str) for j in swept.jobs)  # a task table: each job's task
     found = rows(engine)
     assert {(found[i].status, found[i].isolated) for i in back} == {("pending", True)}
     assert found[dead[0]].status == "failed" and found[alive[0]].status == "running"
-    assert on(lambda conn: ops.sweep(conn, limit=10)) == Swept(0, 0, [], [])
+    assert on(lambda conn: ops.sweep(conn, limit=10)) == Swept(0, 0, [], [], [])
 
 
 @pytest.mark.parametrize("queues", QUEUES)

@@ -255,7 +255,7 @@ def dashboard_blueprint(
                 flash(f"requeued {count} of {len(ids)} job(s) (only dead letters are requeued)", "ok")
             elif verb == "cancel":
                 count = admin.cancel_jobs(engine, entry.model, ids=ids)
-                flash(f"cancelled {count} of {len(ids)} job(s) (only pending jobs are cancelled)", "ok")
+                flash(f"cancelled {count} of {len(ids)} job(s) (finished ones stay as they are)", "ok")
             else:
                 count = admin.delete_jobs(engine, entry.model, admin.JobFilters(ids=tuple(ids)))
                 flash(f"deleted {count} of {len(ids)} job(s) (running jobs are never deleted)", "ok")

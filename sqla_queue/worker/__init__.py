@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from types import FrameType
@@ -52,6 +52,7 @@ from .config import WorkerConfig, check_options
 from .context import WorkerContext
 from .executor import Executor, ExecutorPool, Lane
 from .heartbeat import Heartbeat
+from .hooks import Hooks, JobEvent, JobOutcome, WorkerObserver
 from .ledger import Ledger
 from .listener import Listener
 from .producer import Producer
@@ -60,9 +61,12 @@ from .scheduler import Scheduler
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .watchdog import Watchdog
 from .work_signal import WorkSignal
 
-__all__ = ["Worker", "WorkerConfig", "WorkerStartError", "WorkerStats"]
+__all__ = [
+    "JobEvent", "JobOutcome", "Worker", "WorkerConfig", "WorkerObserver", "WorkerStartError", "WorkerStats",
+]
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -89,7 +93,9 @@ class Worker:
     they are joined to the worker's transaction on ``engine`` (see the handlers guide).
     ``job_context`` makes a context manager entered around every job in its thread
     (Flask's ``app.app_context``, a tracing span...); it sees what the handler raised,
-    and a job whose exception it swallows has still failed. Every connection the worker uses is made by
+    and a job whose exception it swallows has still failed. ``observers``
+    (:class:`~sqla_queue.WorkerObserver`) see every claim, run and end of a job, on a
+    thread of their own (see the monitoring guide). Every connection the worker uses is made by
     ``engine`` (its URL, ``connect_args`` and events) but kept out of its pool: one per
     executor thread, and one each for the heartbeat, the sweeper and the listener.
     """
@@ -103,6 +109,7 @@ class Worker:
         config: WorkerConfig | None = None,
         session_factory: Callable[[], Session] | None = None,
         job_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        observers: Sequence[WorkerObserver] = (),
         **options: Any,
     ) -> None:
         self.engine = engine
@@ -123,18 +130,37 @@ class Worker:
         self.stats = WorkerStats()
         self.ledger = Ledger()
         self.signal = WorkSignal(self.config.concurrency)
-
+        self.observers = self._check_observers(observers)
         cfg, driver = self.config, self._driver
+        table = self._qt.table
+        every = list(self.observers)
+        self._metrics: Any = None
+        if cfg.metrics_port is not None:
+            from ..prometheus import worker_metrics  # the optional extra, imported only when asked for
+
+            self._metrics = worker_metrics(cfg.metrics_port, engine, self.model)
+            every.append(self._metrics.observer)
+        self.hooks = Hooks(
+            self.stats, every, cfg.observer_queue_size, driver.table_name(table),
+            has_task=self._qt.is_task_table, has_trace="trace_context" in table.c,
+        )
+
         ops = self._ops = QueueOps(
             driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease,
-            statement_deadline=cfg.statement_deadline,
+            statement_deadline=cfg.statement_deadline, timeout=cfg.timeout,
+            task_timeouts=resolved.timeouts() if isinstance(resolved, Tasks) else None,
         )
-        ctx = self._context = WorkerContext(cfg, self.ledger, driver, ops, self.signal, self.stats, self.owner)
+        ctx = self._context = WorkerContext(
+            cfg, self.ledger, driver, ops, self.signal, self.stats, self.owner, self.hooks
+        )
         self._producer = Producer(ctx)
         completer = self._completer = Completer(ctx)
         executor = Executor(ctx, resolved, self.session_factory, job_context)
         self.executors = ExecutorPool(ctx, self._producer, executor, completer)
         self.heartbeat = Heartbeat(ctx)
+        #: Tells handlers their attempt is over (deadlines; cancels when polling only).
+        self.watchdog = Watchdog(ctx)
+        executor.watchdog = self.watchdog
         self.sweeper = Sweeper(ctx, self._producer) if cfg.sweep_interval > 0 else None
         self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
         schedules = self.schedules
@@ -164,6 +190,16 @@ class Worker:
                 "job_context makes an async context manager: the thread Worker cannot enter it; "
                 "run on sqla_queue.AsyncWorker, or pass a plain context manager factory"
             )
+
+    @staticmethod
+    def _check_observers(observers: Sequence[WorkerObserver]) -> tuple[WorkerObserver, ...]:
+        if isinstance(observers, WorkerObserver):
+            observers = (observers,)
+        found = tuple(observers)
+        for observer in found:
+            if not isinstance(observer, WorkerObserver):
+                raise TypeError(f"observers must be sqla_queue.WorkerObserver instances, got {observer!r}")
+        return found
 
     def _check_handler(self, handler: ResolvedHandler) -> None:
         if is_async_callable(handler.fn):
@@ -199,6 +235,7 @@ class Worker:
             config=replace(self.config, **options),
             session_factory=self.session_factory,
             job_context=self.job_context,
+            observers=self.observers,
         )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -212,7 +249,7 @@ class Worker:
 
     def services(self) -> list[Service]:
         found: list[Service | None] = [
-            self.heartbeat, self.sweeper, self.listener, self.scheduler, self.pruner, self.executors,
+            self.heartbeat, self.watchdog, self.sweeper, self.listener, self.scheduler, self.pruner, self.executors,
         ]
         return [s for s in found if s is not None]
 
@@ -229,6 +266,9 @@ class Worker:
         if self.scheduler is not None:
             self.scheduler.check()
         self._started = True
+        self.hooks.start()
+        if self._metrics is not None:
+            self._metrics.start()
         cfg = self.config
         log.info(
             "worker %s starting: table=%s queues=%s concurrency=%d lease=%.1fs",
@@ -331,7 +371,8 @@ class Worker:
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
         others: list[Service] = [
-            s for s in (self.heartbeat, self.sweeper, self.listener, self.scheduler, self.pruner) if s is not None
+            s for s in (self.heartbeat, self.watchdog, self.sweeper, self.listener, self.scheduler, self.pruner)
+            if s is not None
         ]
         for service in others:
             service.request_stop()
@@ -339,6 +380,7 @@ class Worker:
         for service in [*others, self.executors]:
             service.join(max(deadline - time.monotonic(), 0.0))
         self._driver.runtime.close()
+        self.hooks.stop()
         self._stopped.set()
         log.info("worker %s stopped: %s", self.owner, self.stats)
 

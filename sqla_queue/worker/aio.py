@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import replace
 from functools import partial
@@ -34,6 +34,7 @@ from . import Worker
 from .config import WorkerConfig, check_options
 from .executor import ExecutorPool
 from .heartbeat import Heartbeat
+from .hooks import Hooks, WorkerObserver
 from .ledger import Ledger
 from .listener import Listener
 from .pruner import Pruner
@@ -41,6 +42,7 @@ from .scheduler import Scheduler
 from .service import Service
 from .stats import WorkerStats
 from .sweeper import Sweeper
+from .watchdog import Watchdog
 from .work_signal import WorkSignal
 
 __all__ = ["AsyncWorker"]
@@ -99,7 +101,8 @@ class AsyncWorker:
     ``concurrency`` is the number of jobs run at once, each by a task with its own
     connection. Start, stop and run it from one event loop. ``job_context`` is the
     thread Worker's, and may also make an async context manager, awaited in the job's
-    task (an ``@asynccontextmanager`` function, for example).
+    task (an ``@asynccontextmanager`` function, for example). ``observers`` are the
+    thread Worker's: plain objects, called on a thread of their own, never on the loop.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class AsyncWorker:
         config: WorkerConfig | None = None,
         session_factory: Callable[[], AsyncSession | Session] | None = None,
         job_context: Callable[[], AbstractContextManager[Any] | AbstractAsyncContextManager[Any]] | None = None,
+        observers: Sequence[WorkerObserver] = (),
         **options: Any,
     ) -> None:
         self._runtime = _Runtime(
@@ -120,6 +124,7 @@ class AsyncWorker:
             config=config,
             session_factory=session_factory,  # type: ignore[arg-type]  # AsyncDriver takes both kinds
             job_context=job_context,  # type: ignore[arg-type]  # the async kind too
+            observers=observers,
             **options,
         )
 
@@ -136,12 +141,15 @@ class AsyncWorker:
     signal: _Delegated[WorkSignal] = _Delegated()
     executors: _Delegated[ExecutorPool] = _Delegated()
     heartbeat: _Delegated[Heartbeat] = _Delegated()
+    watchdog: _Delegated[Watchdog] = _Delegated()
     sweeper: _Delegated[Sweeper | None] = _Delegated()
     listener: _Delegated[Listener | None] = _Delegated()
     scheduler: _Delegated[Scheduler | None] = _Delegated()
     pruner: _Delegated[Pruner | None] = _Delegated()
     schedules: _Delegated[tuple[Schedule, ...]] = _Delegated()
     stopped: _Delegated[bool] = _Delegated()
+    observers: _Delegated[tuple[WorkerObserver, ...]] = _Delegated()
+    hooks: _Delegated[Hooks] = _Delegated()
 
     @property
     def worker(self) -> Worker:
@@ -184,6 +192,7 @@ class AsyncWorker:
             config=replace(self.config, **options),
             session_factory=self.session_factory,
             job_context=self._runtime.job_context,
+            observers=self.observers,
         )
 
     # -- lifecycle, awaited ------------------------------------------------------------

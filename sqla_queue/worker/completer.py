@@ -28,6 +28,7 @@ from ..ops import Moved, TokenState
 from ..runtime import sleep
 from ..sql import ClaimToken
 from .context import WorkerContext
+from .hooks import JobEvent, JobOutcome
 from .ledger import Held
 from .outcome import Kind, Outcome
 
@@ -44,6 +45,7 @@ class Completer:
         self.ops = ctx.ops
         self.owner = ctx.owner
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
         self.signal = ctx.signal
         self._deadline = config.statement_deadline
 
@@ -65,9 +67,12 @@ class Completer:
         by_kind: dict[Kind, list[Outcome]] = {}
         committed: list[Outcome] = []
         lost: list[Held] = []
+        cancelled: list[Outcome] = []
         for outcome in outcomes:
             kind = outcome.kind
-            if outcome.held.lost or kind is Kind.LOST:
+            if kind is Kind.CANCELLED:
+                cancelled.append(outcome)
+            elif outcome.held.lost or kind is Kind.LOST:
                 lost.append(outcome.held)
             elif kind is Kind.DONE:
                 done.append(outcome)
@@ -77,6 +82,8 @@ class Completer:
                 by_kind.setdefault(kind, []).append(outcome)
         if committed:  # recorded by the handler's own transaction
             self.settle([Settled(o.held, "done", o) for o in committed])
+        if cancelled:  # recorded by the cancel itself
+            self.settle([Settled(o.held, "cancelled", o) for o in cancelled])
         if lost:
             self._lost(lost, "lease lost while running")
         for kind, group in by_kind.items():
@@ -316,47 +323,54 @@ class Completer:
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
         statement or the handler's own transaction), retried, failed, handed back,
-        snoozed or lost. It counts the jobs, says so and then forgets them, in that order:
-        whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go idle)
-        finds it counted. Metrics and hooks attach here. ``forgotten``: the ledger has let
-        go of them already (lost jobs)."""
+        snoozed or lost. It hands their ends to the worker's hooks (:class:`~.hooks.Hooks`:
+        the counters, the log lines, the observers) and then forgets the jobs, in that
+        order: whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go
+        idle) finds it counted. ``forgotten``: the ledger has let go of them already (lost
+        jobs)."""
         if not results:
             return
+        hooks = self.hooks
+        every = hooks.wants_every_end()  # else only the ends that log above DEBUG
         counts: dict[str, int] = {}
+        events: list[JobEvent] = []
+        append = events.append
+        event = hooks.event
         for r in results:
             status = r.status
             if status in counts:
                 counts[status] += 1
             else:
                 counts[status] = 1
-            if status == "done" or status == "released":
-                continue
-            token = r.held.token
-            if status == "failed" and r.outcome is not None:
-                how = "dead-lettered" if r.outcome.kind is Kind.FAIL else "failed for good (dead letter)"
-                log.error("job %s attempt %d %s: %s", token.job_id, token.attempt, how, _first(r.outcome.error))
-            elif status == "retried" and r.outcome is not None:
+            o = r.outcome
+            if status == "done" or status == "released":  # the hot path: no event unless wanted
+                if every:
+                    append(event(r.held, _OUTCOMES[status], _first(o.error) if o is not None else ""))
+            elif o is None:
+                append(event(r.held, _OUTCOMES[status], r.why))
+            elif status == "retried":
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
-                log.warning("job %s attempt %d failed: %s; retrying in %.1fs",
-                            token.job_id, token.attempt, _first(r.outcome.error), r.outcome.delay)
-            elif status == "snoozed" and r.outcome is not None:
+                append(event(r.held, JobOutcome.RETRIED, _first(o.error), o.delay))
+            elif status == "snoozed":
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
-                # A snooze is the handler's plan, not a failure: INFO, and no attempt spent.
-                log.info("job %s attempt %d snoozed for %.1fs: %s", token.job_id, token.attempt,
-                         r.outcome.delay, _first(r.outcome.error))
-            elif status == "lost":
-                log.warning("job %s attempt %d: %s; its result was not recorded", token.job_id, token.attempt, r.why)
-        for status, n in counts.items():
-            self.stats.add(status, n)
+                append(event(r.held, JobOutcome.SNOOZED, _first(o.error), o.delay))
+            else:
+                append(event(r.held, _OUTCOMES[status], _first(o.error)))
+        hooks.count(counts)
+        hooks.finished(events)
         if not forgotten:
             self.ledger.remove(r.held for r in results)
 
 
+#: Settled.status -> the outcome observers see.
+_OUTCOMES = {o.value: o for o in JobOutcome}
+
+
 class Settled(NamedTuple):
     """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
-    letter), ``released`` (handed back), ``snoozed`` or ``lost`` (its lease was gone): each the name
+    letter), ``released`` (handed back), ``snoozed``, ``cancelled`` or ``lost`` (its lease was gone): each the name
     of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
 
     held: Held

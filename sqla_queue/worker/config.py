@@ -50,6 +50,14 @@ class WorkerConfig:
     name: str | None = None
     #: Longest wait between reconnection attempts after the database went away.
     reconnect_backoff: float = 2.0
+    #: Most events waiting for the observers; past it they are dropped (and counted).
+    observer_queue_size: int = 10_000
+    #: Serve Prometheus metrics on this port (all interfaces); needs the ``prometheus``
+    #: extra. None: no exporter (mount :mod:`sqla_queue.prometheus` in your app instead).
+    metrics_port: int | None = None
+    #: Seconds one attempt may run, for jobs without a timeout of their own or of their
+    #: task; past it the attempt fails (``timed out after N s``). None: no limit.
+    timeout: float | None = None
     #: Periodic jobs this worker enqueues (besides those of its Tasks registry), each
     #: tick once however many workers run them.
     schedules: tuple[Schedule, ...] = ()
@@ -78,6 +86,8 @@ class WorkerConfig:
             _duration(name, getattr(self, name), positive=False)
         if self.heartbeat_interval is not None:
             _duration("heartbeat_interval", self.heartbeat_interval, positive=True)
+        if self.timeout is not None:
+            _duration("timeout", self.timeout, positive=True)
         if self.effective_heartbeat >= self.lease:
             raise ValueError(
                 f"heartbeat_interval ({self.effective_heartbeat}s) must be shorter than the "
@@ -98,6 +108,11 @@ class WorkerConfig:
             # 200-character column.
             raise ValueError(f"name must be at most {MAX_NAME_LENGTH} characters, got {len(self.name)}")
         _positive_int("max_error_length", self.max_error_length)
+        _positive_int("observer_queue_size", self.observer_queue_size)
+        if self.metrics_port is not None:
+            _positive_int("metrics_port", self.metrics_port)
+            if self.metrics_port > 65535:
+                raise ValueError(f"metrics_port must be a TCP port (1-65535), got {self.metrics_port}")
         if not isinstance(self.schedules, tuple):
             object.__setattr__(self, "schedules", check_schedules(self.schedules))
         else:

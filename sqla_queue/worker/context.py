@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..driver import Driver
 from ..ops import Operations
 from .config import WorkerConfig
+from .hooks import Hooks
 from .ledger import Ledger
 from .stats import WorkerStats
 from .work_signal import WorkSignal
@@ -23,7 +24,8 @@ __all__ = ["WorkerContext"]
 @dataclass(frozen=True)
 class WorkerContext:
     """One worker's config, ledger, driver, queue table operations, wake-up signal,
-    counters and lease owner name (the start of every executor's)."""
+    counters, lease owner name (the start of every executor's) and hooks (every claim,
+    run and end of a job passes them: :mod:`.hooks`)."""
 
     config: WorkerConfig
     ledger: Ledger
@@ -32,3 +34,4 @@ class WorkerContext:
     signal: WorkSignal
     stats: WorkerStats
     owner: str
+    hooks: Hooks

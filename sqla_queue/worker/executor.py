@@ -18,6 +18,7 @@ connection) escapes it.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
+from ..current import CANCELLED, JobContext, bind, in_context, timeout_text
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Moved, Operations
@@ -40,6 +42,7 @@ from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
 from .producer import Producer
 from .service import Reconnecting, Service
+from .watchdog import Watchdog
 
 __all__ = ["Executor", "ExecutorPool", "Lane"]
 
@@ -101,21 +104,69 @@ class Executor:
         self.ops = ctx.ops
         #: Job id -> losses of the worker's connection in a row under its handler.
         self._losses: dict[Any, int] = {}
+        #: Tells handlers past their deadline (set by the worker).
+        self.watchdog: Watchdog | None = None
 
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
             return Outcome(held, Kind.FAIL, held.load_error)
+        if held.stopped == CANCELLED:  # cancelled before it started
+            return Outcome(held, Kind.CANCELLED)
         if self._losses:  # a run that ends any other way ends the streak
             held.losses = self._losses.pop(held.token.job_id, 0)
+        context = held.context = JobContext(held.job, held.token, held.timeout, held.deadline)
+        if held.stopped is not None:
+            context.stop(held.stopped)
+        undo = bind(context)
+        if held.deadline is not None and self.watchdog is not None:
+            self.watchdog.watch(held)
         try:
             handler = self._resolve(held.job)
             if self.job_context is not None:
-                return self._in_job_context(held, handler, lane)
-            return self._call(held, handler, lane)
+                outcome = self._in_job_context(held, handler, lane)
+            else:
+                outcome = self._call(held, handler, lane)
         except BaseException as exc:
             if self.runtime.cancelled():
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
-            return self.failure(held, exc)
+            outcome = self.failure(held, exc)
+        finally:
+            undo()
+        return self._over(held, outcome)
+
+    def _over(self, held: Held, outcome: Outcome) -> Outcome:
+        """The outcome of an attempt that was told to stop: ``cancelled`` (nothing to
+        record: the row says so), or the timeout's failure, retried by the usual rules.
+        An attempt whose transaction committed first keeps its ``done``."""
+        reason = held.stopped
+        if reason is None or outcome.kind in (Kind.COMMITTED, Kind.LOST):
+            return outcome
+        if reason == CANCELLED:
+            return Outcome(held, Kind.CANCELLED)
+        return Outcome(held, Kind.RETRY, timeout_text(held.timeout or 0.0), self._backoff(held))
+
+    def _backoff(self, held: Held) -> float:
+        try:
+            return min(self.config.backoff.delay(held.token.attempt).total_seconds(), MAX_DELAY_SECONDS)
+        except (OverflowError, ValueError):
+            return min(self.config.backoff.cap, MAX_DELAY_SECONDS)
+
+    def _invoke(self, held: Held, fn: Callable[..., Any], *args: Any, on_loop: bool = False) -> Any:
+        """Call the handler with its job's context current; an ``async def`` handler's
+        task is the one a cancel or a timeout cancels (never a plain handler's: a thread
+        cannot be stopped, and the executor waits for it, so it holds its slot)."""
+        context: JobContext = held.context
+        if not self.runtime.is_async(fn):
+            context.enter(None)
+            try:
+                return self.runtime.call(fn, *args, on_loop=on_loop)
+            finally:
+                context.leave()
+        context.enter(asyncio.current_task())
+        try:
+            return self.runtime.call(fn, *args, on_loop=on_loop, around=lambda aw: in_context(context, aw))
+        finally:
+            context.leave()
 
     def _in_job_context(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
         """The handler inside a fresh ``job_context()``: a context manager, or on the
@@ -138,7 +189,7 @@ class Executor:
     def _call(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
         if handler.transactional:
             return self._transactional(held, handler, lane)
-        result = self.runtime.call(handler.fn, held.job)
+        result = self._invoke(held, handler.fn, held.job)
         if result is not None and inspect.isawaitable(result):
             return self._awaitable(held, handler, result)
         return Outcome(held, Kind.DONE)
@@ -196,11 +247,7 @@ class Executor:
                             "handed back without spending the attempt", held.token.job_id, held.token.attempt)
                 return Outcome(held, Kind.RELEASE, storable(f"connection lost: {error}", limit))
             error = storable(f"connection lost ({losses} times in a row under this job): {error}", limit)
-        try:
-            delay = min(self.config.backoff.delay(held.token.attempt).total_seconds(), MAX_DELAY_SECONDS)
-        except (OverflowError, ValueError):
-            delay = min(self.config.backoff.cap, MAX_DELAY_SECONDS)
-        return Outcome(held, Kind.RETRY, error, delay)
+        return Outcome(held, Kind.RETRY, error, self._backoff(held))
 
     def _remember_loss(self, job_id: Any, losses: int) -> None:
         remembered = self._losses
@@ -241,7 +288,7 @@ class Executor:
                 fn = handler.fn
                 if not self.runtime.is_async(fn):
                     given = session  # a plain function gets the synchronous session
-                result = self.runtime.call(fn, held.job, given, on_loop=True)
+                result = self._invoke(held, fn, held.job, given, on_loop=True)
                 if inspect.isawaitable(result):
                     return self._awaitable(held, handler, result)
                 session.commit()
@@ -249,6 +296,10 @@ class Executor:
                 if self.runtime.cancelled():
                     raise
                 return self.failure(held, exc, conn)
+            if held.stopped is not None:
+                # Cancelled or past its deadline: its writes roll back (the finally), and
+                # the database would refuse the completion anyway.
+                return Outcome(held, Kind.DONE)
             if not self.ledger.finishing([held]):
                 return Outcome(held, Kind.LOST)
             try:
@@ -350,6 +401,7 @@ class ExecutorPool(Service):
         self.completer = completer
         self.signal = ctx.signal
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
 
     def start(self) -> None:
         if self._threads:
@@ -395,7 +447,7 @@ class ExecutorPool(Service):
                 if self.stopping:  # claimed while stop() ran: give them back
                     self.completer.hand_back(lane.connect, held, refund=True)
                     break
-                self.stats.add("claimed", len(held))
+                self.hooks.claimed(held)
                 isolated, solitary = held[0].isolated, held[0].solitary
                 if len(held) == limit and not isolated:
                     self.signal.wake()  # there may be more: rouse an idle peer
@@ -434,6 +486,8 @@ class ExecutorPool(Service):
         busy = 0.0
         request = None
         accepted = False
+        hooks = self.hooks
+        started = hooks.started if hooks.wants_started else None
         try:
             for h in held:
                 start = self.ledger.start(h)
@@ -442,7 +496,12 @@ class ExecutorPool(Service):
                     continue
                 if start is Start.SKIP:
                     continue  # lost meanwhile, or handed back by a shutdown
+                h.started_at = time.time()
+                if started is not None:
+                    started(h)
+                t0 = time.perf_counter()
                 outcomes.append(self.executor.run(h, lane))
+                h.run_time = time.perf_counter() - t0
                 ran += 1
             busy = time.monotonic() - began
             if deferred:

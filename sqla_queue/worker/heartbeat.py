@@ -19,7 +19,9 @@ import time
 
 from ..sql import ClaimToken
 from .context import WorkerContext
+from .hooks import JobOutcome
 from .service import Reconnecting, Service
+from .watchdog import stop_cancelled
 
 __all__ = ["Heartbeat"]
 
@@ -39,6 +41,7 @@ class Heartbeat(Service):
         self.driver = driver
         self.owner = ctx.owner
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
         self.ops = ctx.ops
         # Every executor claims under a name of its own, each starting with "{owner}/".
         self._owners = f"{ctx.owner}/"
@@ -51,11 +54,16 @@ class Heartbeat(Service):
         since = self.ledger.claims_since()
         if held or since is not None or not self.ledger.healthy:  # recover only on a beat that reached the table
             lost = self._beat([h.token for h in held], since)
-            for h in held:
-                if h.token in lost and self.ledger.mark_lost(h) is not None:
-                    self.stats.add("lost")
-                    log.warning("job %s attempt %d: lease lost (re-claimed or swept); its result "
-                                "will not be recorded", h.token.job_id, h.token.attempt)
+            if lost:  # a cancelled row is not running any more either: its handler is told
+                conn = self.link.connect()
+                with self.driver.deadline(conn, self.interval):
+                    told = stop_cancelled(self.ops, conn, [h for h in held if h.token in lost and h.started])
+                lost -= {h.token for h in told}
+            gone = [h for h in held if h.token in lost and self.ledger.mark_lost(h) is not None]
+            if gone:
+                hooks = self.hooks
+                hooks.finished([hooks.event(h, JobOutcome.LOST, "lease lost (re-claimed or swept)") for h in gone],
+                               count=True)
         self._last_ok = time.monotonic()
         if not self.ledger.healthy:
             log.info("heartbeat: the database answers again; claiming resumes")
@@ -84,13 +92,11 @@ class Heartbeat(Service):
             held = self.ledger.held()
             self.ledger.set_healthy(False)
             lost = self.ledger.lose(held)
-            if lost:
-                self.stats.add("lost", len(lost))
             log.error("heartbeat: no beat succeeded for a whole lease (%.1fs): claiming stops and "
                       "the %d held job(s) are treated as lost", self.config.lease, len(lost))
-            for h in lost:
-                log.warning("job %s attempt %d: lease lost (no heartbeat for a whole lease); its "
-                            "result will not be recorded", h.token.job_id, h.token.attempt)
+            hooks = self.hooks
+            hooks.finished([hooks.event(h, JobOutcome.LOST, "lease lost (no heartbeat for a whole lease)")
+                            for h in lost], count=True)
 
     def on_error(self, exc: BaseException) -> None:
         super().on_error(exc)

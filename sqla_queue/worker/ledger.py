@@ -52,6 +52,28 @@ class Held:
     lost: bool = False
     #: Losses of the worker's connection in a row under this job's handler, before this run.
     losses: int = 0
+    #: When its handler started (wall clock, ``time.time()``), and the seconds it ran.
+    started_at: float | None = None
+    run_time: float | None = None
+    #: Seconds its attempt may run, and ``time.monotonic()`` at its deadline (None: none).
+    timeout: float | None = None
+    deadline: float | None = None
+    #: Why its attempt is over though its handler may still run: ``"cancelled"`` (the
+    #: row says so) or ``"timed out"`` (past the deadline). None: it may go on.
+    stopped: str | None = None
+    #: What its handler sees as ``sqla_queue.current_job()``, from its start.
+    context: Any = None
+
+    def tell(self, reason: str, message: str = "") -> bool:
+        """Its attempt is over (``reason``): tell its handler, if it runs (see
+        :class:`~sqla_queue.JobContext`). True the first time."""
+        if self.stopped is not None:
+            return False
+        self.stopped = reason
+        context = self.context
+        if context is not None:
+            context.stop(reason, message)
+        return True
 
 
 class Start(Enum):
@@ -182,12 +204,13 @@ class Ledger:
         unstarted (a beat over ten thousand of those would hold their rows' locks while
         the hand-back waits for them; if it fails, they return after their lease)."""
         with self._lock:
-            return [t for t, h in self._held.items() if not (h.lost or (h.finishing and not h.started))]
+            return [t for t, h in self._held.items() if not (h.lost or h.stopped or (h.finishing and not h.started))]
 
     def live(self) -> list[Held]:
-        """The held jobs whose lease still matters, as :meth:`tokens` says."""
+        """The held jobs whose lease still matters, as :meth:`tokens` says: not those
+        whose attempt is over (cancelled, or past its deadline, where no lease runs)."""
         with self._lock:
-            return [h for h in self._held.values() if not (h.lost or (h.finishing and not h.started))]
+            return [h for h in self._held.values() if not (h.lost or h.stopped or (h.finishing and not h.started))]
 
     # -- claims in flight --------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""LISTEN for committed jobs and wake an idle executor.
+"""LISTEN for committed jobs and wake an idle executor; learn of cancelled jobs.
 
 The listener holds one dedicated autocommit connection (a connection idle in a
 transaction receives nothing). NOTIFY is not durable: notifications sent while the
@@ -11,11 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ..control import Cancel, Swept, Wake, parse
 from .context import WorkerContext
 from .service import Reconnecting, Service
-from .sweeper import SWEPT_PREFIX
+from .watchdog import stop_cancelled
 
 __all__ = ["Listener"]
+
+#: The longest the read of cancelled jobs' rows may take.
+CANCEL_CHECK_SECONDS = 10.0
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -32,6 +36,8 @@ class Listener(Service):
         self.driver = driver
         self.channel = channel = ctx.ops.channel
         self.signal = ctx.signal
+        self.ledger = ctx.ledger
+        self.ops = ctx.ops
         self.queues = set(queues) if queues is not None else None
         self.timeout = timeout
         #: Called when a sweeper says it returned jobs of these queues (isolated now).
@@ -51,14 +57,28 @@ class Listener(Service):
                 log.info("listener: reconnected; polling once for jobs sent meanwhile")
             self.signal.wake()  # jobs committed while we were not listening
         payloads = self.driver.notifies(conn, self.timeout)
-        relevant = [p for p in payloads if self.queues is None or p in self.queues]
-        swept = [p for p in payloads if p.startswith(SWEPT_PREFIX)]
-        if swept and self.on_swept is not None and (
-            self.queues is None or any(p[len(SWEPT_PREFIX):] in self.queues for p in swept)
-        ):
+        if not payloads:
+            return 0.0
+        messages = [parse(p) for p in payloads]
+        woken = 0
+        swept = False
+        cancelled: set[str] = set()
+        for message in messages:
+            if isinstance(message, Wake):
+                woken += self.queues is None or message.queue in self.queues
+            elif isinstance(message, Swept):
+                swept = swept or self.queues is None or message.queue in self.queues
+            elif isinstance(message, Cancel):
+                cancelled |= message.ids
+        if swept and self.on_swept is not None:
             self.on_swept()
-        if relevant:
-            self.signal.wake(len(relevant))
+        if woken:
+            self.signal.wake(woken)
+        if cancelled:
+            held = [h for h in self.ledger.live() if h.started and str(h.token.job_id) in cancelled]
+            if held:  # the row has the last word
+                with self.driver.deadline(conn, CANCEL_CHECK_SECONDS):
+                    stop_cancelled(self.ops, conn, held)
         return 0.0
 
     def request_stop(self) -> None:

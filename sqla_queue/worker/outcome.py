@@ -27,6 +27,8 @@ class Kind(enum.Enum):
     RELEASE = "release"
     #: The lease was lost: someone else owns the job now; record nothing.
     LOST = "lost"
+    #: The job was cancelled while it ran: its row says so already; record nothing.
+    CANCELLED = "cancelled"
 
 
 @dataclass(slots=True)

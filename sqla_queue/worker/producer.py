@@ -255,12 +255,17 @@ class Producer:
         isolated, owner = request.isolated, request.owner
         held: list[Held] = []
         append = held.append
-        for token, job, problem, solitary in rows:
-            if problem is None:  # positional: the hot path, once per claimed row
+        now = time.monotonic()
+        for token, job, problem, solitary, timeout in rows:
+            deadline = None if timeout is None else now + timeout
+            if problem is None and timeout is None:  # positional: the hot path, once per claimed row
                 append(Held(token, job, None, isolated, solitary, owner))
+            elif problem is None:
+                append(Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner, timeout=timeout,
+                            deadline=deadline))
             else:
                 append(Held(token, load_error=self._load_error(problem), isolated=isolated, solitary=solitary,
-                            owner=owner))
+                            owner=owner, timeout=timeout, deadline=deadline))
         return held
 
     def _load_error(self, problem: RowProblem) -> str:

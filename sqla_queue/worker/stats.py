@@ -21,7 +21,15 @@ class WorkerStats:
     #: Jobs whose handler raised ``Snooze``: run again later, no attempt spent.
     snoozed: int = 0
     swept: int = 0
+    #: Jobs cancelled while this worker held them.
+    cancelled: int = 0
+    #: Handlers still running after their deadline had passed (see the watchdog).
+    stuck: int = 0
     heartbeats: int = 0
+    #: Events not given to the observers: their queue was full (see ``observer_queue_size``).
+    hook_dropped: int = 0
+    #: Exceptions the observers raised (logged, then ignored).
+    hook_errors: int = 0
     #: Periodic jobs this worker enqueued, and finished jobs its pruner deleted.
     scheduled: int = 0
     pruned: int = 0

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 
+from ..control import SWEPT_PREFIX
 from .context import WorkerContext
+from .hooks import JobEvent, JobOutcome
 from .producer import Producer
 from .service import Reconnecting, Service
 
@@ -20,8 +22,6 @@ __all__ = ["SWEPT_PREFIX", "Sweeper"]
 log = logging.getLogger("sqla_queue.worker")
 
 SWEEP_LIMIT = 1000
-#: Marks a NOTIFY payload ``SWEPT_PREFIX + queue``: jobs of that queue were just swept.
-SWEPT_PREFIX = "sqla_queue.swept:"
 #: A sweep stuck longer than this (behind a table lock, a hung server) is cut short.
 SWEEP_DEADLINE = 10.0
 
@@ -35,6 +35,8 @@ class Sweeper(Service):
         super().__init__(config.sweep_interval, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.driver = driver
         self.stats = ctx.stats
+        self.hooks = ctx.hooks
+        self.owner = ctx.owner
         self.producer = producer
         self.signal = ctx.signal
         self.ops = ctx.ops
@@ -51,7 +53,12 @@ class Sweeper(Service):
                 # isolated jobs wait (a claim of one each, at once, not at the next poll).
                 self.driver.notify(conn, self.channel, [*queues, *(SWEPT_PREFIX + queue for queue in queues)])
         if swept.total:
-            self.stats.add("swept", swept.total)
+            hooks = self.hooks
+            hooks.finished([
+                JobEvent(hooks.table, j.queue, j.task, j.job_id, j.attempt, JobOutcome.SWEPT,
+                         error=f"lease expired; {j.status}", worker=self.owner)
+                for j in swept.jobs
+            ], count=True)
             dead = swept.dead
             log.warning(
                 "sweeper: %d expired lease(s): %d back to pending (isolated), %d dead-lettered %s",

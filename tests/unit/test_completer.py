@@ -13,6 +13,7 @@ from sqla_queue.worker.completer import Completer
 from sqla_queue.worker.config import WorkerConfig
 from sqla_queue.worker.context import WorkerContext
 from sqla_queue.worker.executor import CompleteThenClaim
+from sqla_queue.worker.hooks import Hooks
 from sqla_queue.worker.ledger import Held, Ledger
 from sqla_queue.worker.outcome import Kind, Outcome
 from sqla_queue.worker.stats import WorkerStats
@@ -37,7 +38,7 @@ class Setup:
         self.connections: list[FakeConn] = []
         config = WorkerConfig(lease=5.0, reconnect_backoff=0.01)
         ctx = WorkerContext(config, self.ledger, FakeDriver(), self.ops, WorkSignal(1), self.stats,  # type: ignore[arg-type]
-                            "w")
+                            "w", Hooks(self.stats))
         self.completer = Completer(ctx)
 
     def connect(self) -> Any:

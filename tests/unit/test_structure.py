@@ -211,3 +211,14 @@ def test_no_service_names_a_statement_parameter(module: str) -> None:
 def test_the_driver_runs_statements_without_picking_them() -> None:
     """The transport knows no statement builder: the operations layer hands it compiled ones."""
     assert _sql_imports("sqla_queue.driver") == []
+
+
+def test_every_job_outcome_has_its_counter() -> None:
+    """A new JobOutcome is one enum value and the WorkerStats counter of the same name:
+    the hooks count each end under its outcome's name."""
+    from dataclasses import fields
+
+    from sqla_queue import JobOutcome, WorkerStats
+
+    counters = {f.name for f in fields(WorkerStats)}
+    assert {o.value for o in JobOutcome} <= counters

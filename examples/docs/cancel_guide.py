@@ -1,0 +1,90 @@
+"""The cancel and timeouts guide's snippets: timeouts at three levels, a handler that
+checks its job's flag, and a cancel of a running job, whose writes never commit."""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy import create_engine, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_queue import QueueSession
+
+from _db import database_url
+from shop_models import Base, Charge, Order, Task
+
+started = threading.Event()
+
+# --8<-- [start:timeouts]
+from sqla_queue import Tasks, Worker, current_job
+
+tasks = Tasks()
+
+
+@tasks.task(timeout=30)  # every attempt of this task: 30 s at most
+def export_report(job: Task) -> None:
+    context = current_job()  # the running job's context, in any handler
+    for _chunk in range(20):
+        context.check()  # raises JobCancelled once cancelled or past the deadline
+        if context.wait(0.05):  # an interruptible sleep: True once told to stop
+            break
+
+
+@tasks.task
+def charge(job: Task, session: Session) -> None:  # transactional
+    session.add(Charge(order_id=job.payload["order_id"]))
+    started.set()
+    current_job().wait(60)  # ignores the flag: its writes still never commit if cancelled
+# --8<-- [end:timeouts]
+
+
+def main(url: str) -> None:
+    engine = create_engine(url)
+    Base.metadata.create_all(engine)
+    Sessions = sessionmaker(engine, class_=QueueSession)
+    try:
+        with Sessions() as session:
+            order = Order(customer="ada")
+            session.add(order)
+            session.flush()
+            # --8<-- [start:enqueue]
+            session.enqueue(Task(task="export_report", payload={}), timeout=5)  # this job: 5 s
+            job = session.enqueue(Task(task="charge", payload={"order_id": order.id}))
+            session.commit()
+            # --8<-- [end:enqueue]
+            job_id = job.id
+        # --8<-- [start:worker]
+        worker = Worker(engine, Task, tasks, timeout=600)  # jobs and tasks without one: 10 min
+        # --8<-- [end:worker]
+        worker.start()
+        try:
+            assert started.wait(30)
+            # --8<-- [start:cancel]
+            from sqla_queue import cancel
+
+            with Session(engine) as session:
+                cancelled = cancel(session, Task, ids=[job_id])  # pending or running
+                session.commit()  # the running job's worker hears of it now
+            # --8<-- [end:cancel]
+            assert cancelled == [job_id]
+            deadline = threading.Event()
+            for _ in range(600):
+                if worker.stats.cancelled == 1 and worker.stats.done == 1:
+                    break
+                deadline.wait(0.05)
+        finally:
+            worker.stop()
+        with engine.connect() as conn:
+            statuses = dict(conn.execute(select(Task.task, Task.status)).all())
+            charges = conn.scalar(select(func.count()).select_from(Charge))
+        print(f"statuses: {statuses}; charges committed: {charges}")
+        assert statuses == {"export_report": "done", "charge": "cancelled"}, statuses
+        assert charges == 0
+    finally:
+        Base.metadata.drop_all(engine)
+        engine.dispose()
+
+
+if __name__ == "__main__":
+    with database_url() as url:
+        main(url)

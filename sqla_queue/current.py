@@ -1,0 +1,179 @@
+"""The running job's context: what a handler asks to learn that its attempt is over.
+
+A thread cannot be killed safely in Python, so a synchronous handler is *told*: when its
+job is cancelled (:func:`sqla_queue.cancel`) or runs past its deadline (a timeout), the
+flag of its :class:`JobContext` is set, and the handler checks it at safe points
+(``current_job().check()`` raises :class:`~sqla_queue.JobCancelled`; ``wait()`` sleeps
+until it is set). An ``async def`` handler is also cancelled (``CancelledError`` at its
+next ``await``). Either way the attempt can no longer complete: the database refuses its
+completion, so a transactional handler's writes roll back whatever it does.
+
+``handler(job)`` and ``handler(job, session)`` stay as they are: the context is found,
+not passed (a context variable, set around every handler, copied into the thread that
+runs a plain handler of an asyncio worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from contextvars import ContextVar
+from typing import Any, Final, TypeVar
+
+from .errors import JobCancelled
+from .runtime import Event
+from .sql import ClaimToken
+
+__all__ = ["CANCELLED", "TIMED_OUT", "JobContext", "current_job"]
+
+T = TypeVar("T")
+
+#: Guards the lazy creation of a context's flag.
+_MAKING: Final = threading.Lock()
+
+#: Why an attempt was told to stop.
+CANCELLED: Final = "cancelled"
+TIMED_OUT: Final = "timed out"
+
+
+def timeout_text(seconds: float) -> str:
+    """``last_error`` of an attempt that ran past its deadline (the sweeper writes the same)."""
+    return f"timed out after {round(seconds, 3):g} s"
+
+
+class JobContext:
+    """The job a handler runs, and whether its attempt is over (cancelled or timed out).
+
+    ``current_job()`` gives it inside a handler (any runtime, any handler shape).
+    """
+
+    def __init__(self, job: Any, token: ClaimToken, timeout: float | None, deadline: float | None) -> None:
+        self.job = job
+        self.token = token
+        #: Seconds this attempt may run (None: no deadline).
+        self.timeout = timeout
+        #: ``time.monotonic()`` at the deadline, in this process (None: none).
+        self.deadline = deadline
+        #: Made on first use (most handlers never wait on it): one per job is a cost.
+        self._flag: Event | None = None
+        self._reason: str | None = None
+        self._message = ""
+        #: The task awaiting an ``async def`` handler, cancelled when the job stops.
+        self._task: asyncio.Task[Any] | None = None
+        self._active = False
+
+    @property
+    def stop_reason(self) -> str | None:
+        """``"cancelled"``, ``"timed out"``, or None while the attempt may go on."""
+        return self._reason
+
+    @property
+    def cancelled(self) -> bool:
+        """The job was cancelled (:func:`sqla_queue.cancel`)."""
+        return self._reason == CANCELLED
+
+    @property
+    def timed_out(self) -> bool:
+        """The attempt ran past its deadline."""
+        return self._reason == TIMED_OUT
+
+    @property
+    def should_stop(self) -> bool:
+        """Cancelled or timed out: nothing this attempt does can complete it any more."""
+        return self._reason is not None
+
+    @property
+    def running(self) -> bool:
+        """Its handler is running right now."""
+        return self._active
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline; 0 past it)."""
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def check(self) -> None:
+        """Raise :class:`~sqla_queue.JobCancelled` if the attempt is over: call it at
+        the handler's safe points."""
+        if self._reason is not None:
+            raise JobCancelled(self._reason, self._message or self._reason)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep up to ``timeout`` seconds, waking at once when the attempt is told to
+        stop; True if it was. An interruptible ``time.sleep``."""
+        return self._event().wait(timeout)
+
+    def _event(self) -> Event:
+        flag = self._flag
+        if flag is None:
+            with _MAKING:
+                flag = self._flag
+                if flag is None:
+                    flag = self._flag = Event()
+                    if self._reason is not None:
+                        flag.set()
+        return flag
+
+    # -- the worker's side -------------------------------------------------------------
+
+    def stop(self, reason: str, message: str = "") -> bool:
+        """Tell the handler its attempt is over; True the first time. Cancels the task
+        of an ``async def`` handler still running (from any thread)."""
+        if self._reason is not None:
+            return False
+        self._message = message
+        self._reason = reason
+        self._event().set()
+        task = self._task
+        if task is not None:
+            task.get_loop().call_soon_threadsafe(self._cancel_task, task)
+        return True
+
+    def _cancel_task(self, task: asyncio.Task[Any]) -> None:
+        # On the loop: only while the handler runs (the executor clears _active on the
+        # loop once it returned, so a late call cannot reach the next job's handler).
+        if self._active and self._task is task:
+            task.cancel(f"sqla_queue: job {self.token.job_id} {self._reason}")
+
+    def enter(self, task: asyncio.Task[Any] | None) -> None:
+        """The handler starts; ``task``: the one to cancel (an ``async def`` handler's)."""
+        self._task = task
+        self._active = True
+        if task is not None and self._reason is not None:
+            self._cancel_task(task)
+
+    def leave(self) -> None:
+        self._active = False
+        self._task = None
+
+
+_current: ContextVar[JobContext | None] = ContextVar("sqla_queue_current_job", default=None)
+
+
+def current_job() -> JobContext:
+    """The :class:`JobContext` of the job the calling handler runs.
+
+    Raises ``RuntimeError`` outside a handler."""
+    found = _current.get()
+    if found is None:
+        raise RuntimeError("sqla_queue.current_job() is only available inside a job's handler")
+    return found
+
+
+def bind(context: JobContext) -> Callable[[], None]:
+    """Make ``context`` current here; returns the undo."""
+    token = _current.set(context)
+    return lambda: _current.reset(token)
+
+
+async def in_context(context: JobContext, awaitable: Coroutine[Any, Any, T]) -> T:
+    """Await ``awaitable`` with ``context`` current (a coroutine runs in the awaiting
+    task's context, not where it was made)."""
+    token = _current.set(context)
+    try:
+        return await awaitable
+    finally:
+        _current.reset(token)
