@@ -11,8 +11,9 @@ the same):
 
 - ``session.enqueue_many(Task, rows)``: ``--rows`` rows with a ``unique_key``, a quarter
   of them held by a job already there and a quarter repeating an earlier row of the call
-  (both skipped), checked, filled with the defaults and written by SQLAlchemy's
-  multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING``;
+  (both skipped), checked, filled with the options and the defaults the server does not
+  repeat, and written by psycopg's pipelined executemany of ``INSERT … ON CONFLICT DO
+  NOTHING`` (``DEFAULT`` for the rest), in key order;
 - the baseline: the same rows as tuples, by psycopg's ``executemany`` (pipelined) of
   ``INSERT INTO tasks (task, payload, unique_key) VALUES (…) ON CONFLICT (unique_key)
   WHERE … DO NOTHING`` on the same connection, no checks, server defaults for the rest.

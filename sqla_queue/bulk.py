@@ -28,6 +28,7 @@ loop, so the bridge costs nothing per row.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from itertools import groupby, islice
@@ -37,13 +38,15 @@ from typing import TYPE_CHECKING, Any, Final, Literal, overload
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import Connection, Table, bindparam, insert, select
+from sqlalchemy import Connection, Table, bindparam, insert, literal_column, select
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 from typing_extensions import Unpack
 
 from .binds import resolve_session
-from .dbapi import compile_statement, reraise_as_sqlalchemy
+from .cache import plans
+from .dbapi import SchemaMapKey, compile_statement, reraise_as_sqlalchemy, schema_map_key
 from .errors import EnqueueError
 from .options import EnqueueKwargs, enqueue_options
 from .outbox import notify_on_commit
@@ -265,7 +268,13 @@ def _enqueue_many(
     # On psycopg (sync) they go by the driver's pipelined executemany, their values
     # converted as for COPY: SQLAlchemy's execution of many rows costs more than the rows.
     direct = use_copy and not dialect_plan.dialect.is_async
-    keyed_writer = RowWriter(dialect_plan, values, for_copy=direct) if plan.unique_column is not None else None
+    # There the columns whose server default repeats their Python default are left to the
+    # server (the statement says DEFAULT): a keyed row sends what a hand-written INSERT would.
+    keyed_writer = (
+        RowWriter(dialect_plan, values, for_copy=direct, server_fills=direct)
+        if plan.unique_column is not None
+        else None
+    )
     batches = _split(writer, keyed_writer, plan, first, rows_iter, batch_size)
     del first  # the generator owns the first batch now: keep memory bounded
     first_batch = next(batches)  # a bad row here raises before anything is written
@@ -358,23 +367,59 @@ def _insert_keyed_direct(
     of rows setting the same columns; psycopg counts the rows it inserted."""
     column = plan.unique_column
     assert column is not None
-    translate = conn.get_execution_options().get("schema_translate_map")
+    translate = schema_map_key(conn.get_execution_options().get("schema_translate_map"))
     raw: Any = conn.connection.driver_connection
     inserted = 0
     for shape, group in groupby(batch, key=itemgetter(0)):
         at = shape.index(column)
         rows = sorted((values for _, values in group), key=itemgetter(at))  # key order: see _insert_keyed
-        stmt = insert_unique(plan.table).values({key: bindparam(key) for key in shape})
-        compiled = compile_statement(stmt, conn.dialect, translate)
-        params = [dict(zip(shape, row, strict=True)) for row in rows]
+        sql = _keyed_sql(plan, conn.dialect, shape, translate)
         try:
             with raw.cursor() as cursor:
-                cursor.executemany(compiled.sql, params)
+                cursor.executemany(sql, rows)
                 inserted += max(cursor.rowcount, 0)
         except BaseException as exc:
-            reraise_as_sqlalchemy(conn, exc, compiled.sql, None)
+            reraise_as_sqlalchemy(conn, exc, sql, None)
             raise
     return inserted, len(batch)
+
+
+def _keyed_sql(plan: TablePlan, dialect: Dialect, shape: tuple[str, ...], translate: SchemaMapKey) -> str:
+    """The (cached) ``INSERT … ON CONFLICT DO NOTHING`` of rows of ``shape``, for the
+    psycopg cursor: positional parameters in ``shape``'s order (rows are tuples, as COPY's
+    are), ``DEFAULT`` for the columns the row leaves to the server, no RETURNING."""
+    cache_key = ("keyed", plan.table, dialect, translate, shape)
+    found: str | None = plans.get(cache_key)
+    if found is not None:
+        return found
+    # Bind names of our own (a column key may need escaping in a bind name), in order.
+    names = tuple(f"sqla_queue_{n}" for n in range(len(shape)))
+    values: dict[str, Any] = {
+        key: bindparam(name, type_=plan.columns[key].type) for key, name in zip(shape, names, strict=True)
+    }
+    for key in plan.server_same:
+        values.setdefault(key, literal_column("DEFAULT"))
+    # inline(): no implicit RETURNING of the primary key, and no default evaluated apart.
+    statement = insert_unique(plan.table).values(values).inline()
+    compiled = compile_statement(statement, dialect, dict(translate) if translate else None)
+    return plans.put(cache_key, _positional(compiled.sql, names))
+
+
+def _positional(sql: str, expected: tuple[str, ...]) -> str:
+    """``sql`` with its named parameters (``%(name)s``, psycopg's pyformat) made
+    positional (``%s``); they must be ``expected``, once each, in that order."""
+    names: list[str] = []
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return match.group(0)  # %%: a literal percent sign stays escaped
+        names.append(match.group(1))
+        return "%s"
+
+    text = re.sub(r"%%|%\(([^)]*)\)s", one, sql)
+    if tuple(names) != expected:
+        raise AssertionError(f"parameters {names} of the keyed INSERT are not {list(expected)}")
+    return text
 
 
 def _insert_keyed(conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str, ...], Any]]) -> tuple[int, int]:

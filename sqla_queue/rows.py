@@ -168,6 +168,13 @@ class TablePlan:
         self.not_null = frozenset(key for key, c in self.columns.items() if not c.nullable)
         #: Columns whose type writes a None as a value (JSON's 'null'), not as "unset".
         self.evaluates_none = frozenset(key for key, c in self.columns.items() if c.type.should_evaluate_none)
+        #: Columns whose scalar Python default the server default repeats: a row written
+        #: by an INSERT of our own may leave them to the server (less to send and bind).
+        self.server_same = frozenset(
+            key
+            for key, c in self.columns.items()
+            if c.default is not None and c.default.is_scalar and _server_says_the_same(c)
+        )
         #: Unique jobs: the declaration, and the key of the column holding the keys.
         self.unique: UniqueJobs | None = unique_jobs(table)
         self.unique_column: str | None = self.unique.column if self.unique is not None else None
@@ -332,11 +339,13 @@ class DialectPlan:
                 "bind_expression wraps the value in SQL (pgp_sym_encrypt(), …), which only an "
                 "INSERT applies: COPY would store the value as given"
             )
-        self._shapes: dict[tuple[frozenset[str], bool], dict[tuple[str, ...], RowShape]] = {}
+        self._shapes: dict[tuple[frozenset[str], bool, bool], dict[tuple[str, ...], RowShape]] = {}
 
-    def shapes(self, options: frozenset[str], for_copy: bool) -> dict[tuple[str, ...], RowShape]:
+    def shapes(
+        self, options: frozenset[str], for_copy: bool, server_fills: bool = False
+    ) -> dict[tuple[str, ...], RowShape]:
         """The bulk row shapes of calls with these option columns (filled as rows come)."""
-        key = (options, for_copy)
+        key = (options, for_copy, server_fills)
         found = self._shapes.get(key)
         if found is None:
             if len(self._shapes) >= 64:
@@ -373,7 +382,8 @@ class RowShape:
     )
 
     def __init__(
-        self, dp: DialectPlan, keys: tuple[str, ...], options: frozenset[str], *, pk_removed: bool = False
+        self, dp: DialectPlan, keys: tuple[str, ...], options: frozenset[str], *, pk_removed: bool = False,
+        server_fills: bool = False,
     ) -> None:
         plan = dp.plan
         self.without_pk: RowShape | None = None
@@ -420,8 +430,13 @@ class RowShape:
         self.managed = not present.isdisjoint(MANAGED_KEYS)
         self.fill_options = tuple(key for key in options if key not in present)
         present.update(options)
-        self.fill_defaults = tuple(item for item in plan.defaults if item[0] not in present)
-        present.update(key for key, _, _ in plan.defaults)
+        # server_fills: the defaults the server default repeats are left out of the row
+        # (its INSERT sends DEFAULT), the others filled as an ORM insert fills them.
+        skipped = plan.server_same if server_fills else frozenset()
+        self.fill_defaults = tuple(
+            item for item in plan.defaults if item[0] not in present and item[0] not in skipped
+        )
+        present.update(key for key, _, _ in plan.defaults if key not in skipped)
         missing = (plan.required - options) - present
         #: Raised after the defaults: NOT NULL columns nothing fills.
         self.missing = (
@@ -445,7 +460,9 @@ class RowWriter:
     Collects the queues written (:attr:`queues`), to wake them on commit.
     """
 
-    def __init__(self, dp: DialectPlan, options: dict[str, Any], *, for_copy: bool) -> None:
+    def __init__(
+        self, dp: DialectPlan, options: dict[str, Any], *, for_copy: bool, server_fills: bool = False
+    ) -> None:
         plan = dp.plan
         self.dp = dp
         self.plan = plan
@@ -460,7 +477,9 @@ class RowWriter:
         self.default_queue = plan.default_queue
         self.queues: set[str] = set()
         self._option_keys = frozenset(options)
-        self._shapes = dp.shapes(self._option_keys, for_copy)
+        #: Leave to the server the defaults it repeats (the statement must send DEFAULT).
+        self.server_fills = server_fills
+        self._shapes = dp.shapes(self._option_keys, for_copy, server_fills)
 
     def batches(
         self, first: list[Any], rows: Iterator[Any], size: int
@@ -486,7 +505,7 @@ class RowWriter:
     def _shape(self, keys: tuple[str, ...]) -> RowShape:
         if len(self._shapes) >= _MAX_SHAPES:
             self._shapes.clear()
-        shape = self._shapes[keys] = RowShape(self.dp, keys, self._option_keys)
+        shape = self._shapes[keys] = RowShape(self.dp, keys, self._option_keys, server_fills=self.server_fills)
         return shape
 
     def _row(self, raw: Any) -> tuple[tuple[str, ...], Any]:
@@ -498,7 +517,9 @@ class RowWriter:
         if shape.pk_given and values[self.plan.pk_key] is None:
             del values[self.plan.pk_key]  # as the ORM does: None means "generate it"
             if shape.without_pk is None:
-                shape.without_pk = RowShape(self.dp, tuple(values), self._option_keys, pk_removed=True)
+                shape.without_pk = RowShape(
+                    self.dp, tuple(values), self._option_keys, pk_removed=True, server_fills=self.server_fills
+                )
             shape = shape.without_pk
         if shape.disc is not None:
             key, given, identity = shape.disc

@@ -97,6 +97,24 @@ def test_every_enqueue_path_writes_to_the_tenant_and_wakes_its_workers(
     assert [r.queue for r in rows_in(tenants, "tenant_b")] == ["values_conn"]
 
 
+def test_keyed_bulk_rows_go_to_the_tenant_and_skip_only_its_duplicates(tenants: Engine) -> None:
+    """The keyed INSERT compiled once per set of columns is compiled per schema too."""
+    rows: list[Any] = [
+        {"task": "work", "unique_key": "k1"},
+        {"task": "work", "unique_key": "k2", "priority": 3},  # another set of columns
+        {"task": "work", "unique_key": "k1"},
+    ]
+    for name in ("tenant_a", "tenant_b", "tenant_a"):
+        with QueueSession(tenant(tenants, name)) as session:
+            written = session.enqueue_many(Task, rows)
+            expected = (0, 3) if name == "tenant_a" and rows_in(tenants, name) else (2, 1)
+            assert (written.inserted, written.skipped) == expected, name
+            session.commit()
+    for name in TENANTS:
+        assert [(r.task, r.queue, r.attempts) for r in rows_in(tenants, name)] == [("work", "default", 0)] * 2
+    assert rows_in(tenants, None) == []
+
+
 def test_a_worker_claims_beats_sweeps_and_completes_in_its_tenant_only(
     tenants: Engine, make_worker: Any
 ) -> None:

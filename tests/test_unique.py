@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, select, text, update
+from sqlalchemy import Engine, Integer, MetaData, create_engine, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from sqla_queue import (
     AsyncQueueSession,
@@ -23,12 +23,14 @@ from sqla_queue import (
     EnqueuedMany,
     EnqueueError,
     QueueSession,
+    TaskMixin,
     UniqueJobs,
     enqueue,
     enqueue_many,
     enqueue_values,
 )
 from sqla_queue import sql as q
+from sqla_queue.rows import table_plan
 
 from .helpers import Server, table_of, wait_for
 from .models import EmailJob, OnceJob, Order, OrderJob, Task
@@ -302,6 +304,53 @@ def test_enqueue_many_skips_duplicates_in_the_call_and_against_existing_jobs(
     keys = [r.unique_key for r in rows_in if r.unique_key is not None]
     assert sorted(keys) == ["k0", "k1", "k2", "k3", "k9"]
     assert {r.priority for r in rows_in if r.task != "before"} == {2}
+
+
+@pytest.mark.parametrize("method", ["auto", "insert"])
+def test_keyed_bulk_rows_get_the_values_enqueue_writes(
+    engine: Engine, Sessions: sessionmaker[QueueSession], method: Any
+) -> None:
+    """Keyed rows leave to the server the defaults it repeats: the rows are the same."""
+    with Sessions() as session:
+        session.enqueue(Task(task="one"), unique_key="single")
+        session.enqueue(Task(task="one", max_attempts=2), unique_key="single-opt", priority=4)
+        rows: list[Any] = [
+            {"task": "one", "unique_key": "bulk"},
+            Task(task="one", unique_key="bulk-instance"),
+            {"task": "one", "unique_key": "bulk-opt", "max_attempts": 2},
+        ]
+        assert session.enqueue_many(Task, rows[:2], method=method) == 2
+        assert session.enqueue_many(Task, rows[2:], method=method, priority=4) == 1
+        session.commit()
+    ignored = {"id", "unique_key", "created_at", "run_after"}
+    found = {r.unique_key: {k: v for k, v in r._mapping.items() if k not in ignored} for r in jobs(engine, TASKS)}
+    assert found["bulk"] == found["bulk-instance"] == found["single"]
+    assert found["single"]["queue"] == "default" and found["single"]["payload"] == {}
+    assert found["bulk-opt"] == found["single-opt"]
+    assert (found["bulk-opt"]["priority"], found["bulk-opt"]["max_attempts"]) == (4, 2)
+
+
+def test_a_python_default_the_server_default_does_not_repeat_is_sent(engine: Engine) -> None:
+    """Only a server default that gives the same value stands in for the Python default."""
+    class Base(DeclarativeBase):
+        metadata = MetaData()
+
+    class OddTask(Base, TaskMixin):
+        __tablename__ = "odd_default_tasks"
+        priority: Mapped[int] = mapped_column(Integer, default=5, server_default=text("0"))
+
+    assert "priority" not in table_plan(OddTask).server_same
+    assert {"queue", "status", "attempts", "max_attempts", "isolated"} <= table_plan(OddTask).server_same
+    Base.metadata.create_all(engine)
+    try:
+        with QueueSession(engine) as session:
+            written = session.enqueue_many(OddTask, [{"task": "t", "unique_key": f"k{i}"} for i in range(3)])
+            assert (written.inserted, written.skipped) == (3, 0)
+            session.commit()
+        with engine.connect() as conn:
+            assert conn.execute(select(OddTask.priority).distinct()).scalars().all() == [5]
+    finally:
+        Base.metadata.drop_all(engine)
 
 
 def test_enqueue_many_without_keys_returns_the_count_as_before(Sessions: sessionmaker[QueueSession]) -> None:
