@@ -348,14 +348,10 @@ class Completer:
                     append(event(r.held, _OUTCOMES[status], _first(o.error) if o is not None else ""))
             elif o is None:
                 append(event(r.held, _OUTCOMES[status], r.why))
-            elif status == "retried":
+            elif status == "retried" or status == "snoozed":  # back to pending after a delay
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
-                append(event(r.held, JobOutcome.RETRIED, _first(o.error), o.delay))
-            elif status == "snoozed":
-                if r.wake_at is not None:
-                    self.signal.wake_at(r.wake_at)
-                append(event(r.held, JobOutcome.SNOOZED, _first(o.error), o.delay))
+                append(event(r.held, _OUTCOMES[status], _first(o.error), o.delay))
             else:
                 append(event(r.held, _OUTCOMES[status], _first(o.error)))
         hooks.count(counts)
@@ -370,8 +366,8 @@ _OUTCOMES = {o.value: o for o in JobOutcome}
 
 class Settled(NamedTuple):
     """How one job's run ended in this worker: ``done``, ``retried``, ``failed`` (dead
-    letter), ``released`` (handed back), ``snoozed``, ``cancelled`` or ``lost`` (its lease was gone): each the name
-    of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
+    letter), ``released`` (handed back), ``snoozed``, ``cancelled`` or ``lost`` (its lease
+    was gone): each the name of the :class:`~sqla_queue.WorkerStats` counter it adds to."""
 
     held: Held
     status: str
