@@ -279,6 +279,8 @@ def test_a_handler_blocking_the_loop_does_not_cost_its_lease(engine: Engine, Ses
         worker = AsyncWorker(async_engine, Task, tasks, lease=1, heartbeat_interval=0.2, **OPTIONS)
         async with started(worker):
             await until(all_done(engine, [job_id]), what="the job")
+            # The row is done once the completion commits; the worker counts it after.
+            await until(lambda: worker.stats.done + worker.stats.lost > 0, what="the job counted")
             assert (worker.stats.lost, worker.stats.done) == (0, 1)
 
     # A second worker's sweeper would take the job if its lease ran out.
