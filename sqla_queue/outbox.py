@@ -12,6 +12,7 @@ INSERT carries its NOTIFY. Nothing here knows the worker.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import suppress
 from typing import Any, Final
 
@@ -223,14 +224,15 @@ def _on_rollback(conn: Connection) -> None:
         conn.info.pop(_ON_COMMIT_KEY, None)
 
 
-_listening: set[int] = set()
+#: Engines with the commit hooks. Weak, not ``id()``: a new engine may sit at the
+#: address of a dropped one, and would then never send its wake-ups.
+_listening: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def _listen_for_commits(engine: Engine) -> None:
-    key = id(engine)
-    if key in _listening:
+    if engine in _listening:
         return
     if not event.contains(engine, "commit", _on_commit):
         event.listen(engine, "commit", _on_commit)
         event.listen(engine, "rollback", _on_rollback)
-    _listening.add(key)
+    _listening.add(engine)

@@ -58,6 +58,23 @@ def wait_for(
         time.sleep(interval)
 
 
+def wait_for_counts(worker: Any, *, timeout: float = 20.0, **expected: int) -> None:
+    """Wait until ``worker.stats`` holds ``expected`` (``done=3``, ...), or fail showing them.
+
+    A worker counts an outcome once its COMMIT returns, a moment after the row is visible
+    to other connections: a test that waited for the rows waits for the counts too.
+    """
+    def reached() -> bool:
+        stats = worker.stats
+        return all(getattr(stats, name) == value for name, value in expected.items())
+
+    deadline = time.monotonic() + timeout
+    while not reached():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {expected}; stats: {worker.stats}")
+        time.sleep(0.02)
+
+
 def notifications(conn: Any, timeout: float) -> list[tuple[str, str]]:
     """Every notification ``conn`` receives within ``timeout`` seconds."""
     return [(n.channel, n.payload) for n in conn.notifies(timeout=timeout)]

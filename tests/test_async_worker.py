@@ -93,7 +93,7 @@ def test_an_async_transactional_handler_commits_its_savepoints_once_with_the_job
     async def main(async_engine: AsyncEngine) -> None:
         async with started(AsyncWorker(async_engine, Task, tasks, concurrency=3, **OPTIONS)) as worker:
             await until(all_done(engine, ids), what="the jobs")
-            assert worker.stats.done == 5
+            await until(lambda: worker.stats.done == 5, what="the worker to count the five")
 
     run(main, engine)
     notes = sorted((e.job_id, e.note) for e in effects(engine))

@@ -408,3 +408,24 @@ def test_single_table_inheritance_identities(Sessions: sessionmaker[QueueSession
     with Session(engine) as session:
         loaded = session.scalars(select(InheritedJob).order_by(InheritedJob.id)).all()
         assert [type(job) for job in loaded] == [InheritedJobB, InheritedJobA, InheritedJobA]
+
+
+def test_every_new_engine_wakes_workers_on_commit(engine: Engine, server: Server, listening: Any) -> None:
+    """An engine made after another was dropped may sit at the dropped one's address; it
+    must still get the commit hooks that send the wake-up (50 engines made one reuse likely
+    when the hooks were remembered by ``id()``)."""
+    import gc
+
+    from sqlalchemy import create_engine
+
+    for n in range(50):
+        other = create_engine(server.url)
+        try:
+            with Session(other) as session:
+                enqueue(session, EmailJob(recipient=f"engine{n}@example.com"))
+                session.commit()
+        finally:
+            other.dispose()
+        del other
+        gc.collect()
+        assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "default")], n

@@ -17,7 +17,7 @@ from sqla_queue import AsyncWorker, Tasks, Worker
 from sqla_queue import sql as q
 from sqla_queue.runtime import Event
 
-from .helpers import wait_for
+from .helpers import wait_for, wait_for_counts
 from .models import Effect, EmailJob, Task
 from .worker_app import tasks as app_tasks
 from .workers import FAST, TASKS, add, all_status, claimed_by, effects, engine_with, job, status_is
@@ -60,7 +60,7 @@ def test_retry_with_backoff_then_success(engine: Engine, Sessions: Any, start_wo
     wait_for(status_is(engine, job_id, "done"))
     row = job(engine, job_id)
     assert row.attempts == 3 and "flaky failure on attempt 2" in row.last_error
-    assert worker.stats.retried == 2 and worker.stats.done == 1
+    wait_for_counts(worker, retried=2, done=1)
 
 
 def test_exhausted_retries_end_in_failed_with_the_traceback(

@@ -33,7 +33,7 @@ from sqla_queue import Backoff, ClaimToken, DeadLetter, RetryLater, Tasks, Worke
 from sqla_queue.runtime import Event, sleep
 from sqla_queue.worker.ledger import Held
 
-from .helpers import Server, wait_for
+from .helpers import Server, wait_for, wait_for_counts
 from .models import Effect, FragileJob, Task, UniqueKey
 from .workers import FAST, TASKS, add, claimed_by, effects, engine_with, job, status_is
 
@@ -419,7 +419,7 @@ def test_every_error_text_is_stored_sanitized_and_bounded(
     assert len(error) <= 2000 and "\x00" not in error
     if "NUL" in name:
         assert "and a lone surrogate" in error and "in the text" in error
-    assert worker.stats.failed == 1
+    wait_for_counts(worker, failed=1)
     _assert_every_thread_alive(engine, Sessions, 1)
 
 
@@ -459,7 +459,7 @@ def test_a_backoff_that_overflows_is_recorded_and_the_worker_lives_on(
         # Postponed (far): a huge backoff is not a reason to run it again at once.
         assert scalar(engine, "SELECT run_after > now() + interval '1 hour' FROM tasks WHERE id = :id", id=job_id)
     assert job(engine, exhausted).last_error.startswith("builtins.RuntimeError: failure on attempt 3")
-    assert worker.stats.retried == 2 and worker.stats.failed == 1
+    wait_for_counts(worker, retried=2, failed=1)
     _assert_every_thread_alive(engine, Sessions, 2)
 
 
@@ -543,7 +543,7 @@ def test_a_handler_returning_an_awaitable_fails_its_job_clearly(
     assert ran == [] and effects(engine) == []
     unawaited = [w for w in caught if "never awaited" in str(w.message)]
     assert unawaited == []
-    assert worker.stats.failed == 1
+    wait_for_counts(worker, failed=1)
 
 
 # == 3. A row that cannot become the handler's object fails alone ==========================
@@ -574,7 +574,7 @@ def _claimed_together_with_good_rows(
     bad_row = by_id[bad]
     assert bad_row.attempts == 1, "a row that cannot load fails at once"
     assert reason in bad_row.last_error
-    assert worker.stats.failed == 1 and worker.stats.lost == 0
+    wait_for_counts(worker, failed=1, lost=0)
 
 
 def test_a_payload_python_cannot_parse_fails_alone(engine: Engine, Sessions: Any, start_worker: Any) -> None:
@@ -629,7 +629,7 @@ def test_a_model_that_refuses_a_row_fails_that_job_alone(
     assert all((found[i].status, found[i].attempts) == ("done", 1) for i in good)
     assert (found[bad].status, found[bad].attempts) == ("failed", 1)
     assert reason in found[bad].last_error
-    assert worker.stats.done == 3 and worker.stats.failed == 1
+    wait_for_counts(worker, done=3, failed=1)
 
 
 # == 4. Heartbeats ========================================================================
@@ -909,7 +909,8 @@ def test_no_beat_for_a_whole_lease_stops_claiming_and_loses_what_is_held(
     # Healthy again: the retry was claimed. On a loaded machine a later beat may overrun
     # its 0.2 s deadline and flip it for a moment, which is the design, not a failure.
     wait_for(lambda: worker.ledger.healthy, what="claiming to stay resumed")
-    assert (worker.stats.lost, worker.stats.done) == (1, 1) and worker.stats.swept >= 1
+    wait_for_counts(worker, lost=1, done=1)
+    assert worker.stats.swept >= 1
 
 
 # == 5. Backpressure ======================================================================

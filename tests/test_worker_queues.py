@@ -18,7 +18,7 @@ from sqlalchemy.orm import sessionmaker
 
 from sqla_queue import QueueSession
 
-from .helpers import WorkerProcess, wait_for
+from .helpers import WorkerProcess, wait_for, wait_for_counts
 from .models import Task
 from .workers import TASKS, all_status, job, status_is
 
@@ -64,7 +64,7 @@ def test_jobs_of_the_served_queues_get_done_and_no_others(
     more = [i for queue in _served(queues) for i in enqueue(engine, "work", queue, 2)]
     wait_for(all_status(engine, more, "done"), what="the second round done")
     assert still_pending(engine, other)
-    assert worker.stats.done == len(ids) + len(more)
+    wait_for_counts(worker, done=len(ids) + len(more))
 
 
 @pytest.mark.parametrize("queues", SERVED, ids=IDS)
@@ -100,7 +100,7 @@ def test_a_failed_attempt_is_retried(engine: Engine, start_worker: Any, queues: 
     ids = [i for queue in _served(queues) for i in enqueue(engine, "flaky", queue, payload={"succeed_on": 2})]
     wait_for(all_status(engine, ids, "done"), what="the flaky jobs done")
     assert {job(engine, i).attempts for i in ids} == {2}
-    assert worker.stats.retried == len(ids)
+    wait_for_counts(worker, retried=len(ids))
     assert still_pending(engine, other)
 
 
@@ -126,7 +126,7 @@ def test_an_expired_lease_is_swept_and_run_again(
     worker = start_worker(queues=queues)
     wait_for(all_status(engine, lost, "done"), what="the swept jobs run again")
     assert {job(engine, i).attempts for i in lost} == {2}
-    assert worker.stats.swept >= len(lost)
+    wait_for(lambda: worker.stats.swept >= len(lost), what="the sweeps counted")
     if other:
         wait_for(status_is(engine, other[0], "pending"), what="the other queue's job swept back")
         more = enqueue(engine, "work", _served(queues)[0])  # a later claim still leaves it alone
