@@ -64,15 +64,14 @@ def wait_for_counts(worker: Any, *, timeout: float = 20.0, **expected: int) -> N
     A worker counts an outcome once its COMMIT returns, a moment after the row is visible
     to other connections: a test that waited for the rows waits for the counts too.
     """
-    def reached() -> bool:
-        stats = worker.stats
-        return all(getattr(stats, name) == value for name, value in expected.items())
-
-    deadline = time.monotonic() + timeout
-    while not reached():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {expected}; stats: {worker.stats}")
-        time.sleep(0.02)
+    try:
+        wait_for(
+            lambda: all(getattr(worker.stats, name) == value for name, value in expected.items()),
+            timeout=timeout,
+            what=f"the worker's counts {expected}",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; stats: {worker.stats}") from None
 
 
 def notifications(conn: Any, timeout: float) -> list[tuple[str, str]]:
