@@ -314,7 +314,7 @@ class Watchdog:
                 for key, (due, conn) in list(self._watched.items()):
                     if due <= now:
                         del self._watched[key]
-                        self._abort(conn, quiet=True)
+                        self._abort(conn, quiet=True, cancel=True)
                         cut.append(conn)
                 if cut:
                     continue
@@ -446,9 +446,16 @@ class Driver:
             self._watchdog.release(key)
 
     @staticmethod
-    def abort(conn: DbConnection, *, quiet: bool = False) -> None:
-        """Shut the connection's socket down: a call blocked on it raises at once."""
+    def abort(conn: DbConnection, *, quiet: bool = False, cancel: bool = False) -> None:
+        """Shut the connection's socket down: a call blocked on it raises at once.
+
+        With ``cancel`` (a deadline passed), the server is also asked to cancel the
+        statement: a backend whose client is gone runs on until it next writes to it, so
+        a statement waiting for a lock would keep the row locks it already took, and the
+        call made again on a new connection would queue behind them."""
         conn.aborted = True
+        if cancel:
+            _cancel_in_background(conn)
         with suppress(OSError, psycopg.Error):
             fd = conn.fileno()
             sock = socket.socket(fileno=os.dup(fd))
@@ -577,6 +584,35 @@ class AsyncDriver(Driver):
         if isinstance(session, Session):
             return _joined(session, sa, self.engine), session
         raise TypeError(f"session_factory must make an AsyncSession, got {session!r}")
+
+
+#: Cancel requests still in flight: each has a thread, so a server that stopped
+#: answering cannot make the watchdog start them without bound.
+_cancelling = threading.BoundedSemaphore(8)
+
+
+def _cancel_in_background(conn: DbConnection) -> None:
+    """Send a cancel request for ``conn``'s running statement, from a thread of its own.
+
+    A cancel request is a new connection to the server, which may be the one that hangs:
+    the watchdog must not wait for it. The request's key is taken before the socket is
+    shut, while psycopg still holds it."""
+    try:
+        request = conn.raw.pgconn.get_cancel()
+    except psycopg.Error:
+        return  # the connection is already closed: nothing runs on it
+    if not _cancelling.acquire(blocking=False):
+        return
+
+    def send() -> None:
+        try:
+            request.cancel()
+        except psycopg.Error as exc:
+            log.debug("%s: the cancel request failed: %s", conn.purpose, exc)
+        finally:
+            _cancelling.release()
+
+    threading.Thread(target=send, name="sqla_queue-cancel", daemon=True).start()
 
 
 def _schema_map(engine: Engine) -> Mapping[str | None, str | None] | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from sqla_queue import sql as q
@@ -16,6 +16,7 @@ from sqla_queue.driver import AsyncDriver, DbConnection, Driver
 from sqla_queue.ops import token_values
 from sqla_queue.runtime import run_in_greenlet
 
+from .helpers import wait_for
 from .models import Task
 from .workers import TASKS, EventLoopThread
 
@@ -114,3 +115,41 @@ def test_a_failing_claim_rolls_its_completion_back(engine: Engine, on_driver: An
     statuses = _statuses(engine)
     assert statuses[first] == "running", "the completion committed without its claim"
     assert {statuses[i] for i in ids if i != first} == {"pending"}
+
+
+def test_a_call_past_its_deadline_is_cancelled_on_the_server(engine: Engine, on_driver: Any) -> None:
+    """A cut connection's backend runs on until it next writes to its client: a statement
+    waiting for a lock would keep the row locks it took. The driver asks the server to
+    cancel it, so the locks go at once, not when the blocker lets go."""
+    first, second = _jobs(engine, 2)
+    blocker = engine.connect()
+    try:
+        blocker.begin()
+        blocker.execute(TASKS.update().where(TASKS.c.id == second).values(task="held"))
+
+        def body(driver: Driver, conn: DbConnection) -> Any:
+            statement = driver.compile(TASKS.update().values(task="cut"))  # first, then second
+            pid = conn.raw.info.backend_pid
+            with pytest.raises(psycopg.OperationalError), driver.deadline(conn, 0.3):
+                conn.execute(statement, {})
+            assert conn.broken
+            return pid
+
+        pid = on_driver(body)
+
+        def gone() -> bool:
+            with engine.connect() as probe:
+                waiting = probe.scalar(
+                    text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"),
+                    {"pid": pid},
+                )
+            return bool(waiting == 0)
+
+        wait_for(gone, timeout=10, what="the cut statement to end on the server")
+        with engine.connect() as probe:  # the first row's lock went with it
+            probe.execute(text("SET lock_timeout = '2s'"))
+            probe.execute(TASKS.update().where(TASKS.c.id == first).values(task="free"))
+            probe.rollback()
+    finally:
+        blocker.rollback()
+        blocker.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections import Counter
@@ -313,44 +314,48 @@ def test_a_row_the_claim_cannot_update_fails_alone(
 # -- 11. slow jobs at a cold start ----------------------------------------------------------------
 
 
-def _slow(runtime: Runtimes, seconds: float) -> Tasks:
-    """``slow``: a job taking ``seconds``, on a thread, or awaited on the loop (a plain
-    handler of the asyncio worker would run in the loop's small default thread pool)."""
-    tasks = Tasks()
-    if runtime.name == "asyncio":
-
-        @tasks.task(name="slow")
-        async def slow_async(job: Any) -> None:
-            await asyncio.sleep(seconds)
-
-    else:
-
-        @tasks.task(name="slow")
-        def slow(job: Any) -> None:
-            sleep(seconds)
-
-    return tasks
-
-
 RUN = 1.0
 #: "Well under twice their run time": they must run side by side, not two after another.
 SPREAD_BOUND = 1.6 * RUN
 
 
+def _meeting(runtime: Runtimes, n: int) -> Tasks:
+    """``meet``: a job that waits until ``n`` of them run at once. One that waits 20 s in
+    vain raises, so its attempt fails: the jobs ran side by side or not, whatever the
+    machine's load makes of their timing."""
+    tasks = Tasks()
+    if runtime.name == "asyncio":
+        gathering = asyncio.Barrier(n)
+
+        @tasks.task(name="meet")
+        async def meet_async(job: Any) -> None:
+            async with asyncio.timeout(20):
+                await gathering.wait()
+
+    else:
+        meeting = threading.Barrier(n, timeout=20)
+
+        @tasks.task(name="meet")
+        def meet(job: Any) -> None:
+            meeting.wait()
+
+    return tasks
+
+
 def test_slow_jobs_at_a_cold_start_run_side_by_side(
     engine: Engine, Sessions: Any, start_worker: Any, runtime: Runtimes
 ) -> None:
-    """Eight 1 s jobs and eight idle executors that have not measured their handlers yet:
-    each job starts at once on its own executor (a first claim of a batch of four would
-    run four of them one after another)."""
-    worker = start_worker(_slow(runtime, RUN), concurrency=8)
+    """Eight jobs that each wait for all eight to run, and eight idle executors that have
+    not measured their handlers yet: each job starts at once on its own executor (a first
+    claim of a batch of four would run four of them one after another, and the first of
+    those would wait for the others in vain)."""
+    worker = start_worker(_meeting(runtime, 8), concurrency=8)
     wait_for(worker.idle, what="the worker idle")
-    began = time.monotonic()
-    ids = add(Sessions, "slow", 8)
-    wait_for(all_status(engine, ids, "done"), timeout=30, what="the eight jobs done")
-    took = time.monotonic() - began
-    print(f"\n8 jobs of {RUN}s, concurrency 8: done in {took:.2f}s")
-    assert took < SPREAD_BOUND, f"8 jobs of {RUN}s took {took:.2f}s with 8 idle executors"
+    ids = add(Sessions, "meet", 8)
+    wait_for(all_status(engine, ids, "done"), timeout=60, what="the eight jobs done")
+    with engine.connect() as conn:
+        attempts = list(conn.scalars(select(TASKS.c.attempts).where(TASKS.c.id.in_(ids))))
+    assert attempts == [1] * 8, "a job waited for the others in vain and ran again"
     wait_for_counts(worker, done=8)
 
 

@@ -78,6 +78,9 @@ _HAND_BACK_SECONDS = 1.0
 _HAND_BACK_CHUNK = 1000
 _HAND_BACK_PER_JOB = 0.0005
 _JOIN_SECONDS = 1.0
+#: How long stop() waits for claims already sent (a claim takes milliseconds; one that
+#: hangs is cut by its deadline, and its executor gives back what it took).
+_CLAIMS_IN_FLIGHT_SECONDS = 1.0
 
 
 class Worker:
@@ -358,6 +361,9 @@ class Worker:
             if early is not None:
                 early.request_stop()
         grace = self.config.shutdown_grace if grace is None else grace
+        # A claim already sent lands its rows in the ledger before the hand-back below
+        # looks, and none starts after it: a job handed back is not claimed again here.
+        self.ledger.close_claims(_CLAIMS_IN_FLIGHT_SECONDS)
         waiting = self.ledger.take_unstarted()
         if waiting:
             self._hand_back(waiting, refund=True)

@@ -444,8 +444,8 @@ class ExecutorPool(Service):
                     if failures:
                         log.info("executor %d: recovered after %d error(s)", index, failures)
                     failures = 0
-                if self.stopping:  # claimed while stop() ran: give them back
-                    self.completer.hand_back(lane.connect, held, refund=True)
+                if self.stopping:  # claimed while stop() ran: give back what it did not take
+                    self.completer.hand_back(lane.connect, self.ledger.take(held), refund=True)
                     break
                 self.hooks.claimed(held)
                 isolated, solitary = held[0].isolated, held[0].solitary
@@ -462,7 +462,7 @@ class ExecutorPool(Service):
                     self.signal.wake(self.config.concurrency)  # the others claimed nothing meanwhile
                 self._round_done()
             if held:
-                self.completer.hand_back(lane.connect, held, refund=True)
+                self.completer.hand_back(lane.connect, self.ledger.take(held), refund=True)
             with suppress(Exception):  # stopping: give back what a lost claim took, if it can be told
                 if self.ledger.unknown_claims(lane.prefix):
                     self._recover(lane, lane.connect())

@@ -110,6 +110,8 @@ class Ledger:
         #: Claims sent whose rows are not in the ledger yet: mark -> when it began (monotonic).
         self._claims: dict[int, float] = {}
         self._marks = itertools.count(1)
+        #: Set when the worker stops (:meth:`close_claims`): no claim begins after it.
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._held)
@@ -132,7 +134,7 @@ class Ledger:
         the event loop is blocked. The heartbeat keeps their leases meanwhile
         (:meth:`claims_since`)."""
         with self._lock:
-            if self._solitary is not None:
+            if self._solitary is not None or self._closed:
                 return None
             mark = next(self._marks)
             self._claims[mark] = time.monotonic()
@@ -163,6 +165,30 @@ class Ledger:
                 return Start.DEFER
             held.started = True
             return Start.RUN
+
+    def close_claims(self, timeout: float) -> bool:
+        """No claim begins from now on (the worker stops); wait up to ``timeout`` for the
+        claims in flight to end, so that their rows are in the ledger when the stop
+        hands back what did not start. False if one is still out."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            self._closed = True
+            while self._claims:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.05))
+            return True
+
+    def take(self, held: Iterable[Held]) -> list[Held]:
+        """Of ``held``, the jobs no one else is recording or handing back, marked for
+        hand-back: an executor that claimed while the worker stopped and the stop itself
+        (:meth:`take_unstarted`) never both give back the same job."""
+        with self._lock:
+            taken = [h for h in held if not (h.finishing or h.lost)]
+            for h in taken:
+                h.finishing = True
+            return taken
 
     def take_unstarted(self) -> list[Held]:
         """The jobs whose handler never started, marked for hand-back (at shutdown)."""

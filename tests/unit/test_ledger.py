@@ -79,3 +79,40 @@ def test_a_lost_job_that_never_started_is_forgotten() -> None:
     ledger.mark_lost(held)
     assert ledger.start(held) is Start.SKIP
     assert len(ledger) == 0
+
+
+def test_a_stopping_worker_begins_no_claim_and_waits_for_those_in_flight() -> None:
+    ledger = Ledger()
+    mark = ledger.begin_claim()
+    assert mark is not None
+    closed: list[bool] = []
+    closer = threading.Thread(target=lambda: closed.append(ledger.close_claims(10)))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close_claims returned while a claim was in flight"
+    assert ledger.begin_claim() is None  # none begins once the stop began
+    claimed = _held(1)
+    ledger.add([claimed])
+    ledger.end_claim(mark)
+    closer.join(5)
+    assert closed == [True]
+    assert ledger.take_unstarted() == [claimed]  # the claim's rows are there for the hand-back
+    assert ledger.close_claims(0) is True and ledger.begin_claim() is None
+
+
+def test_a_claim_still_out_at_the_stop_is_reported() -> None:
+    ledger = Ledger()
+    assert ledger.begin_claim() is not None
+    assert ledger.close_claims(0.05) is False
+
+
+def test_a_job_is_taken_for_hand_back_once() -> None:
+    ledger = Ledger()
+    first, second = _held(1), _held(2)
+    ledger.add([first, second])
+    assert ledger.take_unstarted() == [first, second]
+    assert ledger.take([first, second]) == []  # the stop has them: the executor gives back none
+    third = _held(3)
+    ledger.add([third])
+    assert ledger.take([third]) == [third]
+    assert ledger.take([third]) == [] and ledger.take_unstarted() == []
