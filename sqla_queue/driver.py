@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -589,30 +590,57 @@ class AsyncDriver(Driver):
 #: Cancel requests still in flight: each has a thread, so a server that stopped
 #: answering cannot make the watchdog start them without bound.
 _cancelling = threading.BoundedSemaphore(8)
+#: How long a cancel request may take (it is a connection of its own to the server).
+CANCEL_SECONDS = 10.0
 
 
 def _cancel_in_background(conn: DbConnection) -> None:
     """Send a cancel request for ``conn``'s running statement, from a thread of its own.
 
     A cancel request is a new connection to the server, which may be the one that hangs:
-    the watchdog must not wait for it. The request's key is taken before the socket is
-    shut, while psycopg still holds it."""
+    the watchdog must not wait for it. libpq's non-blocking cancel connection (libpq 17
+    and later) is polled with ``select``, which lets the other threads run: the blocking
+    ``PQcancel`` holds the GIL in psycopg's C implementation, so a server that accepts
+    the cancel's connection and never answers would freeze the whole process. With an
+    older libpq, no cancel is sent (the socket is cut all the same). The request is made
+    before the socket is shut, while psycopg still holds the connection's key."""
     try:
-        request = conn.raw.pgconn.get_cancel()
-    except psycopg.Error:
-        return  # the connection is already closed: nothing runs on it
+        request = conn.raw.pgconn.cancel_conn()
+    except (psycopg.Error, AttributeError):
+        return  # closed already, or a libpq before 17
     if not _cancelling.acquire(blocking=False):
+        request.finish()
         return
 
     def send() -> None:
         try:
-            request.cancel()
-        except psycopg.Error as exc:
+            _poll_cancel(request, time.monotonic() + CANCEL_SECONDS)
+        except (OSError, psycopg.Error) as exc:
             log.debug("%s: the cancel request failed: %s", conn.purpose, exc)
         finally:
+            request.finish()
             _cancelling.release()
 
     threading.Thread(target=send, name="sqla_queue-cancel", daemon=True).start()
+
+
+def _poll_cancel(request: Any, deadline: float) -> None:
+    """Drive a started-or-not ``PGcancelConn`` to its end, waiting in ``select``."""
+    request.start()
+    while True:
+        status = request.poll()
+        if status == psycopg.pq.PollingStatus.OK:
+            return
+        if status == psycopg.pq.PollingStatus.FAILED:
+            raise psycopg.OperationalError(request.get_error_message())
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise psycopg.OperationalError("the cancel request timed out")
+        fd = request.socket
+        if status == psycopg.pq.PollingStatus.READING:
+            select.select([fd], [], [], left)
+        else:
+            select.select([], [fd], [], left)
 
 
 def _schema_map(engine: Engine) -> Mapping[str | None, str | None] | None:
