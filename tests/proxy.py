@@ -313,10 +313,13 @@ def upstream_of(url: URL) -> tuple[str, int] | str:
 
 
 @contextmanager
-def proxied(server: Server, app_name: str) -> Iterator[tuple[Proxy, Engine]]:
-    """A proxy to the test server and an engine whose every connection goes through it
-    (tagged ``app_name``); both closed after."""
-    proxy = Proxy(upstream_of(server.url))
+def proxied(
+    server: Server, app_name: str, markers: Mapping[str, bytes] | None = None
+) -> Iterator[tuple[Proxy, Engine]]:
+    """A proxy to the test server (tagging connections by ``markers``, default: the
+    claim's) and an engine whose every connection goes through it (tagged
+    ``app_name``); both closed after."""
+    proxy = Proxy(upstream_of(server.url), markers)
     connect_args: dict[str, Any] = {
         "application_name": app_name, "sslmode": "disable", "gssencmode": "disable", "prepare_threshold": None,
     }
