@@ -210,11 +210,6 @@ class WorkerObserver:
 
 #: How long stop() lets the observer thread deliver what is queued.
 DRAIN_SECONDS = 2.0
-#: How long the observer thread lets events gather after a delivery. Woken for each
-#: batch of events, it would take the GIL from the executors thousands of times a
-#: second; once per pause, it costs them next to nothing, and an event is at most this
-#: late.
-DELIVERY_PAUSE = 0.05
 #: Most errors of observers logged per minute (the rest are counted only).
 _ERROR_LOGS_PER_MINUTE = 5
 
@@ -247,7 +242,6 @@ class Hooks:
         self._queued = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._stopping = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._errors_logged: list[float] = []
@@ -321,7 +315,6 @@ class Hooks:
         if thread is None:
             return
         self._stop = True
-        self._stopping.set()
         self._ready.set()
         thread.join(timeout)
         if thread.is_alive():
@@ -341,7 +334,6 @@ class Hooks:
                 self._deliver(kind, events)
             if self._stop and not queue:
                 break
-            self._stopping.wait(DELIVERY_PAUSE)
         for observer in self.observers:
             self._call(observer.close)
 
