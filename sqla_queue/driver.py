@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql as pgsql
+from psycopg.pq.abc import PGcancelConn
 from psycopg.types.string import TextLoader
 from sqlalchemy import Connection, Engine, Table
 from sqlalchemy import exc as sa_exc
@@ -606,8 +607,8 @@ def _cancel_in_background(conn: DbConnection) -> None:
     before the socket is shut, while psycopg still holds the connection's key."""
     try:
         request = conn.raw.pgconn.cancel_conn()
-    except (psycopg.Error, AttributeError):
-        return  # closed already, or a libpq before 17
+    except psycopg.Error:
+        return  # closed already, or a libpq before 17 (NotSupportedError)
     if not _cancelling.acquire(blocking=False):
         request.finish()
         return
@@ -624,8 +625,8 @@ def _cancel_in_background(conn: DbConnection) -> None:
     threading.Thread(target=send, name="sqla_queue-cancel", daemon=True).start()
 
 
-def _poll_cancel(request: Any, deadline: float) -> None:
-    """Drive a started-or-not ``PGcancelConn`` to its end, waiting in ``select``."""
+def _poll_cancel(request: PGcancelConn, deadline: float) -> None:
+    """Start ``request`` and drive it to its end by ``deadline``, waiting in ``select``."""
     request.start()
     while True:
         status = request.poll()

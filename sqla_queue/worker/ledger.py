@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -170,15 +170,9 @@ class Ledger:
         """No claim begins from now on (the worker stops); wait up to ``timeout`` for the
         claims in flight to end, so that their rows are in the ledger when the stop
         hands back what did not start. False if one is still out."""
-        deadline = time.monotonic() + timeout
         with self._changed:
             self._closed = True
-            while self._claims:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(min(left, 0.05))
-            return True
+            return self._wait_while(lambda: bool(self._claims), timeout)
 
     def take(self, held: Iterable[Held]) -> list[Held]:
         """Of ``held``, the jobs no one else is recording or handing back, marked for
@@ -361,11 +355,16 @@ class Ledger:
     # -- shutdown ----------------------------------------------------------------------
 
     def wait_empty(self, timeout: float, give_up: Event | None = None) -> bool:
-        deadline = time.monotonic() + timeout
         with self._changed:
-            while self._held:
-                left = deadline - time.monotonic()
-                if left <= 0 or (give_up is not None and give_up.is_set()):
-                    return False
-                self._changed.wait(min(left, 0.05))
-            return True
+            return self._wait_while(lambda: bool(self._held), timeout, give_up)
+
+    def _wait_while(self, busy: Callable[[], bool], timeout: float, give_up: Event | None = None) -> bool:
+        """With the lock held: wait up to ``timeout`` until ``busy()`` is false (changes
+        notify; ``give_up`` is looked at every 50 ms). False if it still was."""
+        deadline = time.monotonic() + timeout
+        while busy():
+            left = deadline - time.monotonic()
+            if left <= 0 or (give_up is not None and give_up.is_set()):
+                return False
+            self._changed.wait(min(left, 0.05))
+        return True
