@@ -158,6 +158,17 @@ class WorkerConfig:
         return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease / 3
 
     @property
+    def heartbeat_deadline(self) -> float:
+        """How long one beat may take before its connection is cut and replaced: half of
+        what the lease leaves after the interval, so a beat cut at its deadline can still
+        be made again on a new connection before the leases it renews lapse (the
+        interval itself at the default, a third of the lease). A beat over many jobs on
+        a loaded server may well take longer than a short interval, and a beat cut at
+        its deadline is cancelled on the server: tied to the interval, it would never
+        land."""
+        return max(self.effective_heartbeat, (self.lease - self.effective_heartbeat) / 2)
+
+    @property
     def statement_deadline(self) -> float:
         """How long an executor's claim or completion may take before its connection is
         dropped (and the call retried on a new one): half the lease. A statement stuck

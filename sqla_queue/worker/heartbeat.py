@@ -56,7 +56,7 @@ class Heartbeat(Service):
             lost = self._beat([h.token for h in held], since)
             if lost:  # a cancelled row is not running any more either: its handler is told
                 conn = self.link.connect()
-                with self.driver.deadline(conn, self.interval):
+                with self.driver.deadline(conn, self.config.heartbeat_deadline):
                     told = stop_cancelled(self.ops, conn, [h for h in held if h.token in lost and h.started])
                 lost -= {h.token for h in told}
             gone = [h for h in held if h.token in lost and self.ledger.mark_lost(h) is not None]
@@ -79,7 +79,7 @@ class Heartbeat(Service):
             # set is out of the next one's window unless a claim then in flight is older
             # than half a beat, so a job the worker let go still lapses.
             window = time.monotonic() - since + self.interval / 2
-        with self.driver.deadline(conn, self.interval):
+        with self.driver.deadline(conn, self.config.heartbeat_deadline):
             extended = self.ops.extend_leases(conn, self._owners, tokens, since=window)
             missing = [t for t in tokens if t not in extended]
             if not missing:
