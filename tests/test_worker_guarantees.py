@@ -720,14 +720,15 @@ def test_heartbeats_keep_more_than_ten_thousand_held_jobs(engine: Engine, Sessio
         queues=("work",),
         concurrency=4,
         batch_size=3000,
-        # Long enough for a beat over 12,000 rows on a loaded machine: the test is about
-        # the beat covering them all, not about its speed.
-        lease=15,
+        # Long enough for a beat over 12,000 rows on a loaded machine (CI runs two
+        # suites at once; a beat then took over 7 s): its deadline is about half the
+        # lease. The test is about the beat covering them all, not about its speed.
+        lease=30,
         heartbeat_interval=0.5,
     )
     try:
         wait_for(lambda: len(started) == 4, what="every executor blocked in a handler")
-        injected, inserted_expiry = _inject_held(engine, worker, MANY, lease=15)
+        injected, inserted_expiry = _inject_held(engine, worker, MANY, lease=30)
         assert len(worker.held()) > 10_000
         beats = worker.stats.heartbeats
         assert worker.heartbeat.wait_rounds(worker.heartbeat.rounds + 3, timeout=60), "heartbeats fail"
