@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol, TypeAlias, cast
+from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
 
 from sqlalchemy import Connection
 
@@ -219,6 +219,22 @@ def _int_array(values: list[Any]) -> Any:
     return values
 
 
+#: Tokens one statement takes at most (a call with more runs one statement per part).
+#: The token statements join the tokens to the table; a plan that does it by nested loop
+#: (a generic plan, or statistics that say almost no job runs: both ordinary) costs the
+#: square of their number, and a heartbeat of 12,000 tokens took over a minute so. In
+#: parts of this size the worst plan costs about a tenth of a second a part, linear in
+#: the tokens, and the best one a round trip more per part.
+TOKENS_PER_STATEMENT: Final = 500
+
+
+def parts(count: int) -> list[slice]:
+    """The slices of ``count`` tokens one statement each takes: at least one (empty
+    when there are none), so every call still reaches the table once."""
+    step = TOKENS_PER_STATEMENT
+    return [slice(i, i + step) for i in range(0, max(count, 1), step)]
+
+
 def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any]:
     """The owner and tokens of a token statement, as its parameters."""
     return {
@@ -366,12 +382,15 @@ class QueueOps:
         completed and the rows claimed. Under the deadline as :meth:`fetch_claimed`."""
         stmt = request.after_completion
         assert stmt is not None and request.values is not None
+        done: dict[Any, str] = {}  # keyed by plain (pk, attempt) tuples: equal to the tokens
+        if len(tokens) > TOKENS_PER_STATEMENT:  # the claim goes with the last part
+            done.update(self.complete(conn, request.owner, tokens[:-TOKENS_PER_STATEMENT]))
+            tokens = tokens[-TOKENS_PER_STATEMENT:]
         values = token_values(request.owner, tokens)
         values.update(request.values)
         pk, attempt = self._pk_index, self._attempt_index
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(stmt, values, pk, attempt)
-        done: dict[Any, str] = {}  # keyed by plain (pk, attempt) tuples: equal to the tokens
         claimed: list[tuple[Any, ...] | RowError] = []
         keep = claimed.append
         for row in rows:  # the last column tells a completed token's row from a claimed one
@@ -438,7 +457,11 @@ class QueueOps:
 
     def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
         """``done`` for every token ``owner`` still holds."""
-        return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._done, token_values(owner, tokens))), "done")
+        moved: Moved = {}
+        for part in parts(len(tokens)):
+            rows = conn.execute(self._done, token_values(owner, tokens[part]))
+            moved.update(dict.fromkeys(cast(list[ClaimToken], rows), "done"))
+        return moved
 
     def retry(
         self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
@@ -446,29 +469,41 @@ class QueueOps:
     ) -> Moved:
         """Each token back to ``pending`` after its delay (seconds) with its error, or
         ``failed`` once its attempts are used up: the status each was left in."""
-        values = token_values(owner, tokens)
-        values[q.ERRORS_PARAM] = list(errors)
-        values[q.DELAYS_PARAM] = list(delays)
-        return {cast(ClaimToken, (row[0], row[1])): row[2] for row in conn.execute(self._retry, values)}
+        moved: Moved = {}
+        for part in parts(len(tokens)):
+            values = token_values(owner, tokens[part])
+            values[q.ERRORS_PARAM] = list(errors[part])
+            values[q.DELAYS_PARAM] = list(delays[part])
+            moved.update({cast(ClaimToken, (row[0], row[1])): row[2] for row in conn.execute(self._retry, values)})
+        return moved
 
     def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
         """Dead-letter each token now, with its error."""
-        values = token_values(owner, tokens)
-        values[q.ERRORS_PARAM] = list(errors)
-        return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._fail, values)), "failed")
+        moved: Moved = {}
+        for part in parts(len(tokens)):
+            values = token_values(owner, tokens[part])
+            values[q.ERRORS_PARAM] = list(errors[part])
+            moved.update(dict.fromkeys(cast(list[ClaimToken], conn.execute(self._fail, values)), "failed"))
+        return moved
 
     def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
         """Each token back to ``pending`` after its delay (seconds), its attempt given back
         (a snooze spends none)."""
-        values = token_values(owner, tokens)
-        values[q.DELAYS_PARAM] = list(delays)
-        return dict.fromkeys(cast(list[ClaimToken], conn.execute(self._snooze, values)), "pending")
+        moved: Moved = {}
+        for part in parts(len(tokens)):
+            values = token_values(owner, tokens[part])
+            values[q.DELAYS_PARAM] = list(delays[part])
+            moved.update(dict.fromkeys(cast(list[ClaimToken], conn.execute(self._snooze, values)), "pending"))
+        return moved
 
     def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
         """Back to ``pending`` at once; ``refund`` gives the attempt back (jobs never
         started)."""
-        rows = conn.execute(self._release[refund], token_values(owner, tokens))
-        return dict.fromkeys(cast(list[ClaimToken], rows), "pending")
+        moved: Moved = {}
+        for part in parts(len(tokens)):
+            rows = conn.execute(self._release[refund], token_values(owner, tokens[part]))
+            moved.update(dict.fromkeys(cast(list[ClaimToken], rows), "pending"))
+        return moved
 
     def token_states(self, conn: DbConnection, job_ids: Sequence[Any]) -> list[TokenState]:
         """The state of the jobs ``job_ids``, read without locking: did a statement whose
@@ -491,17 +526,25 @@ class QueueOps:
         """Extend by the lease the tokens held by owners whose names start with
         ``owner_prefix``, stepping over rows another transaction has locked; ``since``
         (seconds): also every job of those owners whose lease was set that recently (a
-        claim whose answer is not read yet). Returns the tokens extended."""
-        values = token_values(owner_prefix, tokens)
-        values[q.LEASE_PARAM] = self.lease
-        if since is not None:
-            values[q.SINCE_PARAM] = since
-        return set(cast(list[ClaimToken], conn.execute(self._extend, values)))
+        claim whose answer is not read yet), asked once, with the first part. Returns the
+        tokens extended."""
+        extended: set[ClaimToken] = set()
+        for part in parts(len(tokens)):
+            values = token_values(owner_prefix, tokens[part])
+            values[q.LEASE_PARAM] = self.lease
+            if since is not None:
+                values[q.SINCE_PARAM] = since
+                since = None
+            extended.update(cast(list[ClaimToken], conn.execute(self._extend, values)))
+        return extended
 
     def owned_tokens(self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
         """Which of ``tokens`` owners starting with ``owner_prefix`` still hold, read
         without locking."""
-        return set(cast(list[ClaimToken], conn.execute(self._owned, token_values(owner_prefix, tokens))))
+        owned: set[ClaimToken] = set()
+        for part in parts(len(tokens)):
+            owned.update(cast(list[ClaimToken], conn.execute(self._owned, token_values(owner_prefix, tokens[part]))))
+        return owned
 
     def sweep(self, conn: DbConnection, *, limit: int) -> Swept:
         """Up to ``limit`` expired leases back to ``pending`` (isolated), or ``failed``

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import DeclarativeBase
 
 from sqla_queue import TaskMixin
+from sqla_queue import ops as ops_module
 from sqla_queue import sql as q
 from sqla_queue.driver import AsyncDriver, DbConnection, Driver, WorkerStartError
 from sqla_queue.ops import Claimed, ClaimRequest, QueueOps, Swept, TokenState
@@ -529,3 +530,61 @@ def test_the_requests_carry_what_their_caller_set(on: On) -> None:
         "w/0.0", 7, False, [1, 2], 42)
     assert request.statement is not None and request.after_completion is not None
     assert ops.channel == on.driver.channel(TASKS)
+
+
+# -- more tokens than one statement takes -------------------------------------------------
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Two tokens a statement, so a handful of tokens spans several statements."""
+    monkeypatch.setattr(ops_module, "TOKENS_PER_STATEMENT", 2)
+    return 2
+
+
+def test_every_token_call_covers_tokens_over_several_statements(engine: Engine, on: On, small_parts: int) -> None:
+    add(engine, 25, queue="a")
+    tokens = claim_directly(engine, "w/0.0")
+    done, failed, again, snoozed, back = (tokens[n * 5:(n + 1) * 5] for n in range(5))
+    ops = on.ops(lease=600.0)
+    _shorten_leases(engine)
+    assert on(lambda conn: ops.extend_leases(conn, "w/", tokens, since=1.0)) == set(tokens)
+    assert all(left > 500 for left in _lease_left(engine, [t.job_id for t in tokens]).values())
+    assert on(lambda conn: ops.owned_tokens(conn, "w/", tokens)) == set(tokens)
+    assert on(lambda conn: ops.complete(conn, "w/0.0", done)) == dict.fromkeys(done, "done")
+    errors = [f"boom {t.job_id}" for t in failed]
+    assert on(lambda conn: ops.fail(conn, "w/0.0", failed, errors)) == dict.fromkeys(failed, "failed")
+    retried = on(lambda conn: ops.retry(conn, "w/0.0", again, [f"err {t.job_id}" for t in again], [60.0] * 5))
+    assert retried == dict.fromkeys(again, "pending")
+    assert on(lambda conn: ops.snooze(conn, "w/0.0", snoozed, [60.0] * 5)) == dict.fromkeys(snoozed, "pending")
+    assert on(lambda conn: ops.release(conn, "w/0.0", back, refund=True)) == dict.fromkeys(back, "pending")
+    found = rows(engine)
+    # Each part's values went with its own tokens.
+    assert [found[t.job_id].last_error for t in failed] == errors
+    assert [found[t.job_id].last_error for t in again] == [f"err {t.job_id}" for t in again]
+    assert {(found[t.job_id].status, found[t.job_id].attempts) for t in [*snoozed, *back]} == {("pending", 0)}
+    assert on(lambda conn: ops.owned_tokens(conn, "w/", tokens)) == set()
+
+
+def test_complete_then_claim_over_several_statements_completes_all_and_claims_once(
+    engine: Engine, on: On, small_parts: int
+) -> None:
+    add(engine, 5, queue="a")
+    tokens = claim_directly(engine, "w/0.0")
+    nxt = add(engine, 3, queue="a")
+    ops = on.ops()
+    request = ops.claim_request("w/0.0", 10)
+    done, claimed = on(lambda conn: ops.complete_then_claim(conn, tokens, request))
+    assert done == dict.fromkeys(tokens, "done")
+    assert tokens_of(claimed) == [(i, 1) for i in nxt]
+
+
+def test_a_heartbeat_of_thousands_of_tokens_spans_parts_and_extends_them_all(engine: Engine, on: On) -> None:
+    count = 2 * ops_module.TOKENS_PER_STATEMENT + 1
+    add(engine, count, queue="a")
+    tokens = claim_directly(engine, "w/0.0", limit=count)
+    _shorten_leases(engine)
+    ops = on.ops(lease=600.0)
+    assert on(lambda conn: ops.extend_leases(conn, "w/", tokens)) == set(tokens)
+    assert min(_lease_left(engine, [t.job_id for t in tokens]).values()) > 500
+    assert on(lambda conn: ops.owned_tokens(conn, "w/", tokens)) == set(tokens)
