@@ -457,11 +457,7 @@ class QueueOps:
 
     def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
         """``done`` for every token ``owner`` still holds."""
-        moved: Moved = {}
-        for part in parts(len(tokens)):
-            rows = conn.execute(self._done, token_values(owner, tokens[part]))
-            moved.update(dict.fromkeys(cast(list[ClaimToken], rows), "done"))
-        return moved
+        return self._move(conn, self._done, owner, tokens, "done")
 
     def retry(
         self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
@@ -469,40 +465,39 @@ class QueueOps:
     ) -> Moved:
         """Each token back to ``pending`` after its delay (seconds) with its error, or
         ``failed`` once its attempts are used up: the status each was left in."""
-        moved: Moved = {}
-        for part in parts(len(tokens)):
-            values = token_values(owner, tokens[part])
-            values[q.ERRORS_PARAM] = list(errors[part])
-            values[q.DELAYS_PARAM] = list(delays[part])
-            moved.update({cast(ClaimToken, (row[0], row[1])): row[2] for row in conn.execute(self._retry, values)})
-        return moved
+        return self._move(conn, self._retry, owner, tokens, None, {q.ERRORS_PARAM: errors, q.DELAYS_PARAM: delays})
 
     def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
         """Dead-letter each token now, with its error."""
-        moved: Moved = {}
-        for part in parts(len(tokens)):
-            values = token_values(owner, tokens[part])
-            values[q.ERRORS_PARAM] = list(errors[part])
-            moved.update(dict.fromkeys(cast(list[ClaimToken], conn.execute(self._fail, values)), "failed"))
-        return moved
+        return self._move(conn, self._fail, owner, tokens, "failed", {q.ERRORS_PARAM: errors})
 
     def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
         """Each token back to ``pending`` after its delay (seconds), its attempt given back
         (a snooze spends none)."""
-        moved: Moved = {}
-        for part in parts(len(tokens)):
-            values = token_values(owner, tokens[part])
-            values[q.DELAYS_PARAM] = list(delays[part])
-            moved.update(dict.fromkeys(cast(list[ClaimToken], conn.execute(self._snooze, values)), "pending"))
-        return moved
+        return self._move(conn, self._snooze, owner, tokens, "pending", {q.DELAYS_PARAM: delays})
 
     def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
         """Back to ``pending`` at once; ``refund`` gives the attempt back (jobs never
         started)."""
+        return self._move(conn, self._release[refund], owner, tokens, "pending")
+
+    def _move(
+        self, conn: DbConnection, stmt: Statement, owner: str, tokens: Sequence[ClaimToken], status: str | None,
+        lists: Mapping[str, Sequence[Any]] | None = None,
+    ) -> Moved:
+        """Run a transition over ``tokens``, one statement per part, each with its slice
+        of ``lists`` (one value per token). ``status``: what every moved token was left
+        in, or None when each row says (its third column)."""
         moved: Moved = {}
         for part in parts(len(tokens)):
-            rows = conn.execute(self._release[refund], token_values(owner, tokens[part]))
-            moved.update(dict.fromkeys(cast(list[ClaimToken], rows), "pending"))
+            values = token_values(owner, tokens[part])
+            for name, per_token in (lists or {}).items():
+                values[name] = list(per_token[part])
+            rows = conn.execute(stmt, values)
+            if status is None:
+                moved.update({cast(ClaimToken, (row[0], row[1])): row[2] for row in rows})
+            else:
+                moved.update(dict.fromkeys(cast(list[ClaimToken], rows), status))
         return moved
 
     def token_states(self, conn: DbConnection, job_ids: Sequence[Any]) -> list[TokenState]:
