@@ -821,7 +821,9 @@ def test_stop_hands_back_more_than_ten_thousand_held_jobs(engine: Engine, Sessio
 def test_jobs_finishing_during_beats_are_not_reported_lost(engine: Engine, start_worker: Any) -> None:
     execute(engine, "INSERT INTO tasks (task) SELECT 'record' FROM generate_series(1, 2500)")
     execute(engine, "INSERT INTO tasks (task) SELECT 'work' FROM generate_series(1, 2500)")
-    worker = start_worker(concurrency=4, lease=1, heartbeat_interval=0.05)
+    # Beats every 50 ms, so many meet a completion; the lease is long enough that a
+    # stall of the machine (CI runs two suites on two cores) cannot take a job away.
+    worker = start_worker(concurrency=4, lease=5, heartbeat_interval=0.05)
     wait_for(lambda: statuses(engine) == {"done": 5000}, timeout=60, what="all 5,000 done")
     assert worker.stats.heartbeats > 0
     assert (worker.stats.lost, worker.stats.swept, worker.stats.done) == (0, 0, 5000)
