@@ -223,8 +223,8 @@ def _int_array(values: list[Any]) -> Any:
 #: The token statements join the tokens to the table; a plan that does it by nested loop
 #: (a generic plan, or statistics that say almost no job runs: both ordinary) costs the
 #: square of their number, and a heartbeat of 12,000 tokens took over a minute so. In
-#: parts of this size the worst plan costs about a tenth of a second a part, linear in
-#: the tokens, and the best one a round trip more per part.
+#: parts of this size the worst plan measured about 0.17 s a part with 12,000 jobs
+#: running (linear in the tokens), and the best one costs a round trip more per part.
 TOKENS_PER_STATEMENT: Final = 500
 
 
