@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine
-from contextvars import ContextVar
+from collections.abc import Coroutine
+from contextvars import ContextVar, Token
 from typing import Any, Final, TypeVar
 
 from .errors import JobCancelled
@@ -48,6 +48,9 @@ class JobContext:
 
     ``current_job()`` gives it inside a handler (any runtime, any handler shape).
     """
+
+    # One is made for every job a worker runs: slots keep that cheap.
+    __slots__ = ("_active", "_flag", "_message", "_reason", "_task", "deadline", "job", "timeout", "token")
 
     def __init__(self, job: Any, token: ClaimToken, timeout: float | None, deadline: float | None) -> None:
         self.job = job
@@ -163,10 +166,13 @@ def current_job() -> JobContext:
     return found
 
 
-def bind(context: JobContext) -> Callable[[], None]:
-    """Make ``context`` current here; returns the undo."""
-    token = _current.set(context)
-    return lambda: _current.reset(token)
+def bind(context: JobContext) -> Token[JobContext | None]:
+    """Make ``context`` current here; :func:`unbind` with what it returned undoes it."""
+    return _current.set(context)
+
+
+#: Undo a :func:`bind` (``unbind(token)``).
+unbind: Final = _current.reset
 
 
 async def in_context(context: JobContext, awaitable: Coroutine[Any, Any, T]) -> T:

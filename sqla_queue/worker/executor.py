@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from ..current import CANCELLED, JobContext, bind, in_context, timeout_text
+from ..current import CANCELLED, JobContext, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Moved, Operations
@@ -106,18 +106,21 @@ class Executor:
         self._losses: dict[Any, int] = {}
         #: Tells handlers past their deadline (set by the worker).
         self.watchdog: Watchdog | None = None
+        #: Every handler is a plain function (the thread runtime refuses the others).
+        self._plain = self.runtime.name == "thread"
 
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
             return Outcome(held, Kind.FAIL, held.load_error)
-        if held.stopped == CANCELLED:  # cancelled before it started
+        stopped = held.stopped
+        if stopped == CANCELLED:  # cancelled before it started
             return Outcome(held, Kind.CANCELLED)
         if self._losses:  # a run that ends any other way ends the streak
             held.losses = self._losses.pop(held.token.job_id, 0)
         context = held.context = JobContext(held.job, held.token, held.timeout, held.deadline)
-        if held.stopped is not None:
-            context.stop(held.stopped)
-        undo = bind(context)
+        if stopped is not None:
+            context.stop(stopped)
+        bound = bind(context)
         if held.deadline is not None and self.watchdog is not None:
             self.watchdog.watch(held)
         try:
@@ -131,8 +134,8 @@ class Executor:
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
             outcome = self.failure(held, exc)
         finally:
-            undo()
-        return self._over(held, outcome)
+            unbind(bound)
+        return outcome if held.stopped is None else self._over(held, outcome)
 
     def _over(self, held: Held, outcome: Outcome) -> Outcome:
         """The outcome of an attempt that was told to stop: ``cancelled`` (nothing to
@@ -156,7 +159,7 @@ class Executor:
         task is the one a cancel or a timeout cancels (never a plain handler's: a thread
         cannot be stopped, and the executor waits for it, so it holds its slot)."""
         context: JobContext = held.context
-        if not self.runtime.is_async(fn):
+        if self._plain or not self.runtime.is_async(fn):
             context.enter(None)
             try:
                 return self.runtime.call(fn, *args, on_loop=on_loop)
@@ -195,9 +198,8 @@ class Executor:
         return Outcome(held, Kind.DONE)
 
     def _resolve(self, job: Any) -> ResolvedHandler:
-        if isinstance(self.handler, Tasks):
-            return self.handler.lookup(job.task)
-        return self.handler
+        handler = self.handler
+        return handler.lookup(job.task) if isinstance(handler, Tasks) else handler
 
     def _awaitable(self, held: Held, handler: ResolvedHandler, result: Any) -> Outcome:
         close = getattr(result, "close", None)

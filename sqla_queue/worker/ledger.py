@@ -63,6 +63,9 @@ class Held:
     stopped: str | None = None
     #: What its handler sees as ``sqla_queue.current_job()``, from its start.
     context: Any = None
+    #: The job's fields its observers' events share (see :class:`~.hooks.JobEvent`),
+    #: read at its first event.
+    facts: tuple[Any, ...] | None = None
 
     def tell(self, reason: str, message: str = "") -> bool:
         """Its attempt is over (``reason``): tell its handler, if it runs (see

@@ -1,0 +1,58 @@
+"""A worker's events: the job's fields, read once, without keeping the job alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from datetime import UTC, datetime
+
+from sqla_queue import JobOutcome
+from sqla_queue.sql import ClaimToken
+from sqla_queue.worker.hooks import _CLAIMED, _ENDED, _STARTED, JobEvent
+from sqla_queue.worker.ledger import Held
+
+ENQUEUED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+class Job:
+    def __init__(self) -> None:
+        self.queue = "mail"
+        self.task = "send"
+        self.run_after = ENQUEUED
+        self.created_at = ENQUEUED
+        self.trace_context = {"traceparent": "00-abc-def-01"}
+
+
+def test_events_keep_the_jobs_fields_and_let_the_job_go() -> None:
+    job = Job()
+    held = Held(ClaimToken(7, 2), job, owner="w/0.1")
+    claimed = JobEvent._of("jobs", held, _CLAIMED)
+    held.started_at, held.run_time = 1_000.0, 0.25
+    started = JobEvent._of("jobs", held, _STARTED)
+    ended = JobEvent._of("jobs", held, _ENDED, JobOutcome.DONE)
+    gone = weakref.ref(job)
+    del job, held
+    gc.collect()
+    assert gone() is None  # an event waiting for the observers holds no job, no Held
+    for event in (claimed, started, ended):
+        assert (event.table, event.queue, event.task, event.job_id, event.attempt, event.worker) == (
+            "jobs", "mail", "send", 7, 2, "w/0.1")
+        assert (event.run_after, event.created_at) == (ENQUEUED, ENQUEUED)
+        assert event.trace_context == {"traceparent": "00-abc-def-01"}
+    assert (claimed.started_at, claimed.run_time, claimed.outcome) == (None, None, None)
+    assert (started.started_at, started.run_time) == (1_000.0, None)
+    assert (ended.started_at, ended.run_time, ended.outcome) == (1_000.0, 0.25, JobOutcome.DONE)
+
+
+def test_a_job_that_could_not_be_loaded_has_its_token_and_no_fields() -> None:
+    event = JobEvent._of("jobs", Held(ClaimToken(9, 1), None, load_error="bad row", owner="w/1.1"), _ENDED,
+                         JobOutcome.FAILED, "bad row")
+    assert (event.job_id, event.attempt, event.worker, event.queue, event.task) == (9, 1, "w/1.1", None, None)
+    assert (event.error, event.pickup_latency) == ("bad row", None)
+
+
+def test_an_event_made_by_hand_reads_as_given() -> None:
+    event = JobEvent("jobs", "mail", None, 3, 1, JobOutcome.SWEPT, created_at=ENQUEUED, worker="w/2.1")
+    assert (event.queue, event.task, event.job_id, event.attempt, event.outcome) == ("mail", None, 3, 1,
+                                                                                    JobOutcome.SWEPT)
+    assert (event.created_at, event.run_after, event.worker, event.run_time) == (ENQUEUED, None, "w/2.1", None)
