@@ -236,7 +236,11 @@ class Hooks:
             for kind in ("claimed", "started", "finished")
         }
         self._queue: deque[tuple[str, Sequence[JobEvent]]] = deque()
-        self._queued = 0
+        #: Events queued ever (by the producers, under the lock) and delivered ever (by the
+        #: observer thread alone, so it takes no lock): the difference is what waits. A
+        #: lock shared with the observer thread made every put wait for its turn.
+        self._added = 0
+        self._taken = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stop = False
@@ -287,12 +291,12 @@ class Hooks:
 
     def _put(self, kind: str, events: Sequence[JobEvent]) -> None:
         n = len(events)
-        with self._lock:  # held for an addition and a comparison: never waits on an observer
-            if self._queued + n > self.queue_size or self._stop:
+        with self._lock:  # among producers only, for an addition and a comparison
+            if self._added - self._taken + n > self.queue_size or self._stop:
                 dropped = True
             else:
                 dropped = False
-                self._queued += n
+                self._added += n
                 self._queue.append((kind, events))
         if dropped:
             self.stats.add("hook_dropped", n)
@@ -315,7 +319,7 @@ class Hooks:
         self._ready.set()
         thread.join(timeout)
         if thread.is_alive():
-            left = self._queued
+            left = self._added - self._taken
             log.warning("observers: %d event(s) not delivered within %.1fs of the stop", left, timeout)
         self._thread = None
 
@@ -327,8 +331,7 @@ class Hooks:
             self._ready.clear()
             while queue:
                 kind, events = queue.popleft()
-                with self._lock:
-                    self._queued -= len(events)
+                self._taken += len(events)
                 self._deliver(kind, events)
             if self._stop and not queue:
                 break
