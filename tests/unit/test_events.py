@@ -1,14 +1,16 @@
-"""A worker's events: the job's fields, read once, without keeping the job alive."""
+"""A worker's events: the job's fields, read once, without keeping the job alive; the
+observers' bounded queue."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 from datetime import UTC, datetime
+from typing import Any
 
-from sqla_queue import JobOutcome
+from sqla_queue import JobOutcome, WorkerObserver, WorkerStats
 from sqla_queue.sql import ClaimToken
-from sqla_queue.worker.hooks import _CLAIMED, _ENDED, _STARTED, JobEvent
+from sqla_queue.worker.hooks import _CLAIMED, _ENDED, _STARTED, Hooks, JobEvent
 from sqla_queue.worker.ledger import Held
 
 ENQUEUED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -56,3 +58,30 @@ def test_an_event_made_by_hand_reads_as_given() -> None:
     assert (event.queue, event.task, event.job_id, event.attempt, event.outcome) == ("mail", None, 3, 1,
                                                                                     JobOutcome.SWEPT)
     assert (event.created_at, event.run_after, event.worker, event.run_time) == (ENQUEUED, None, "w/2.1", None)
+
+
+class Recorder(WorkerObserver):
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def finished(self, event: JobEvent) -> None:
+        self.seen.append(event.job_id)
+
+
+def _ended(job_id: int) -> JobEvent:
+    return JobEvent("jobs", "mail", None, job_id, 1, JobOutcome.DONE)
+
+
+def test_events_past_the_queue_size_are_dropped_and_counted_and_the_rest_delivered_in_order() -> None:
+    stats = WorkerStats()
+    recorder = Recorder()
+    hooks = Hooks(stats, [recorder], queue_size=3, table="jobs")
+    hooks.finished([_ended(1), _ended(2)])
+    hooks.finished([_ended(3), _ended(4)])  # 4 waiting would pass the bound: dropped whole
+    hooks.finished([_ended(5)])
+    assert stats.hook_dropped == 2
+    hooks.start()
+    hooks.stop(timeout=30)
+    assert recorder.seen == [1, 2, 5]
+    hooks.finished([_ended(6)])  # stopped: nothing more is queued
+    assert stats.hook_dropped == 3
