@@ -106,8 +106,6 @@ class Executor:
         self._losses: dict[Any, int] = {}
         #: Tells handlers past their deadline (set by the worker).
         self.watchdog: Watchdog | None = None
-        #: Every handler is a plain function (the thread runtime refuses the others).
-        self._plain = self.runtime.name == "thread"
 
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
@@ -135,7 +133,7 @@ class Executor:
             outcome = self.failure(held, exc)
         finally:
             unbind(bound)
-        return outcome if held.stopped is None else self._over(held, outcome)
+        return self._over(held, outcome)
 
     def _over(self, held: Held, outcome: Outcome) -> Outcome:
         """The outcome of an attempt that was told to stop: ``cancelled`` (nothing to
@@ -159,7 +157,7 @@ class Executor:
         task is the one a cancel or a timeout cancels (never a plain handler's: a thread
         cannot be stopped, and the executor waits for it, so it holds its slot)."""
         context: JobContext = held.context
-        if self._plain or not self.runtime.is_async(fn):
+        if not self.runtime.is_async(fn):
             context.enter(None)
             try:
                 return self.runtime.call(fn, *args, on_loop=on_loop)

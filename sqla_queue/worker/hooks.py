@@ -75,9 +75,9 @@ class JobEvent:
     (see the OpenTelemetry integration), ``worker`` the lease owner name.
 
     An event holds the job's fields, read once per job and shared by its events, never
-    the job: a job waiting in no queue but the observers' would stay alive until they
-    saw it, and the interpreter's garbage collector would scan and promote thousands of
-    such objects (that, not the calls, was most of an observer's cost).
+    the job: otherwise every job would stay alive until the observers saw it, and the
+    garbage collector's work on those objects would cost the executors more than the
+    observers' calls.
     """
 
     __slots__ = ("_facts", "delay", "error", "outcome", "run_time", "started_at", "table")
@@ -237,8 +237,8 @@ class Hooks:
         }
         self._queue: deque[tuple[str, Sequence[JobEvent]]] = deque()
         #: Events queued ever (by the producers, under the lock) and delivered ever (by the
-        #: observer thread alone, so it takes no lock): the difference is what waits. A
-        #: lock shared with the observer thread made every put wait for its turn.
+        #: observer thread alone, so it takes no lock): the difference is what waits, and
+        #: a put never waits for the observer thread.
         self._added = 0
         self._taken = 0
         self._lock = threading.Lock()
