@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
-from sqlalchemy import URL, Table
+from sqlalchemy import URL, Table, create_engine
+from sqlalchemy.pool import NullPool
 
 from sqla_queue.embedded import EmbeddedPostgres
 
@@ -35,6 +38,45 @@ class Server:
         if self.embedded is None:
             raise RuntimeError("refusing to restart a server this test run did not start")
         self.embedded.restart()
+
+
+class ConnectLag:
+    """How long a new connection and one committed write take right now, sampled every
+    0.05 s on a thread while a block runs: the same-run measure of how loaded the machine
+    is (CPU, and the disk a commit waits for).
+
+    A test that bounds how soon a worker reconnects allows this on top of its bound: a
+    worker cannot reconnect and commit faster than the server lets anyone, and on a
+    machine shared with another test suite that is now and then seconds, not milliseconds.
+    """
+
+    def __init__(self, url: URL) -> None:
+        self._engine = create_engine(url, poolclass=NullPool)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="connect-lag", daemon=True)
+        #: The longest sample so far, in seconds.
+        self.worst = 0.0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                with self._engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT txid_current()")  # a transaction id: its commit is flushed
+                    conn.commit()
+            except Exception:  # noqa: BLE001 - a failed sample took as long as it took
+                pass
+            self.worst = max(self.worst, time.monotonic() - began)
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> ConnectLag:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self._engine.dispose()
 
 
 def table_of(model: Any) -> Table:

@@ -32,7 +32,7 @@ from sqla_queue.errors import SqlaQueueError
 from sqla_queue.runtime import Event, sleep
 from sqla_queue.worker import WorkerConfig
 
-from .helpers import Server, WorkerProcess, wait_for, wait_for_counts
+from .helpers import ConnectLag, Server, WorkerProcess, wait_for, wait_for_counts
 from .models import Effect, Task
 from .worker_app import tasks as app_tasks
 from .workers import TASKS, Runtimes, engine_with, job
@@ -162,12 +162,13 @@ SLACK = 0.5
 TIMING = ("--lease", "1s", "--heartbeat", "0.3s", "--poll-interval", "0.5s", "--sweep-interval", "0.2s")
 RESCUERS = 3
 VICTIM_JOBS = 8
+ORDINARY_RUN = 0.05
 
 
 def _feed(engine: Engine, stop: Event, made: list[int]) -> None:
     """A stream of ordinary jobs: two every 0.1 s until told to stop."""
     while not stop.is_set():
-        made.extend(enqueue(engine, "quick", 2, sleep=0.05))
+        made.extend(enqueue(engine, "quick", 2, sleep=ORDINARY_RUN))
         stop.wait(0.1)
 
 
@@ -176,8 +177,9 @@ def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
     engine: Engine, app_processes: Callable[..., AppProcess], fault: signal.Signals
 ) -> None:
     """Every job the victim held (two batches of four) runs again within lease + sweep
-    interval + its own run time + 0.5 s of the fault, while the rescuers' other threads
-    keep running a stream of ordinary jobs.
+    interval + its own run time + 0.5 s of the fault (plus the rescuers' slowest pickup of
+    an ordinary job meanwhile: how loaded the machine was), while the rescuers' other
+    threads keep running a stream of ordinary jobs.
 
     Isolated jobs are claimed alone but in parallel: each idle executor of every rescuer
     takes one as soon as a sweeper announces them, so the batch does not recover in
@@ -225,13 +227,25 @@ def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
         writers = set(conn.scalars(select(Effect.worker).where(Effect.job_id.in_(in_flight))))
     assert writers <= {str(pid) for pid in rescuer_pids}
 
-    bound = LEASE + SWEEP + RUN + SLACK
+    # How far behind the rescuers ran meanwhile, on this machine at this moment: the
+    # ordinary jobs enqueued during the recovery went through the same wake-up, claim, run
+    # and completion on the same processes, with free executors waiting for them. Their
+    # slowest turnaround beyond their own run time is about 0.02 s on a quiet machine and
+    # can be a second beside another suite; it does not grow if recovered jobs waited for
+    # a poll or ran one after another.
+    done_by = max(r.finished_at for r in recovered)
+    lag = max(
+        ((r.finished_at - r.created_at).total_seconds() - ORDINARY_RUN for r in rows(engine, ordinary)
+         if r.finished_at is not None and r.created_at <= done_by),
+        default=0.0,
+    )
+    bound = LEASE + SWEEP + RUN + SLACK + lag
     took = sorted(r.finished_at.timestamp() - fault_at for r in recovered)
     by_rescuer = Counter(owner_pid(r.lease_owner) for r in recovered)
     print(
         f"\n{fault.name}: {len(in_flight)} jobs (victim batches {sorted(batches.values())}) recovered by "
         f"{len(by_rescuer)} rescuer(s) {sorted(by_rescuer.values())}; done {took[0]:.2f}-{took[-1]:.2f}s "
-        f"after the fault; bound lease+sweep+run+{SLACK} = {bound:.2f}s"
+        f"after the fault; bound lease+sweep+run+{SLACK}+lag {lag:.2f} = {bound:.2f}s"
     )
     late = [round(t, 2) for t in took if t > bound]
     assert not late, f"recovered jobs done later than {bound:.2f}s after the fault: {late} (all: {took})"
@@ -501,13 +515,16 @@ def test_every_loop_resumes_within_the_reconnect_cap_after_an_outage(
     """Every connection of the worker is terminated again and again for four seconds (long
     enough for the back-off to reach its cap); once that stops, a new job is picked up
     (through the reconnected listener: the poll is 30 s), the listener has reconnected and
-    heartbeats resume, each within the cap plus a margin."""
+    heartbeats resume, each within the cap plus a margin, plus twice what a new connection
+    took at worst meanwhile (the listener reconnects, then an executor): on a machine busy
+    with another suite, connecting alone may take seconds. The lease is long enough that
+    such a stall never lets the held job's lease lapse."""
     app = unique_app_name("outage")
     worker_engine = engine_with(server.url, application_name=app)
     starts, release = Starts(), Event()
     tasks = _timer_tasks(starts, release)
     options: dict[str, Any] = {} if cap is None else {"reconnect_backoff": cap}
-    worker = make_worker(worker_engine, Task, tasks, concurrency=2, lease=10, heartbeat_interval=0.3,
+    worker = make_worker(worker_engine, Task, tasks, concurrency=2, lease=60, heartbeat_interval=0.3,
                     poll_interval=30, sweep_interval=0.2, **options)
     limit = worker.config.reconnect_backoff
     assert limit == (2.0 if cap is None else cap)
@@ -523,16 +540,19 @@ def test_every_loop_resumes_within_the_reconnect_cap_after_an_outage(
         outage_over = time.monotonic()
         assert killed >= 5, killed
         beats = worker.stats.heartbeats
-        job_id, _, committed = enqueue_timed(engine, "stamp")
-        wait_for(lambda: (job_id, 1) in starts.at, timeout=limit + 10, what="the new job to start")
-        picked = starts.at[(job_id, 1)] - committed
-        wait_for(lambda: worker.stats.heartbeats >= beats + 2, timeout=limit + 10, what="heartbeats")
-        resumed = time.monotonic() - outage_over
+        with ConnectLag(server.url) as lag:
+            job_id, _, committed = enqueue_timed(engine, "stamp")
+            wait_for(lambda: (job_id, 1) in starts.at, timeout=60, what="the new job to start")
+            picked = starts.at[(job_id, 1)] - committed
+            wait_for(lambda: worker.stats.heartbeats >= beats + 2, timeout=60, what="heartbeats")
+            resumed = time.monotonic() - outage_over
         assert worker.listener is not None and worker.listener.connections >= 2
+        allowed = limit + 1.5 + 2 * lag.worst
         print(f"\ncap {limit}s: {killed} backends terminated; job picked {picked:.2f}s after the outage, "
-              f"heartbeats resumed by {resumed:.2f}s")
-        assert picked <= limit + 1.5, f"new job picked up {picked:.2f}s after the outage (cap {limit}s)"
-        assert resumed <= limit + 1.5, f"heartbeats resumed {resumed:.2f}s after the outage (cap {limit}s)"
+              f"heartbeats resumed by {resumed:.2f}s; allowed {allowed:.2f}s (a new connection took "
+              f"up to {lag.worst:.2f}s)")
+        assert picked <= allowed, f"new job picked up {picked:.2f}s after the outage (cap {limit}s)"
+        assert resumed <= allowed, f"heartbeats resumed {resumed:.2f}s after the outage (cap {limit}s)"
         release.set()
         wait_for(lambda: job(engine, held).status == "done", timeout=limit + 10)
     finally:
