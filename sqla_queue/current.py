@@ -18,15 +18,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextvars import ContextVar, Token
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from .errors import JobCancelled
 from .runtime import Event
 from .sql import ClaimToken
 
-__all__ = ["CANCELLED", "TIMED_OUT", "JobContext", "current_job"]
+__all__ = ["CANCELLED", "TIMED_OUT", "ContextSource", "JobContext", "current_job"]
 
 T = TypeVar("T")
 
@@ -122,6 +122,10 @@ class JobContext:
 
     # -- the worker's side -------------------------------------------------------------
 
+    def job_context(self) -> JobContext:
+        """Itself: a context is its own :class:`ContextSource`."""
+        return self
+
     def stop(self, reason: str, message: str = "") -> bool:
         """Tell the handler its attempt is over; True the first time. Cancels the task
         of an ``async def`` handler still running (from any thread)."""
@@ -153,7 +157,15 @@ class JobContext:
         self._task = None
 
 
-_current: ContextVar[JobContext | None] = ContextVar("sqla_queue_current_job", default=None)
+class ContextSource(Protocol):
+    """What is current while a handler runs: a :class:`JobContext`, or the worker's
+    record of the job, which makes the context on first use (most handlers never ask:
+    one per job would be a cost)."""
+
+    def job_context(self) -> JobContext: ...
+
+
+_current: ContextVar[ContextSource | None] = ContextVar("sqla_queue_current_job", default=None)
 
 
 def current_job() -> JobContext:
@@ -163,13 +175,12 @@ def current_job() -> JobContext:
     found = _current.get()
     if found is None:
         raise RuntimeError("sqla_queue.current_job() is only available inside a job's handler")
-    return found
+    return found.job_context()
 
 
-def bind(context: JobContext) -> Token[JobContext | None]:
-    """Make ``context`` current here; :func:`unbind` with what it returned undoes it."""
-    return _current.set(context)
-
+#: Make a source current here (``token = bind(source)``), once per job: the variable's
+#: own method, no call of ours around it. :func:`unbind` with the token undoes it.
+bind: Final[Callable[[ContextSource | None], Token[ContextSource | None]]] = _current.set
 
 #: Undo a :func:`bind` (``unbind(token)``).
 unbind: Final = _current.reset

@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from ..current import CANCELLED, JobContext, bind, in_context, timeout_text, unbind
+from ..current import CANCELLED, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, LeaseLost, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Moved, Operations
@@ -115,25 +115,41 @@ class Executor:
             return Outcome(held, Kind.CANCELLED)
         if self._losses:  # a run that ends any other way ends the streak
             held.losses = self._losses.pop(held.token.job_id, 0)
-        context = held.context = JobContext(held.job, held.token, held.timeout, held.deadline)
-        if stopped is not None:
-            context.stop(stopped)
-        bound = bind(context)
-        if held.deadline is not None and self.watchdog is not None:
-            self.watchdog.watch(held)
+        bound = bind(held)  # its context is made when the handler first asks for it
         try:
             handler = self._resolve(held.job)
-            if self.job_context is not None:
-                outcome = self._in_job_context(held, handler, lane)
+            fn = handler.fn
+            if (held.deadline is None and self.job_context is None and not handler.transactional
+                    and not self.runtime.is_async(fn)):
+                # Most jobs: a plain handler with nothing to watch, run by the shortest path
+                # (what ``_call`` does, without what this case does not need).
+                try:
+                    result = self.runtime.call(fn, held.job)
+                finally:
+                    context = held.context  # made by the handler's current_job(), if it asked
+                    if context is not None:
+                        context.leave()
+                if result is not None and inspect.isawaitable(result):
+                    outcome = self._awaitable(held, handler, result)
+                else:
+                    outcome = Outcome(held, Kind.DONE)
             else:
-                outcome = self._call(held, handler, lane)
+                # Made now: the watchdog tells a running handler by it, an ``async def``
+                # handler's task is cancelled through it, and a job_context may ask for it.
+                held.job_context(running=False)
+                if held.deadline is not None and self.watchdog is not None:
+                    self.watchdog.watch(held)
+                if self.job_context is not None:
+                    outcome = self._in_job_context(held, handler, lane)
+                else:
+                    outcome = self._call(held, handler, lane)
         except BaseException as exc:
             if self.runtime.cancelled():
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
             outcome = self.failure(held, exc)
         finally:
             unbind(bound)
-        return self._over(held, outcome)
+        return outcome if held.stopped is None else self._over(held, outcome)
 
     def _over(self, held: Held, outcome: Outcome) -> Outcome:
         """The outcome of an attempt that was told to stop: ``cancelled`` (nothing to
@@ -156,7 +172,7 @@ class Executor:
         """Call the handler with its job's context current; an ``async def`` handler's
         task is the one a cancel or a timeout cancels (never a plain handler's: a thread
         cannot be stopped, and the executor waits for it, so it holds its slot)."""
-        context: JobContext = held.context
+        context = held.job_context(running=False)
         if not self.runtime.is_async(fn):
             context.enter(None)
             try:

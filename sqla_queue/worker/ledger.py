@@ -25,10 +25,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from ..current import JobContext
 from ..runtime import Condition, Event
 from ..sql import ClaimToken
 
 __all__ = ["Held", "Ledger", "Start"]
+
+#: Guards the lazy making of a held job's context (its handler's threads may race).
+_MAKING = threading.Lock()
 
 
 @dataclass(eq=False, slots=True)
@@ -61,8 +65,12 @@ class Held:
     #: Why its attempt is over though its handler may still run: ``"cancelled"`` (the
     #: row says so) or ``"timed out"`` (past the deadline). None: it may go on.
     stopped: str | None = None
-    #: What its handler sees as ``sqla_queue.current_job()``, from its start.
-    context: Any = None
+    #: What its handler is told with it (see :meth:`JobContext.stop`).
+    stop_message: str = ""
+    #: What its handler sees as ``sqla_queue.current_job()``: made before the handler
+    #: starts when a deadline, a cancellable task or a ``job_context`` needs it, else by
+    #: the first ``current_job()`` (:meth:`job_context`).
+    context: JobContext | None = None
     #: The job's fields its observers' events share (see :class:`~.hooks.JobEvent`),
     #: read at its first event.
     facts: tuple[Any, ...] | None = None
@@ -72,11 +80,31 @@ class Held:
         :class:`~sqla_queue.JobContext`). True the first time."""
         if self.stopped is not None:
             return False
+        self.stop_message = message  # before ``stopped``: whoever sees the reason sees it
         self.stopped = reason
         context = self.context
         if context is not None:
             context.stop(reason, message)
         return True
+
+    def job_context(self, running: bool = True) -> JobContext:
+        """Its context, made on first use: by ``current_job()`` inside its handler (so it
+        starts as ``running``), or by the executor before the handler starts. No lock against :meth:`tell`
+        on another thread: that one sets ``stopped`` and then reads ``context``; this one
+        sets ``context`` and then reads ``stopped``; so at least one of them stops it
+        (``stop`` acts once)."""
+        context = self.context
+        if context is None:
+            with _MAKING:
+                context = self.context
+                if context is None:
+                    context = JobContext(self.job, self.token, self.timeout, self.deadline)
+                    if running:
+                        context.enter(None)
+                    self.context = context
+        if self.stopped is not None:
+            context.stop(self.stopped, self.stop_message)
+        return context
 
 
 class Start(Enum):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from sqla_queue import ClaimToken
+import pytest
+
+from sqla_queue import ClaimToken, JobCancelled, JobContext
 from sqla_queue.worker.ledger import Held, Ledger, Start
 
 
@@ -116,3 +118,47 @@ def test_a_job_is_taken_for_hand_back_once() -> None:
     ledger.add([third])
     assert ledger.take([third]) == [third]
     assert ledger.take([third]) == [] and ledger.take_unstarted() == []
+
+
+def test_a_job_told_to_stop_before_its_context_exists_hands_the_reason_to_it() -> None:
+    held = Held(ClaimToken(1, 1))
+    assert held.tell("cancelled", "by the operator")
+    context = held.job_context()
+    assert context.cancelled and context.running
+    with pytest.raises(JobCancelled, match="by the operator"):
+        context.check()
+    assert held.job_context() is context
+    assert not held.tell("timed out")  # once
+
+
+def test_a_context_made_before_the_handler_starts_is_not_running_until_it_does() -> None:
+    held = Held(ClaimToken(1, 1))
+    context = held.job_context(running=False)
+    assert not context.running and not context.should_stop
+    assert held.tell("timed out", "timed out after 1 s")
+    assert context.timed_out and context.wait(0)
+
+
+def test_a_context_made_while_the_job_is_told_to_stop_always_learns_it() -> None:
+    """The handler's first ``current_job()`` and a cancel on another thread, at once, many
+    times: whichever comes first, the context ends up stopped, with one context per job."""
+    for n in range(500):
+        held = Held(ClaimToken(n, 1))
+        barrier = threading.Barrier(3)
+        made: list[JobContext] = []
+
+        def make(held: Held = held, barrier: threading.Barrier = barrier, made: list[JobContext] = made) -> None:
+            barrier.wait()
+            made.append(held.job_context())
+
+        def tell(held: Held = held, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            held.tell("cancelled")
+
+        threads = [threading.Thread(target=make), threading.Thread(target=make), threading.Thread(target=tell)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert made[0] is made[1] is held.context
+        assert held.context.cancelled
