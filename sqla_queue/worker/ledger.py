@@ -89,10 +89,11 @@ class Held:
 
     def job_context(self, running: bool = True) -> JobContext:
         """Its context, made on first use: by ``current_job()`` inside its handler (so it
-        starts as ``running``), or by the executor before the handler starts. No lock against :meth:`tell`
-        on another thread: that one sets ``stopped`` and then reads ``context``; this one
-        sets ``context`` and then reads ``stopped``; so at least one of them stops it
-        (``stop`` acts once)."""
+        starts as ``running``), or by the executor before the handler starts.
+
+        No lock against :meth:`tell` on another thread: that one sets ``stopped`` and then
+        reads ``context``; this one sets ``context`` and then reads ``stopped``; so at
+        least one of them stops it (``stop`` acts once)."""
         context = self.context
         if context is None:
             with _MAKING:
