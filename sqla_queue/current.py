@@ -26,7 +26,7 @@ from .errors import JobCancelled
 from .runtime import Event
 from .sql import ClaimToken
 
-__all__ = ["CANCELLED", "TIMED_OUT", "ContextSource", "JobContext", "current_job"]
+__all__ = ["CANCELLED", "TIMED_OUT", "JobContext", "current_job"]
 
 T = TypeVar("T")
 

@@ -110,39 +110,24 @@ class Executor:
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
             return Outcome(held, Kind.FAIL, held.load_error)
-        stopped = held.stopped
-        if stopped == CANCELLED:  # cancelled before it started
+        if held.stopped == CANCELLED:  # cancelled before it started
             return Outcome(held, Kind.CANCELLED)
         if self._losses:  # a run that ends any other way ends the streak
             held.losses = self._losses.pop(held.token.job_id, 0)
         bound = bind(held)  # its context is made when the handler first asks for it
         try:
             handler = self._resolve(held.job)
-            fn = handler.fn
-            if (held.deadline is None and self.job_context is None and not handler.transactional
-                    and not self.runtime.is_async(fn)):
-                # Most jobs: a plain handler with nothing to watch, run by the shortest path
-                # (what ``_call`` does, without what this case does not need).
-                try:
-                    result = self.runtime.call(fn, held.job)
-                finally:
-                    context = held.context  # made by the handler's current_job(), if it asked
-                    if context is not None:
-                        context.leave()
-                if result is not None and inspect.isawaitable(result):
-                    outcome = self._awaitable(held, handler, result)
-                else:
-                    outcome = Outcome(held, Kind.DONE)
-            else:
+            if held.deadline is not None or self.job_context is not None or self.runtime.is_async(handler.fn):
                 # Made now: the watchdog tells a running handler by it, an ``async def``
                 # handler's task is cancelled through it, and a job_context may ask for it.
+                # Otherwise the handler's first current_job() makes it (most never ask).
                 held.job_context(running=False)
                 if held.deadline is not None and self.watchdog is not None:
                     self.watchdog.watch(held)
-                if self.job_context is not None:
-                    outcome = self._in_job_context(held, handler, lane)
-                else:
-                    outcome = self._call(held, handler, lane)
+            if self.job_context is not None:
+                outcome = self._in_job_context(held, handler, lane)
+            else:
+                outcome = self._call(held, handler, lane)
         except BaseException as exc:
             if self.runtime.cancelled():
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
@@ -172,13 +157,17 @@ class Executor:
         """Call the handler with its job's context current; an ``async def`` handler's
         task is the one a cancel or a timeout cancels (never a plain handler's: a thread
         cannot be stopped, and the executor waits for it, so it holds its slot)."""
-        context = held.job_context(running=False)
         if not self.runtime.is_async(fn):
-            context.enter(None)
+            context = held.context  # None until the handler asks (then made running)
+            if context is not None:
+                context.enter(None)
             try:
                 return self.runtime.call(fn, *args, on_loop=on_loop)
             finally:
-                context.leave()
+                context = held.context
+                if context is not None:
+                    context.leave()
+        context = held.job_context(running=False)  # made before the start: see run()
         context.enter(asyncio.current_task())
         try:
             return self.runtime.call(fn, *args, on_loop=on_loop, around=lambda aw: in_context(context, aw))
