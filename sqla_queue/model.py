@@ -70,6 +70,14 @@ DEFAULT_QUEUE: Final = "default"
 DEFAULT_MAX_ATTEMPTS: Final = 20
 _INFO_KEY: Final = "sqla_queue"
 _UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
+_WAKE_INFO_KEY: Final = "sqla_queue.wake"
+#: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
+#: (the default), or sent after it, coalesced (see :mod:`sqla_queue.waker`).
+WAKE_WITH_COMMIT: Final = "with_commit"
+WAKE_AFTER_COMMIT: Final = "after_commit"
+#: No wake-up at all: the workers find the jobs at their next poll.
+WAKE_NONE: Final = "none"
+WAKE_MODES: Final = (WAKE_WITH_COMMIT, WAKE_AFTER_COMMIT, WAKE_NONE)
 
 
 class JobStatus(enum.StrEnum):
@@ -190,7 +198,11 @@ class JobMixin:
             order_id: Mapped[int] = mapped_column(ForeignKey("orders.id"))
 
     The model may declare its own primary key (one column) instead of the BIGINT
-    identity ``id``; the claim orders ties by it.
+    identity ``id``; the claim orders ties by it. Two class attributes tune it:
+    ``__queue_unique__`` (a :class:`UniqueJobs`: unique jobs) and ``__queue_wake__``
+    (``"with_commit"``, the default: the wake-up NOTIFY in the enqueuing COMMIT;
+    ``"after_commit"``: sent after it, coalesced, for tables with many concurrent
+    writers; ``"none"``: the workers' poll finds the jobs).
     """
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
@@ -428,7 +440,21 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
                 f"table {table.name!r} does not have"
             )
         table.info[_UNIQUE_INFO_KEY] = unique
+    wake = getattr(cls, "__queue_wake__", WAKE_WITH_COMMIT)
+    if wake not in WAKE_MODES:
+        raise ValueError(
+            f"{cls.__qualname__}.__queue_wake__ must be one of {', '.join(map(repr, WAKE_MODES))}, got {wake!r}"
+        )
+    table.info[_WAKE_INFO_KEY] = wake
     _attach_schema_objects(table)
+
+
+def wake_mode(table: Table) -> str:
+    """How ``table``'s enqueuers wake its workers (its model's ``__queue_wake__``):
+    ``"with_commit"`` (NOTIFY in the COMMIT), ``"after_commit"`` (sent after it,
+    coalesced) or ``"none"`` (the workers' poll finds the jobs)."""
+    mode: str = table.info.get(_WAKE_INFO_KEY, WAKE_WITH_COMMIT)
+    return mode
 
 
 #: Key of the resolved queue tables in the shared cache.

@@ -7,7 +7,10 @@ module records the queues a session's transaction wrote to (``enqueue()``, a pla
 ``session.add()`` of a queue object, ``enqueue_many()``, :func:`notify_on_commit`) and
 sends their NOTIFY from the session's ``before_commit`` hook; on psycopg in the COMMIT's
 own round trip (:func:`notify_with_commit`). ``enqueue_values()`` needs none of it: its
-INSERT carries its NOTIFY. Nothing here knows the worker.
+INSERT carries its NOTIFY. A model declaring ``__queue_wake__ = "after_commit"`` has its
+wake-ups handed to the waker once the COMMIT returned instead (:mod:`sqla_queue.waker`),
+one declaring ``"none"`` sends none.
+Nothing here knows the worker.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from sqlalchemy.orm import attributes as orm_attributes
 
 from .binds import sync_session
 from .cache import plans
-from .model import notify_channel, queue_table
+from .model import WAKE_AFTER_COMMIT, WAKE_NONE, notify_channel, queue_table, wake_mode
 from .rows import default_queue, queue_table_of
+from .waker import wake_after_commit
 
-__all__ = ["hook_session_class", "install_hooks", "notify_on_commit", "notify_with_commit"]
+__all__ = ["hook_session_class", "install_hooks", "notify_on_commit", "notify_with_commit", "wake_after"]
 
 _NOTIFY_KEY: Final = "sqla_queue.notify"
 _HOOKED_KEY: Final = "sqla_queue.hooked"
@@ -117,9 +121,17 @@ def _before_commit(session: Session) -> None:
         # The channel of the schema the connection's schema_translate_map puts each
         # table in: the one its workers listen on.
         translate = conn.get_execution_options().get("schema_translate_map")
-        pairs = {(notify_channel(t, translate), queue) for t, queue in jobs}
-        if notify_with_commit(conn, pairs):
-            continue  # sent in the COMMIT's own round trip
+        pairs: set[tuple[str, str]] = set()
+        after: set[tuple[str, str]] = set()
+        for t, queue in jobs:
+            mode = wake_mode(t)
+            if mode != WAKE_NONE:
+                (after if mode == WAKE_AFTER_COMMIT else pairs).add((notify_channel(t, translate), queue))
+        if not pairs and not after:
+            continue
+        if notify_with_commit(conn, pairs, after=after):
+            continue  # sent in the COMMIT's own round trip, or handed to the waker after it
+        pairs |= after  # another driver: in the transaction, as for every table
         # One statement per database, whatever the number of jobs; on the connection,
         # not session.execute(), which would autoflush from inside before_commit.
         params: dict[str, str] = {}
@@ -163,10 +175,13 @@ def _after_transaction_end(session: Session, transaction: Any) -> None:
 _ON_COMMIT_KEY: Final = "sqla_queue.notify_with_commit"
 
 
-def notify_with_commit(conn: Connection, pairs: set[tuple[str, str]]) -> bool:
+def notify_with_commit(
+    conn: Connection, pairs: set[tuple[str, str]], *, after: set[tuple[str, str]] | None = None
+) -> bool:
     """Send ``pg_notify(channel, payload)`` for ``pairs`` together with the COMMIT of the
     transaction ``conn`` is in, in one round trip (one simple-protocol query, on psycopg
-    and its asyncio flavour alike); False when the driver cannot (then send them
+    and its asyncio flavour alike), and hand ``after`` to the waker once that COMMIT
+    returned (:mod:`sqla_queue.waker`); False when the driver cannot (then send them
     yourself). PostgreSQL delivers them only if it commits.
     """
     if conn.dialect.driver != "psycopg":
@@ -175,12 +190,25 @@ def notify_with_commit(conn: Connection, pairs: set[tuple[str, str]]) -> bool:
     if root is None:
         return False
     info = conn.info
-    waiting: tuple[Any, set[tuple[str, str]]] | None = info.get(_ON_COMMIT_KEY)
+    waiting: tuple[Any, set[tuple[str, str]], set[tuple[str, str]]] | None = info.get(_ON_COMMIT_KEY)
     if waiting is None or waiting[0] is not root:
-        waiting = info[_ON_COMMIT_KEY] = (root, set())
+        waiting = info[_ON_COMMIT_KEY] = (root, set(), set())
     waiting[1].update(pairs)
+    if after:
+        waiting[2].update(after)
     _listen_for_commits(conn.engine)
     return True
+
+
+def wake_after(conn: Connection, pairs: set[tuple[str, str]]) -> None:
+    """Wake ``pairs`` once the transaction ``conn`` is in commits (psycopg): at once when
+    its connection autocommits, so what was written is committed already."""
+    pooled: Any = conn.connection.dbapi_connection
+    raw = pooled.driver_connection if conn.dialect.is_async else pooled
+    if raw.autocommit:
+        wake_after_commit(raw, pairs)
+    else:
+        notify_with_commit(conn, set(), after=pairs)
 
 
 def _on_commit(conn: Connection) -> None:
@@ -188,18 +216,25 @@ def _on_commit(conn: Connection) -> None:
     if waiting is None or waiting[0] is not conn.get_transaction():
         return
     raw: Any = conn.connection.dbapi_connection
-    query = _notify_and_commit(tuple(sorted(waiting[1])))
     try:
-        # One simple-protocol query: the notifications and the COMMIT in one round trip.
-        if conn.dialect.is_async:  # SQLAlchemy's adapter: run it on the asyncio connection
-            raw.run_async(lambda driver_conn: driver_conn.execute(query))
+        if waiting[1]:
+            # One simple-protocol query: the notifications and the COMMIT in one round trip.
+            query = _notify_and_commit(tuple(sorted(waiting[1])))
+            if conn.dialect.is_async:  # SQLAlchemy's adapter: run it on the asyncio connection
+                raw.run_async(lambda driver_conn: driver_conn.execute(query))
+            else:
+                raw.execute(query)
+        elif conn.dialect.is_async:  # wake-ups for after the commit only: commit it here
+            raw.run_async(lambda driver_conn: driver_conn.commit())
         else:
-            raw.execute(query)
+            raw.commit()
     except psycopg.Error as exc:
         raise sa_exc.DBAPIError.instance(
             "COMMIT", None, exc, psycopg.Error, dialect=conn.dialect
         ) from exc
     # The connection is committed: SQLAlchemy's own commit() that follows is a no-op.
+    if waiting[2]:
+        wake_after_commit(raw.driver_connection if conn.dialect.is_async else raw, waiting[2])
 
 
 def _notify_and_commit(pairs: tuple[tuple[str, str], ...]) -> bytes:

@@ -52,7 +52,17 @@ from ._rules import (
 from .cache import plans
 from .dbapi import SchemaMapKey, compile_statement
 from .errors import BulkRowError, EnqueueError, NotAQueueModel
-from .model import DEFAULT_QUEUE, QueueTable, UniqueJobs, notify_channel, queue_table, unique_jobs
+from .model import (
+    DEFAULT_QUEUE,
+    WAKE_AFTER_COMMIT,
+    WAKE_NONE,
+    QueueTable,
+    UniqueJobs,
+    notify_channel,
+    queue_table,
+    unique_jobs,
+    wake_mode,
+)
 from .sql import delay_from_insert, insert_unique
 from .tracing import TRACE_COLUMN, current_trace_context
 
@@ -83,15 +93,25 @@ _PLAIN: Final = frozenset({int, str, float, bool, type(None), dict, list})
 
 
 def queue_table_of(obj: Any) -> QueueTable | None:
-    """The queue table of a mapped instance, or None if it is not a queue model's."""
-    try:
-        mapper = object_mapper(obj)
-    except UnmappedInstanceError:
-        return None
-    try:
-        return queue_table(mapper.class_)
-    except NotAQueueModel:
-        return None
+    """The queue table of a mapped instance, or None if it is not a queue model's
+    (known per class: the outbox asks it of every new object of every flush)."""
+    key = (_QUEUE_TABLE_OF, type(obj))
+    found: QueueTable | bool | None = plans.get(key)
+    if found is None:
+        try:
+            mapper = object_mapper(obj)
+        except UnmappedInstanceError:
+            return None  # not remembered: the class may be mapped later
+        try:
+            found = queue_table(mapper.class_)
+        except NotAQueueModel:
+            found = False
+        plans.put(key, found)
+    return found if isinstance(found, QueueTable) else None
+
+
+#: Key of :func:`queue_table_of`'s answers in the shared cache.
+_QUEUE_TABLE_OF: Final = "sqla_queue.rows.queue_table_of"
 
 
 def default_queue(table: Table) -> str:
@@ -711,18 +731,24 @@ class InsertPlan:
         # The wake-up rides in the INSERT itself: WITH job AS (INSERT … RETURNING) SELECT
         # pk, pg_notify(channel, job.queue). PostgreSQL delivers it only on commit, once per
         # queue per transaction, and an autocommit insert takes a single round trip.
+        # A model waking after the commit (``__queue_wake__``) returns the queue instead:
+        # the caller hands it to the outbox for after the COMMIT (psycopg only).
         self.statement: Executable
+        #: The wake-up's channel, and whether it goes after the commit (else it is here).
+        self.channel = channel
+        mode = wake_mode(table)
+        self.after = mode == WAKE_AFTER_COMMIT and dialect.driver == "psycopg"
+        notifies = mode != WAKE_NONE and not self.after
         into = insert_unique(table) if keyed else insert(table)
         if contextual:
             # SQLAlchemy evaluates such defaults for a top-level INSERT only (the context's
             # current parameters are its own): the wake-up rides in its RETURNING.
-            notify = func.pg_notify(literal(channel, String()), table.c.queue)
+            notify = func.pg_notify(literal(channel, String()), table.c.queue) if notifies else table.c.queue
             self.statement = into.values(values).returning(pk, notify)
         else:
             job = into.values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
-            self.statement = select(
-                job.c[pk.name], func.pg_notify(literal(channel, String()), job.c.queue)
-            )
+            second = func.pg_notify(literal(channel, String()), job.c.queue) if notifies else job.c.queue
+            self.statement = select(job.c[pk.name], second)
         #: On psycopg, the statement runs on the driver's cursor (sync, or awaited on the
         #: async one): SQLAlchemy's execution machinery would cost more Python time than
         #: the round trip. Not for a contextual default, which only that machinery evaluates.

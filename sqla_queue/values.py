@@ -32,6 +32,7 @@ from .cache import plans
 from .dbapi import SchemaMapKey, reraise_as_sqlalchemy, schema_map_key
 from .errors import EnqueueError
 from .options import EnqueueKwargs, EnqueueOptions
+from .outbox import wake_after
 from .rows import InsertPlan, TablePlan, insert_plan, table_plan
 from .tracing import current_trace_context
 from .unique import MAX_TRIES, Enqueued, UniqueKey, holder_of
@@ -180,11 +181,11 @@ def enqueue_values(
             params = plan.driver_params(row, delay_by)
             try:
                 cursor.execute(plan.sql, params)
-                return cursor.fetchone()[0]
+                return _inserted(conn, plan, cursor.fetchone())
             except BaseException as exc:
                 reraise_as_sqlalchemy(conn, exc, plan.sql, params)
                 raise
-    return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
+    return _execute(conn, plan, row, delay_by)
 
 
 async def _enqueue_values_async(
@@ -252,7 +253,7 @@ async def _enqueue_values_async(
             params = plan.driver_params(row, delay_by)
             try:
                 await cursor.execute(plan.sql, params)
-                return (await cursor.fetchone())[0]
+                return _inserted(conn, plan, await cursor.fetchone())
             except BaseException as exc:
                 # SQLAlchemy's handling may close the connection: I/O, in a greenlet.
                 await greenlet_spawn(reraise_as_sqlalchemy, conn, exc, plan.sql, params)
@@ -263,7 +264,15 @@ async def _enqueue_values_async(
 
 
 def _execute(conn: Connection, plan: InsertPlan, row: Mapping[str, Any], delay_by: float | None) -> Any:
-    return conn.execute(plan.statement, plan.params(row, delay_by)).scalars().one()
+    return _inserted(conn, plan, conn.execute(plan.statement, plan.params(row, delay_by)).one())
+
+
+def _inserted(conn: Connection, plan: InsertPlan, found: Any) -> Any:
+    """The new job's key, from the INSERT's row; a model waking after the commit has
+    the row's queue handed to the outbox for then (``__queue_wake__``)."""
+    if plan.after:
+        wake_after(conn, {(plan.channel, found[1])})
+    return found[0]
 
 
 def _keyed(
@@ -275,7 +284,7 @@ def _keyed(
     for _ in range(MAX_TRIES):
         found = conn.execute(plan.statement, plan.params(row, delay_by)).first()
         if found is not None:
-            return Enqueued(True, found[0])
+            return Enqueued(True, _inserted(conn, plan, found))
         holder = holder_of(conn, target, key)
         if holder is not None:
             return Enqueued(False, holder)

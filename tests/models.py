@@ -47,6 +47,15 @@ class ReportJob(Base, JobMixin):
     report: Mapped[str] = mapped_column(String(50), default="daily")
 
 
+class WakeAfterJob(Base, JobMixin):
+    """A queue table whose wake-ups go after the enqueuing commit (``__queue_wake__``)."""
+
+    __tablename__ = "wake_after_jobs"
+    __queue_wake__ = "after_commit"
+
+    order_id: Mapped[int | None] = mapped_column(ForeignKey("orders.id"))
+
+
 class Task(Base, TaskMixin):
     """A generic task table."""
 

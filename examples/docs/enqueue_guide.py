@@ -15,6 +15,21 @@ from sqlalchemy.orm import sessionmaker
 from sqla_queue import QueueSession
 
 # --8<-- [end:session]
+# isort: split
+# --8<-- [start:wake]
+from sqlalchemy.orm import Mapped, mapped_column
+
+from sqla_queue import JobMixin
+
+
+class PushJob(Base, JobMixin):  # written by every request of a busy API
+    __tablename__ = "push_jobs"
+    __queue_wake__ = "after_commit"  # the wake-up after the COMMIT, coalesced, not in it
+
+    device: Mapped[str] = mapped_column(default="")
+
+
+# --8<-- [end:wake]
 
 
 def main(url: str) -> None:
@@ -70,7 +85,12 @@ def main(url: str) -> None:
             session.commit()
         # --8<-- [end:notify]
 
+        with Session() as session:
+            session.enqueue(PushJob(device="phone"))
+            session.commit()  # returns before the wake-up is sent, by the process's waker thread
+
         with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(PushJob)) == 1
             counts = (conn.scalar(select(func.count()).select_from(EmailJob)),
                       conn.scalar(select(func.count()).select_from(Task)))
         print(f"email jobs: {counts[0]}, tasks: {counts[1]}")
