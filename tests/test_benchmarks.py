@@ -149,3 +149,48 @@ def test_quick_unique_enqueue_run_prints_both_rates(server: Server) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     assert "200 keyed rows, 100 inserted, 100 skipped" in result.stdout, result.stdout
     assert "rows/s" in result.stdout and "ratio:" in result.stdout
+
+
+#: The first cells of the rows of ``pressure.py --quick``.
+PRESSURE_ROWS = (
+    "2 producers, one job per transaction, session.enqueue(): wake-up with_commit / none |",
+    "2 producers, one job per transaction, session.enqueue(): wake-up after_commit / none |",
+    "2 producers, one job per transaction, enqueue_values(): wake-up with_commit / none |",
+    "2 producers, one job per transaction, enqueue_values(): wake-up after_commit / none |",
+    "held snapshot: throughput during the hold / clean run |",
+    "held snapshot: pickup p99 during the hold / clean run |",
+    "held snapshot: claim's mean time during the hold / clean |",
+    "claim latency at 50,000 finished rows / empty table (p50) |",
+    "enqueue at 50,000 finished rows / empty table |",
+    "prune in batches of 10,000 beside claims |",
+    "processing on the production cluster, 1 process x 4 threads, batch default (baseline 32) |",
+    "processing on the production cluster, 2 processes x 4 threads, batch default (baseline 32) |",
+)
+
+
+@pytest.mark.timeout(300)
+def test_quick_pressure_run_prints_every_row() -> None:
+    """``benchmarks/pressure.py --quick``: a cluster of its own (initdb, autovacuum on),
+    every scenario with tiny sizes, every row printed, the cluster gone afterwards."""
+    from .standby import find_bin_dir
+
+    if find_bin_dir() is None:
+        pytest.fail("pressure.py needs PostgreSQL's initdb and pg_ctl (Debian: postgresql)")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("pressure.py")), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:] + result.stdout[-2000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| benchmark | sqla_queue | baseline")
+    for expected in PRESSURE_ROWS:
+        assert any(line.startswith(f"| {expected}") for line in table), (expected, result.stdout)
+    assert len(table) == len(PRESSURE_ROWS) + 1, result.stdout
+    assert "autovacuum on" in result.stderr  # the progress lines
+    cluster = [line for line in result.stderr.splitlines() if line.startswith("cluster: data in ")]
+    assert cluster, result.stderr
+    leftover = Path(cluster[0].split("data in ", 1)[1].strip())
+    assert not leftover.exists(), f"the benchmark left its cluster at {leftover}"
