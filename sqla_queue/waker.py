@@ -34,6 +34,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from .cache import plans
+from .ratelimit import PerMinute
 
 __all__ = ["flush", "wake_after_commit"]
 
@@ -71,15 +72,15 @@ class _Waker:
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._pending: dict[tuple[str, str | None], set[tuple[str, str]]] = {}
-        #: Sends in flight (0 or 1) and pairs queued: :meth:`flush` waits for both to be 0.
-        self._sending = 0
+        #: A send in flight (its pairs taken from ``_pending``): :meth:`flush` waits for it.
+        self._sending = False
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._connections: dict[tuple[str, str | None], psycopg.Connection[Any]] = {}
         self._down_until: dict[tuple[str, str | None], float] = {}
         self._failures = 0
         self._last_send = 0.0
-        self._failures_logged: list[float] = []
+        self._failure_logs = PerMinute(_FAILURE_LOGS_PER_MINUTE)
         self._stopping = False
 
     def wake(self, raw: Any, pairs: Iterable[tuple[str, str]]) -> None:
@@ -96,7 +97,7 @@ class _Waker:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._thread = None
-        self._sending = 0
+        self._sending = False
         self._pending.clear()
         self._connections = {}  # the parent's: never used, nor closed, here
         self._down_until.clear()
@@ -122,7 +123,7 @@ class _Waker:
                     if self._stopping:
                         return
                     self._lock.wait()
-                self._sending = 1
+                self._sending = True
             # At most one send per MIN_INTERVAL: the first after a quiet spell at once,
             # the next ones gathering whatever comes meanwhile.
             wait = self._last_send + MIN_INTERVAL - time.monotonic()
@@ -136,7 +137,7 @@ class _Waker:
                     self._send(key, pairs)
             finally:
                 with self._lock:
-                    self._sending = 0
+                    self._sending = False
                     self._lock.notify_all()
 
     def _send(self, key: tuple[str, str | None], pairs: set[tuple[str, str]]) -> None:
@@ -162,15 +163,9 @@ class _Waker:
 
     def _failed(self, key: tuple[str, str | None], n: int, exc: Exception | None) -> None:
         self._failures += n
-        if exc is None:
-            return
-        now = time.monotonic()
-        recent = [t for t in self._failures_logged if now - t < 60.0]
-        if len(recent) < _FAILURE_LOGS_PER_MINUTE:
-            recent.append(now)
+        if exc is not None and self._failure_logs.allow():
             log.warning("wake-up after commit not sent (%d queue(s)); workers find the jobs at their "
                         "next poll: %s: %s", n, type(exc).__name__, exc)
-        self._failures_logged = recent
 
     def stop(self, timeout: float) -> None:
         """At exit: send what is pending, within ``timeout``."""

@@ -275,3 +275,57 @@ def test_a_table_that_wakes_nobody_sends_no_notify(engine: Engine, listener: Any
             assert conn.scalar(select(func.count()).select_from(Polled)) == 2
     finally:
         Base.metadata.drop_all(engine)
+
+
+def test_a_translated_schema_wakes_its_own_channel_after_the_commit(
+    engine: Engine, listener: Any, server: Server
+) -> None:
+    """With ``schema_translate_map``, the after-commit wake-up goes to the translated
+    table's channel, from the waker, for every path (two queues in one commit: one send
+    carrying both)."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class TenantJob(Base, JobMixin):
+        __tablename__ = "tenant_wake_jobs"
+        __queue_wake__ = "after_commit"
+        note: Mapped[str] = mapped_column(String(10), default="")
+
+    from sqla_queue.model import notify_channel
+
+    tenant = engine.execution_options(schema_translate_map={None: "tenant_wake"})
+    translated = notify_channel(queue_table(TenantJob).table, {None: "tenant_wake"})
+    untranslated = queue_table(TenantJob).channel
+    assert translated != untranslated
+    for name in (translated, untranslated, SENTINEL_CHANNEL):
+        listener.execute(f'LISTEN "{name}"')
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA IF EXISTS tenant_wake CASCADE"))
+        conn.execute(text("CREATE SCHEMA tenant_wake"))
+    Base.metadata.create_all(tenant)
+    try:
+        with QueueSession(tenant) as session:
+            session.enqueue(TenantJob(), queue="orm-a")
+            session.enqueue(TenantJob(), queue="orm-b")
+            mine = backend_pid(session)
+            session.commit()
+        with tenant.connect() as conn:
+            enqueue_values(conn, TenantJob, {"note": "v"}, queue="values")
+            conn.commit()
+        assert waker.flush(10.0)
+        with psycopg.connect(server.conninfo, autocommit=True) as raw:
+            raw.execute("SELECT pg_notify(%s, 'end')", (SENTINEL_CHANNEL,))
+        got = []
+        for note in listener.notifies(timeout=10.0):
+            if note.channel == SENTINEL_CHANNEL:
+                break
+            got.append((note.channel, note.payload, note.pid))
+        assert sorted((c, q) for c, q, _ in got) == [(translated, "orm-a"), (translated, "orm-b"),
+                                                     (translated, "values")]
+        assert all(pid != mine for _, _, pid in got)
+        with tenant.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(TenantJob)) == 3
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA IF EXISTS tenant_wake CASCADE"))

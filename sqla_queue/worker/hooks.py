@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
+from ..ratelimit import PerMinute
 from .ledger import Held
 from .stats import WorkerStats
 
@@ -245,7 +246,7 @@ class Hooks:
         self._ready = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._errors_logged: list[float] = []
+        self._error_logs = PerMinute(_ERROR_LOGS_PER_MINUTE)
 
     # -- the producers' side (executors, completer, heartbeat, sweeper) -------------------
 
@@ -354,13 +355,9 @@ class Hooks:
 
     def _failed(self, method: Any, exc: Exception) -> None:
         self.stats.add("hook_errors")
-        now = time.monotonic()
-        recent = [t for t in self._errors_logged if now - t < 60.0]
-        if len(recent) < _ERROR_LOGS_PER_MINUTE:
-            recent.append(now)
+        if self._error_logs.allow():
             log.warning("observer %s.%s raised %s: %s", type(getattr(method, "__self__", method)).__name__,
                         getattr(method, "__name__", "?"), type(exc).__name__, exc, exc_info=True)
-        self._errors_logged = recent
 
 
 # -- the logs: one line per finished job ---------------------------------------------------
