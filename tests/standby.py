@@ -168,6 +168,15 @@ class Pair:
         assert self.replication is not None
         self.replication.freeze(lambda link: True)
 
+    def replication_links(self) -> list[str]:
+        """The proxy's connections, for a failure's message: open or closed, frozen or not."""
+        if self.replication is None:
+            return []
+        return [
+            f"{'closed' if link.closed else 'open'}{' frozen' if link.frozen else ''}"
+            for link in self.replication.links
+        ]
+
     def cut_replication(self) -> None:
         """The replication link is gone for good (the standby keeps what it received)."""
         if self.replication is not None:

@@ -61,7 +61,7 @@ def test_snooze_runs_the_job_again_later_without_spending_an_attempt(
         row = job(engine, job_id)
         assert (row.attempts, row.last_error) == (1, None)
     wait_for(lambda: worker.stats.snoozed == 6, what="six snoozes counted")
-    assert (worker.stats.retried, worker.stats.failed, worker.stats.done) == (0, 0, 2)
+    wait_for_counts(worker, retried=0, failed=0, done=2)
     snoozes = [r for r in caplog.records if "snoozed" in r.getMessage()]
     assert len(snoozes) == 6 and {r.levelno for r in snoozes} == {logging.INFO}
     assert "not ready yet" in snoozes[0].getMessage()

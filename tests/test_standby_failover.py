@@ -42,7 +42,7 @@ from . import models
 from .helpers import wait_for
 from .models import Effect, Task
 from .standby import Pair, find_bin_dir
-from .workers import FAST
+from .workers import FAST, engine_with
 
 BIN_DIR = find_bin_dir()
 pytestmark = pytest.mark.skipif(
@@ -104,8 +104,19 @@ class Producer(threading.Thread):
         self.engine.dispose()
 
 
-#: Transactional completions (the worker's COMMIT) waiting for the standby, on the primary.
-IN_FLIGHT_COMPLETIONS = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND query = 'COMMIT'"
+#: The worker's connections, told apart from the producer's on the primary.
+WORKER_APP = "sqla_queue_failover_worker"
+#: Transactional completions (the worker's COMMITs) waiting for the standby, on the primary.
+IN_FLIGHT_COMPLETIONS = (
+    f"SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND application_name = '{WORKER_APP}'"
+)
+#: What the primary says of its standby and its waiting commits, for a failure's message.
+REPLICATION_STATE = (
+    "SELECT 'replication', application_name || ' ' || state || ' ' || sync_state || ' sent ' || sent_lsn "
+    "|| ' flushed ' || coalesce(flush_lsn::text, '-') FROM pg_stat_replication "
+    "UNION ALL SELECT 'waiting', application_name || ': ' || left(query, 60) FROM pg_stat_activity "
+    "WHERE wait_event = 'SyncRep'"
+)
 
 
 class Effects:
@@ -136,7 +147,7 @@ def query(conninfo: str, sql: str) -> list[tuple[Any, ...]]:
 
 def test_failover_to_a_synchronous_standby_loses_no_acknowledged_job(pair: Pair, make_worker: Any) -> None:
     url = pair.url()
-    engine = create_engine(url)
+    engine = engine_with(url, application_name=WORKER_APP)
     models.Base.metadata.create_all(engine)
     producer = Producer(url)
     effects = Effects()
@@ -159,8 +170,12 @@ def test_failover_to_a_synchronous_standby_loses_no_acknowledged_job(pair: Pair,
         assert effects.entered.wait(20), "the held job never started"
         pair.freeze_replication()
         effects.gate.set()
-        wait_for(lambda: query(pair.primary.conninfo, IN_FLIGHT_COMPLETIONS) != [(0,)],
-                 what="a job's completion waiting for the standby")
+        try:
+            wait_for(lambda: query(pair.primary.conninfo, IN_FLIGHT_COMPLETIONS) != [(0,)],
+                     what="a job's completion waiting for the standby")
+        except AssertionError as exc:
+            state = query(pair.primary.conninfo, REPLICATION_STATE)
+            raise AssertionError(f"{exc}; the primary: {state}; proxy links: {pair.replication_links()}") from None
         pair.crash_primary()
         pair.cut_replication()
         wait_for(lambda: producer.errors > 0, what="the producer to meet the outage")

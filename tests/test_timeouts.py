@@ -139,7 +139,7 @@ def test_a_sync_handler_past_its_deadline_is_told_and_retried(engine: Engine, st
     wait_for(lambda: job(engine, job_id).status == "done", what="the retry ran")
     assert attempts == [(1, True), (2, False)]
     assert job(engine, job_id).last_error == "timed out after 0.5 s"
-    assert (worker.stats.retried, worker.stats.done) == (1, 1)
+    wait_for_counts(worker, retried=1, done=1)
 
 
 def test_a_transactional_handler_past_its_deadline_commits_nothing(engine: Engine, start: Callable[..., Any]) -> None:

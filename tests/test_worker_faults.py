@@ -224,7 +224,6 @@ def test_claims_cut_short_behind_a_lock_claim_nothing_when_it_goes(
         runs.release.set()
         wait_for(lambda: job(engine, job_id).status in ("done", "failed"), timeout=20, what="the job to finish")
         row = job(engine, job_id)
-        print("\nJ", row.status, row.attempts, row.lease_owner, runs.counts)
         assert (row.status, row.attempts, runs.of(job_id)) == ("done", 1, 1), (row.status, row.last_error)
     finally:
         runs.release.set()
@@ -293,6 +292,8 @@ def test_a_row_the_claim_cannot_update_fails_alone(
         wait_for(all_status(engine, good, "done"), timeout=30, what="the other jobs done")
         later = add(Sessions, "stamp", 3)
         wait_for(all_status(engine, later, "done"), timeout=30, what="the jobs enqueued later done")
+        if fault == "trigger_on_claim":
+            wait_for(all_status(engine, [bad], "failed"), timeout=30, what="the unclaimable job dead-lettered")
         worker.stop(grace=1)
     finally:
         if worker is not None:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from sqla_queue import Backoff, Tasks
 from sqla_queue.runtime import sleep
 
-from .helpers import Server, wait_for
+from .helpers import Server, wait_for, wait_for_counts
 from .models import Effect, Task
 from .workers import add, effects, engine_with, job
 
@@ -115,7 +115,7 @@ def test_a_plain_handler_whose_upstream_is_down_gets_the_backoff(
         assert next_began - began >= LOW - 0.01, f"retried {next_began - began:.3f}s later, backoff {LOW}s"
     row = job(engine, job_id)
     assert row.attempts == 3 and not row.last_error.startswith("connection lost"), row.last_error
-    assert (worker.stats.retried, worker.stats.failed, worker.stats.released) == (2, 1, 0)
+    wait_for_counts(worker, retried=2, failed=1, released=0)
 
 
 # -- the worker's own connection lost under a transactional handler ------------------------
