@@ -45,6 +45,15 @@ __all__ = [
 
 log = logging.getLogger("sqla_queue.worker")
 
+#: Seconds between two ``DISCARD PLANS`` on a runtime connection. psycopg prepares a
+#: statement run five times, and PostgreSQL then keeps the statement's generic plan for
+#: as long as nothing invalidates it (an ANALYZE of the table does; without autovacuum
+#: nothing may): a plan made while the queue table was nearly empty (a sequential scan)
+#: would stay while the table grows, and every claim would read all of it. Discarding
+#: the plans makes the next execution plan for the table as it is now.
+REPLAN_INTERVAL = 10.0
+_DISCARD_PLANS = b"DISCARD PLANS"
+
 
 
 class WorkerStartError(SqlaQueueError, RuntimeError):
@@ -74,6 +83,16 @@ class DbConnection:
         self.closed = False
         #: Cut by Driver.abort (a deadline, a stop): never to be used again.
         self.aborted = False
+        self._replan_at = time.monotonic() + REPLAN_INTERVAL
+
+    def _replan_due(self) -> bool:
+        """Whether the connection's cached plans are due to be discarded (see
+        :data:`REPLAN_INTERVAL`); when they are, the next one is scheduled."""
+        now = time.monotonic()
+        if now < self._replan_at:
+            return False
+        self._replan_at = now + REPLAN_INTERVAL
+        return True
 
     @property
     def broken(self) -> bool:
@@ -101,6 +120,8 @@ class DbConnection:
     def execute(self, stmt: Statement, values: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """Run ``stmt`` (autocommit: one round trip) and return its rows."""
         cur = self._cursor
+        if self._replan_due():
+            cur.execute(_DISCARD_PLANS)
         cur.execute(stmt.sql, stmt.params(values))
         return cur.fetchall() if cur.pgresult is not None and cur.description else []
 
@@ -110,6 +131,8 @@ class DbConnection:
         """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`, with
         the values of its columns ``pk_index`` and ``attempt_index`` (the caller's to know)."""
         cur = self._cursor
+        if self._replan_due():
+            cur.execute(_DISCARD_PLANS)
         cur.execute(stmt.sql, stmt.params(values))
         return self._claimed_rows(cur, pk_index, attempt_index)
 
@@ -198,6 +221,7 @@ class AsyncDbConnection(DbConnection):
         self.closed = False
         #: Cut by Driver.abort (a deadline, a stop): never to be used again.
         self.aborted = False
+        self._replan_at = time.monotonic() + REPLAN_INTERVAL
 
     def set_autocommit(self, on: bool) -> None:
         self._adapted.autocommit = on  # awaited by the adapter
@@ -207,6 +231,8 @@ class AsyncDbConnection(DbConnection):
 
     async def _execute(self, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         cur = self._cursor
+        if self._replan_due():
+            await cur.execute(_DISCARD_PLANS)
         await cur.execute(sql, params)
         return await cur.fetchall() if cur.pgresult is not None and cur.description else []
 
@@ -218,6 +244,8 @@ class AsyncDbConnection(DbConnection):
     async def _fetch_claimed(
         self, sql: str, params: Mapping[str, Any], pk_index: int, attempt_index: int
     ) -> list[tuple[Any, ...] | RowError]:
+        if self._replan_due():
+            await self._cursor.execute(_DISCARD_PLANS)
         await self._cursor.execute(sql, params)
         return await self._aclaimed_rows(self._cursor, pk_index, attempt_index)
 

@@ -15,7 +15,9 @@ tuple per row, the values of a statement built as one dict per call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
@@ -63,6 +65,8 @@ class ClaimRequest:
     values: Mapping[str, Any] | None = None
     #: The same claim behind a completion, as one statement (None: it cannot follow one).
     after_completion: Statement | None = None
+    #: A cursor claim (see :class:`ClaimCursor`), not one from the head of the index.
+    from_cursor: bool = False
 
 
 class RowProblem(NamedTuple):
@@ -165,6 +169,9 @@ class Operations(Protocol):
     def next_due(self, conn: DbConnection) -> float | None:
         """Seconds until the next delayed job falls due (None: none waits)."""
 
+    def head_claim_at(self) -> float | None:
+        """When (``time.monotonic``) to claim again though nothing woke the worker (None: no need)."""
+
     def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
         """``done`` for every token ``owner`` still holds."""
 
@@ -244,6 +251,83 @@ def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any
     }
 
 
+#: Seconds between claims from the head of the pending index while a cursor claims the
+#: rest: the longest a job that sorts before the cursor (a higher priority, or made
+#: visible late by a long transaction) waits behind jobs after it.
+RESCAN_INTERVAL = 0.25
+
+
+class ClaimCursor:
+    """Where the worker's claims start their index scan: after the last job claimed.
+
+    Each claimed job leaves a dead entry at the head of the pending index until vacuum
+    removes it, and vacuum removes none while any transaction older than it is open (a
+    report, ``pg_dump``, a replica's feedback): a claim from the head reads them all,
+    and its cost grows with every job done since. A cursor claim starts after the last
+    key claimed (:func:`~sqla_queue.sql.claim_template`, ``after=True``) and reads only
+    live entries. Jobs that sort before it are found by a claim from the head, run
+
+    - every :data:`RESCAN_INTERVAL` seconds while the worker claims,
+    - again and again while such claims find jobs before the cursor (a long transaction
+      committed many at once), and
+    - at the next rescan after a cursor claim found nothing (:meth:`head_claim_at`): the
+      worker wakes for it, so no job waits for the poll, and an idle worker stops
+      claiming only after a claim from the head found nothing.
+
+    Shared by the executors of one worker; the cursor only moves forward. Keys are
+    compared in Python, so only integer keys use it (their order is the server's).
+    """
+
+    def __init__(self, rescan_interval: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rescan_interval = RESCAN_INTERVAL if rescan_interval is None else rescan_interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        #: The last key claimed, in the claim's order: ``(-priority, run_after, pk)``.
+        self._last: tuple[Any, Any, Any] | None = None
+        self._rescan_at = 0.0
+        self._behind = False
+        #: A cursor claim found nothing since the last claim from the head.
+        self._missed = False
+
+    def start(self) -> tuple[int, Any, Any] | None:
+        """``(priority, run_after, pk)`` to claim after, or None: claim from the head."""
+        with self._lock:
+            last = self._last
+            if last is None or self._behind or self._clock() >= self._rescan_at:
+                return None
+            return -last[0], last[1], last[2]
+
+    def claimed(self, keys: Sequence[tuple[int, Any, Any]], *, from_head: bool) -> None:
+        """Note the ``(priority, run_after, pk)`` of the jobs a claim took."""
+        ordered = [(-priority, run_after, pk) for priority, run_after, pk in keys]
+        with self._lock:
+            last = self._last
+            if from_head:
+                self._rescan_at = self._clock() + self.rescan_interval
+                self._behind = last is not None and any(key < last for key in ordered)
+                self._missed = False
+            elif not ordered:
+                self._missed = True
+            if ordered:
+                newest = max(ordered)
+                if last is None or newest > last:
+                    self._last = newest
+
+    def head_claim_at(self) -> float | None:
+        """When (on the clock given, ``time.monotonic``) a claim from the head is owed:
+        a cursor claim found nothing since the last one. None: none is owed."""
+        with self._lock:
+            return self._rescan_at if self._missed else None
+
+
+def _integer_key(pk: Any) -> bool:
+    """Whether the key's Python values sort as the server sorts them (integers do)."""
+    try:
+        return issubclass(pk.type.python_type, int)
+    except NotImplementedError:
+        return False
+
+
 class QueueOps:
     """The statements one worker runs on one queue table, compiled once, as typed calls.
 
@@ -292,6 +376,15 @@ class QueueOps:
             )
             for isolated in (False, True)
         }
+        #: Cursor claims (see ClaimCursor): all queues or one, integer keys, not isolated.
+        self.cursor: ClaimCursor | None = None
+        self._cursor_claims: tuple[Statement, Statement] | None = None
+        if (queues is None or len(set(queues)) == 1) and _integer_key(qt.pk):
+            self.cursor = ClaimCursor()
+            self._cursor_claims = (
+                compile_(q.claim_template(model, queues=queues, fresh=True, after=True)),
+                compile_(q.complete_many_if_owner_then_claim(model, queues=queues, fresh=True, after=True)),
+            )
         self._next_due = compile_(q.next_run_after(model, queues=queues))
         self._release_lost = compile_(q.release_lost_claims(table))
         self._fail_unclaimable = compile_(q.fail_unclaimable(table))
@@ -316,6 +409,8 @@ class QueueOps:
         self._pk_index = where[id(qt.pk)]
         self._attempt_index = where[id(qt.c.attempts)]
         self._isolated_index = where[id(qt.c.isolated)]
+        self._priority_index = where[id(qt.c.priority)]
+        self._run_after_index = where[id(qt.c.run_after)]
         self._last_error_index = where[id(qt.c.last_error)]
         #: Where the claim's started_at and deadline_at are (None: no timeouts).
         self._deadline_index: tuple[int, int] | None = (
@@ -355,12 +450,18 @@ class QueueOps:
             values[q.KEY_PARAM] = key
             by_key = self._statement("by_key", isolated)
             return ClaimRequest(owner, limit, isolated, None, key, in_flight, by_key, values)
-        if skip is None:
-            claim, after = self._claims[isolated]
-        else:
+        if skip is not None:
             values[q.SKIP_PARAM] = list(skip)
             claim, after = self._statement("claim", isolated), self._statement("after_completion", isolated)
-        return ClaimRequest(owner, limit, isolated, skip, None, in_flight, claim, values, after)
+            return ClaimRequest(owner, limit, isolated, skip, None, in_flight, claim, values, after)
+        start = None if isolated or self.cursor is None else self.cursor.start()
+        if start is not None:
+            assert self._cursor_claims is not None
+            values[q.AFTER_PRIORITY_PARAM], values[q.AFTER_RUN_AFTER_PARAM], values[q.AFTER_KEY_PARAM] = start
+            claim, after = self._cursor_claims
+            return ClaimRequest(owner, limit, isolated, None, None, in_flight, claim, values, after, True)
+        claim, after = self._claims[isolated]
+        return ClaimRequest(owner, limit, isolated, None, None, in_flight, claim, values, after)
 
     def fetch_claimed(self, conn: DbConnection, request: ClaimRequest) -> list[Claimed]:
         """Run the claim ``request``; a row that cannot be read or loaded comes back with
@@ -372,7 +473,24 @@ class QueueOps:
         assert request.statement is not None and request.values is not None
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
+        self._note(rows, request)
         return self._claimed(rows, request.isolated)
+
+    def head_claim_at(self) -> float | None:
+        """When (``time.monotonic``) to claim again though nothing woke the worker: a
+        cursor claim found nothing, and a job may wait before the cursor. None: no need."""
+        return None if self.cursor is None else self.cursor.head_claim_at()
+
+    def _note(self, rows: Sequence[tuple[Any, ...] | RowError], request: ClaimRequest) -> None:
+        """Move the cursor past the rows a claim took (see :class:`ClaimCursor`)."""
+        cursor = self.cursor
+        if cursor is None or request.isolated or request.skip is not None or request.key is not None:
+            return
+        priority, run_after, pk = self._priority_index, self._run_after_index, self._pk_index
+        cursor.claimed(
+            [(row[priority], row[run_after], row[pk]) for row in rows if not isinstance(row, RowError)],
+            from_head=not request.from_cursor,
+        )
 
     def complete_then_claim(
         self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest
@@ -398,6 +516,7 @@ class QueueOps:
                 keep(row)
             else:
                 done[row[pk], row[attempt]] = "done"
+        self._note(claimed, request)
         return cast(Moved, done), self._claimed(claimed, request.isolated)
 
     def _claimed(self, rows: list[tuple[Any, ...] | RowError], isolated: bool) -> list[Claimed]:

@@ -56,6 +56,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    tuple_,
     type_coerce,
     union_all,
 )
@@ -339,6 +340,7 @@ def _claim(
     owner: str | ColumnElement[str],
     lease: ColumnElement[Any],
     extra: Sequence[ColumnElement[bool]] = (),
+    after: bool = False,
 ) -> ReturningUpdate[Any]:
     """The claim of :func:`claim` and :func:`claim_template`: values or bound parameters.
 
@@ -367,14 +369,17 @@ def _claim(
     ]
     names = _queue_names(queues)
     order = (c.priority.desc(), c.run_after, qt.pk)
-    if names is None or len(names) == 1:
+    if after:
+        if names is not None and len(names) > 1:
+            raise ValueError("a cursor claim serves all queues or one, not several")
+        claimable = _claimable_after(qt, [*conditions, *_queue_filter(qt, names)], order, limit)
+    elif names is None or len(names) == 1:
         claimable = (
             select(qt.pk)
             .where(*conditions, *_queue_filter(qt, names))
             .order_by(*order)
             .limit(limit)
             .with_for_update(skip_locked=True)
-            .subquery("claimable")
         )
     else:
         served = func.unnest(_queue_array(qt, names)).table_valued("name").render_derived(name="served")
@@ -393,7 +398,6 @@ def _claim(
             .join(per_queue, true())
             .order_by(per_queue.c.priority.desc(), per_queue.c.run_after, pk)
             .limit(limit)
-            .subquery("claimable")
         )
     lease_expires_at: ColumnElement[Any] = _clock() + seconds_interval(lease)
     timed: dict[str, Any] = {}
@@ -404,7 +408,7 @@ def _claim(
         timed = {"started_at": _clock(), "deadline_at": deadline}
     return (
         qt.table.update()
-        .where(qt.pk == claimable.c[qt.pk.name])
+        .where(_keys_of(qt, claimable))
         .values(
             status=status_literal(RUNNING),
             lease_owner=owner,
@@ -414,6 +418,47 @@ def _claim(
         )
         .returning(*(_loadable_run_after(qt) if col is c.run_after else col for col in qt.table.c))
     )
+
+
+def _keys_of(qt: QueueTable, chosen: Select[Any]) -> ColumnElement[bool]:
+    """``pk = ANY(ARRAY(chosen))``: the rows whose keys ``chosen`` (one column of keys,
+    ``LIMIT n FOR UPDATE SKIP LOCKED``) picks, picked once.
+
+    Not a join to ``chosen`` as a subquery: a plan may put that subquery on the inner
+    side of a nested loop and run it again for every outer row, and each run locks and
+    returns rows the previous ones did not (this statement's own updates are skipped),
+    so the statement would move many more rows than its LIMIT. That plan is PostgreSQL's
+    choice for a table it believes empty (a generic plan made while it was). An
+    uncorrelated ``ARRAY(…)`` is an InitPlan: run once, whatever the plan around it.
+    """
+    picked = func.array(chosen.scalar_subquery(), type_=ARRAY(qt.pk.type))
+    return qt.pk == any_(picked)
+
+
+def _claimable_after(
+    qt: QueueTable, conditions: Sequence[ColumnElement[bool]], order: Sequence[ColumnElement[Any]],
+    limit: int | ColumnElement[int],
+) -> Select[Any]:
+    """The pending keys after the cursor (``AFTER_*_PARAM``) in the claim's order: the
+    rest of its priority (one index range, ``(run_after, pk) > (…)``), then the lower
+    priorities. Each part ``LIMIT n FOR UPDATE SKIP LOCKED``; the outer LIMIT stops the
+    second from running (and locking) when the first filled the claim."""
+    c = qt.c
+    priority = _param(AFTER_PRIORITY_PARAM, c.priority.type)
+    later = tuple_(c.run_after, qt.pk) > tuple_(
+        _param(AFTER_RUN_AFTER_PARAM, c.run_after.type), _param(AFTER_KEY_PARAM, qt.pk.type)
+    )
+    parts = [
+        select(qt.pk)
+        .where(*conditions, *where)
+        .order_by(*order)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .subquery(name)  # a UNION's own branches cannot lock; subqueries in them can
+        for name, where in (("same_priority", (c.priority == priority, later)), ("lower", (c.priority < priority,)))
+    ]
+    ahead = union_all(*(select(part.c[qt.pk.name]) for part in parts)).subquery("ahead")
+    return select(ahead.c[qt.pk.name]).limit(limit)
 
 
 def has_timeouts(model: QueueModel) -> bool:
@@ -599,7 +644,6 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
         .where(_status(qt, RUNNING), c.lease_expires_at < _clock())
         .limit(limit)
         .with_for_update(skip_locked=True)
-        .subquery("expired")
     )
     exhausted = c.attempts >= c.max_attempts
     # A job already isolated when its lease expires again has now been running when two
@@ -626,7 +670,7 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
     )
     return (
         qt.table.update()
-        .where(qt.pk == expired.c[qt.pk.name])
+        .where(_keys_of(qt, expired))
         .values(
             status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
             finished_at=case((exhausted, _clock()), else_=null()),
@@ -902,7 +946,7 @@ def delete_jobs(
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
-    return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery())).returning(qt.pk)
+    return delete(qt.table).where(_keys_of(qt, doomed)).returning(qt.pk)
 
 
 def finished_per_minute(model: QueueModel, *, minutes: int = 60) -> Select[Any]:
@@ -1027,7 +1071,7 @@ def prune_finished(
     """
     qt = queue_table(model)
     doomed = _finished_before(qt, older_than, statuses, (DONE, CANCELLED), limit, exclusive)
-    return delete(qt.table).where(qt.pk.in_(doomed.scalar_subquery()))
+    return delete(qt.table).where(_keys_of(qt, doomed))
 
 
 def archive_finished(
@@ -1215,6 +1259,11 @@ SKIP_PARAM: Final = "sqla_queue_skip"
 KEY_PARAM: Final = "sqla_queue_key"
 ERROR_PARAM: Final = "sqla_queue_error"
 FRESH_PARAM: Final = "sqla_queue_fresh_seconds"
+#: A cursor claim's start (see :func:`claim_template`): the priority, ``run_after`` and key
+#: of the last job claimed, in the claim's order.
+AFTER_PRIORITY_PARAM: Final = "sqla_queue_after_priority"
+AFTER_RUN_AFTER_PARAM: Final = "sqla_queue_after_run_after"
+AFTER_KEY_PARAM: Final = "sqla_queue_after_key"
 #: The last column of :func:`complete_many_if_owner_then_claim`: true on a completed token's row.
 DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 #: :func:`extend_unlocked_leases_if_owner`'s window (seconds back from now), or NULL.
@@ -1303,9 +1352,20 @@ def claim_template(
     skip: bool = False,
     by_key: bool = False,
     fresh: bool = False,
+    after: bool = False,
 ) -> ReturningUpdate[Any]:
     """:func:`claim` with the owner, the limit and the lease (seconds) bound at execution:
     ``{OWNER_PARAM: owner, LIMIT_PARAM: n, LEASE_PARAM: 60.0}``.
+
+    ``after=True`` makes it a *cursor claim*: it takes ``AFTER_PRIORITY_PARAM``,
+    ``AFTER_RUN_AFTER_PARAM`` and ``AFTER_KEY_PARAM``, the last job claimed, and claims
+    only jobs after it in the claim's order. Its index scan starts there, not at the head
+    of the pending index, where every claimed job leaves a dead entry that only vacuum
+    removes: a long transaction elsewhere (a report, ``pg_dump``) keeps them all, and a
+    claim from the head reads every one. A job that sorts before the cursor (a higher
+    priority, or made visible late by a long transaction) waits for the next claim from
+    the head; the worker runs one periodically, and whenever a cursor claim finds nothing.
+    All queues or one (the cursor's index range); not several.
 
     ``skip=True`` also takes ``SKIP_PARAM``, keys the claim must pass over (rows its
     UPDATE cannot change: a trigger that raises, a ``NOT VALID`` CHECK they violate);
@@ -1330,6 +1390,7 @@ def claim_template(
         owner=_param(OWNER_PARAM, qt.c.lease_owner.type),
         lease=_param(LEASE_PARAM, Float()),
         extra=extra,
+        after=after,
     )
 
 
@@ -1411,6 +1472,7 @@ def complete_many_if_owner_then_claim(
     isolated: bool = False,
     skip: bool = False,
     fresh: bool = False,
+    after: bool = False,
 ) -> CompoundSelect[Any]:
     """:func:`complete_many_if_owner` and :func:`claim_template` in one statement, one
     transaction: the parameters of both (one owner), and rows of every table column plus
@@ -1422,7 +1484,9 @@ def complete_many_if_owner_then_claim(
     """
     qt = queue_table(model)
     done = complete_many_if_owner(model).cte("sqla_queue_completed")
-    claimed = claim_template(model, queues=queues, isolated=isolated, skip=skip, fresh=fresh).cte("sqla_queue_claimed")
+    claimed = claim_template(
+        model, queues=queues, isolated=isolated, skip=skip, fresh=fresh, after=after
+    ).cte("sqla_queue_claimed")
     done_pk, done_attempt = list(done.c)
     flag = DONE_FLAG_COLUMN
     completed_columns = [

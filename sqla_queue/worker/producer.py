@@ -283,6 +283,9 @@ class Producer:
                 # Due already, yet the claim just missed it: another claim holds it, or
                 # it fell due a moment after ours. Look again shortly, not in a loop.
                 signal.wake_at(time.monotonic() + max(seconds, MISSED_DUE_PAUSE))
+        head_claim = self.ops.head_claim_at()
+        if head_claim is not None:  # a job may wait before the claims' cursor
+            signal.wake_at(head_claim)
         signal.wait(self.config.poll_interval)
 
 

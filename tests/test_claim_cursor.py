@@ -1,0 +1,359 @@
+"""Cursor claims: the worker's claims start their index scan after the last job claimed.
+
+A claimed job leaves a dead entry at the head of the pending index until vacuum removes
+it, and vacuum removes none while an older transaction is open. A claim from the head
+reads all of them; a cursor claim reads only what follows the last key claimed. What the
+cursor passes over (a higher priority, a job a long transaction made visible late) is
+found by the claims from the head the worker still runs: periodically, while they keep
+finding such jobs, and at the next rescan after a cursor claim found nothing.
+
+The cursor's rules are tested on :class:`~sqla_queue.ops.ClaimCursor` alone; the
+statements through :class:`~sqla_queue.ops.QueueOps` on both drivers against PostgreSQL,
+with all queues and one (several queues claim from the head); the whole against a held
+snapshot by the index pages each claim reads; and a worker of each runtime running a job
+a long transaction committed after claims had moved past it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, func, text, update
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import Session
+
+from sqla_queue import QueueSession, Tasks
+from sqla_queue import ops as ops_module
+from sqla_queue import sql as q
+from sqla_queue.ops import ClaimCursor, QueueOps
+
+from .helpers import wait_for
+from .models import Task
+from .test_ops import On, add, on_driver, tokens_of
+from .workers import TASKS, job
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the rules ----------------------------------------------------------------------------
+
+
+def test_a_cursor_starts_after_the_last_key_a_claim_from_the_head_took_until_the_rescan() -> None:
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock)
+    assert cursor.start() is None  # nothing claimed yet: from the head
+    cursor.claimed([(0, T0, 1), (0, T0, 2)], from_head=True)
+    assert cursor.start() == (0, T0, 2)
+    clock.now = 0.99
+    assert cursor.start() == (0, T0, 2)
+    clock.now = 1.0
+    assert cursor.start() is None  # the rescan is due
+
+
+def test_the_cursor_is_the_last_key_in_the_claims_order_and_only_moves_forward() -> None:
+    cursor = ClaimCursor(60.0, Clock())
+    later = T0 + timedelta(seconds=1)
+    # Priority 5 sorts before priority 0; within one, run_after then the key.
+    cursor.claimed([(0, T0, 3), (5, later, 9), (0, T0, 2)], from_head=True)
+    assert cursor.start() == (0, T0, 3)
+    cursor.claimed([(0, T0, 1)], from_head=False)  # a straggler behind it: no step back
+    assert cursor.start() == (0, T0, 3)
+    cursor.claimed([(-1, T0, 1)], from_head=False)  # a lower priority: after it
+    assert cursor.start() == (-1, T0, 1)
+
+
+def test_claims_stay_at_the_head_while_they_find_jobs_behind_the_cursor() -> None:
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock)
+    cursor.claimed([(0, T0, 10)], from_head=True)
+    clock.now = 1.0  # the rescan finds jobs a long transaction committed late
+    assert cursor.start() is None
+    cursor.claimed([(0, T0 - timedelta(seconds=5), 4)], from_head=True)
+    assert cursor.start() is None  # more may wait there: the next claim too
+    cursor.claimed([(0, T0 + timedelta(seconds=1), 11)], from_head=True)
+    assert cursor.start() == (0, T0 + timedelta(seconds=1), 11)
+    cursor.claimed([], from_head=True)  # nothing: the cursor stays, the rescan waits
+    assert cursor.start() == (0, T0 + timedelta(seconds=1), 11)
+
+
+def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_next_rescan() -> None:
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock)
+    cursor.claimed([(0, T0, 10)], from_head=True)
+    assert cursor.head_claim_at() is None
+    cursor.claimed([(0, T0, 11)], from_head=False)
+    assert cursor.head_claim_at() is None  # it found jobs: none owed
+    cursor.claimed([], from_head=False)
+    assert cursor.head_claim_at() == 1.0
+    clock.now = 1.0
+    assert cursor.start() is None
+    cursor.claimed([], from_head=True)  # paid: nothing anywhere, the worker may idle
+    assert cursor.head_claim_at() is None
+
+
+# -- the statements -----------------------------------------------------------------------
+
+
+@pytest.fixture(params=["thread", "asyncio"])
+def on(request: pytest.FixtureRequest, engine: Engine) -> Iterator[On]:
+    with on_driver(request.param, engine) as found:
+        yield found
+
+
+def _ops(on: On, queues: tuple[str, ...] | None) -> tuple[QueueOps, Clock]:
+    ops = on.ops(queues=queues)
+    clock = Clock()
+    ops.cursor = ClaimCursor(60.0, clock)
+    return ops, clock
+
+
+def _late(engine: Engine, **values: Any) -> int:
+    """A job that sorts before every job claimed so far, as one a long transaction wrote."""
+    (found,) = add(engine, 1, run_after=func.now() - text("interval '1 hour'"), **values)
+    return found
+
+
+@pytest.mark.parametrize("queues", [None, ("a",)], ids=["all queues", "one queue"])
+def test_a_cursor_claim_takes_jobs_after_the_cursor_and_finds_the_rest_from_the_head(
+    engine: Engine, on: On, queues: tuple[str, ...] | None
+) -> None:
+    first, second, third = add(engine, 3)
+    ops, clock = _ops(on, queues)
+    request = ops.claim_request("w", 1)
+    assert not request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(first, 1)]
+    late = _late(engine)
+    urgent = _late(engine, priority=9)
+    request = ops.claim_request("w", 1)
+    assert request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(second, 1)]
+    clock.now = 60.0  # the rescan: from the head, the urgent job first
+    request = ops.claim_request("w", 1)
+    assert not request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(urgent, 1)]
+    # That claim found a job behind the cursor: the next looks from the head too.
+    assert not ops.claim_request("w", 1).from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))) == [(late, 1)]
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 5)))) == [(third, 1)]
+
+
+@pytest.mark.parametrize("queues", [None, ("a",)], ids=["all queues", "one queue"])
+def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_rescan(
+    engine: Engine, on: On, queues: tuple[str, ...] | None
+) -> None:
+    (first,) = add(engine, 1)
+    ops, clock = _ops(on, queues)
+    assert ops.head_claim_at() is None
+    on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))
+    late = _late(engine)
+    request = ops.claim_request("w", 10)
+    assert request.from_cursor
+    assert on(lambda conn: ops.fetch_claimed(conn, request)) == []
+    assert ops.head_claim_at() == 60.0  # the worker wakes then, though nothing told it to
+    clock.now = 60.0
+    request = ops.claim_request("w", 10)
+    assert not request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(late, 1)]
+    assert ops.head_claim_at() is None
+    # The same behind a completion: the token done, nothing claimed, a head claim owed.
+    on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 10)))  # none behind now
+    later = _late(engine)
+    request = ops.claim_request("w", 10)
+    assert request.from_cursor
+    done, claimed = on(lambda conn: ops.complete_then_claim(conn, [q.ClaimToken(first, 1)], request))
+    assert (done, claimed) == ({(first, 1): "done"}, [])
+    assert ops.head_claim_at() == 120.0
+    clock.now = 120.0
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 10)))) == [(later, 1)]
+
+
+def test_a_cursor_claim_skips_the_other_queues_and_serves_lower_priorities_after_its_own(
+    engine: Engine, on: On
+) -> None:
+    mine = add(engine, 2, queue="a", priority=3)
+    add(engine, 2, queue="b", priority=3)
+    low = add(engine, 2, queue="a")
+    ops, _ = _ops(on, ("a",))
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))) == [(mine[0], 1)]
+    request = ops.claim_request("w", 3)
+    assert request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(mine[1], 1), (low[0], 1), (low[1], 1)]
+
+
+def test_several_queues_and_isolated_claims_always_claim_from_the_head(engine: Engine, on: On) -> None:
+    add(engine, 2, queue="a")
+    add(engine, 2, queue="b")
+    several = on.ops(queues=("a", "b"))
+    assert several.cursor is None
+    on(lambda conn: several.fetch_claimed(conn, several.claim_request("w", 1)))
+    assert not several.claim_request("w", 1).from_cursor
+    ops = on.ops()
+    on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))
+    assert ops.claim_request("w", 1).from_cursor
+    assert not ops.claim_request("w", 1, isolated=True).from_cursor
+    assert not ops.claim_request("w", 1, skip=[1, 2]).from_cursor
+
+
+# -- under a held snapshot --------------------------------------------------------------------
+
+
+def _pages_read(engine: Engine, after: tuple[int, datetime, int] | None) -> int:
+    """Shared buffers the claim of one job reads (EXPLAIN ANALYZE, rolled back): from the
+    cursor ``after``, or from the head."""
+    stmt = q.claim_template(Task, fresh=True, after=after is not None)
+    compiled: Any = stmt.compile(dialect=postgresql.dialect())  # type: ignore[no-untyped-call]
+    values = {**compiled.params, q.OWNER_PARAM: "w", q.LIMIT_PARAM: 1, q.LEASE_PARAM: 60.0,
+              q.FRESH_PARAM: 30.0, q.TIMEOUT_PARAM: None, q.TASK_NAMES_PARAM: [], q.TASK_TIMEOUTS_PARAM: []}
+    if after is not None:
+        values[q.AFTER_PRIORITY_PARAM], values[q.AFTER_RUN_AFTER_PARAM], values[q.AFTER_KEY_PARAM] = after
+    with engine.connect() as conn:
+        (plan,) = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {compiled}", values).scalar_one()
+        conn.rollback()
+    top = plan["Plan"] if isinstance(plan, dict) else json.loads(plan)[0]["Plan"]
+    assert top["Actual Rows"] == 1, top
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+def test_under_a_held_snapshot_a_cursor_claim_reads_no_dead_entries(engine: Engine) -> None:
+    """40,000 jobs finished while a REPEATABLE READ transaction holds the xmin horizon:
+    their dead entries stay at the head of the pending index. The claim from the head
+    reads pages of them all; the cursor claim a handful, as on a fresh table."""
+    ids = add(engine, 40_010)
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT priority, run_after, id FROM tasks WHERE id = :id"), {"id": ids[-11]}).one()
+    last = (int(row[0]), row[1], int(row[2]))
+    fresh_pages = _pages_read(engine, last)
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url) as holder:
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM tasks").fetchone()  # the snapshot is taken
+        with engine.begin() as conn:
+            conn.execute(update(TASKS).where(TASKS.c.id <= ids[-11]).values(status="done", finished_at=func.now()))
+        from_head = _pages_read(engine, None)
+        from_cursor = _pages_read(engine, last)
+        holder.rollback()
+    # The finished rows' new versions move the live ones a page or two, no more.
+    assert from_cursor <= 2 * fresh_pages, (from_cursor, fresh_pages)
+    assert from_head > 20 * from_cursor, (from_head, from_cursor)
+
+
+# -- a worker ---------------------------------------------------------------------------
+
+
+def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_its_commit(
+    engine: Engine, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction enqueues a job (``run_after``: its start) and stays open while the
+    worker runs twenty jobs enqueued after it, so its cursor moves past the job. Once the
+    transaction commits, its wake-up's cursor claim finds nothing, and the worker claims
+    from the head at the rescan (a second here), not at the poll a minute away."""
+    monkeypatch.setattr(ops_module, "RESCAN_INTERVAL", 1.0)
+    tasks = Tasks()
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    @tasks.task
+    def noop(job: Any) -> None:
+        with lock:
+            ran.append(job.id)
+
+    worker = start_worker(tasks, poll_interval=60.0)
+    with QueueSession(engine) as long_transaction:
+        late = long_transaction.enqueue(Task(task="noop", payload={}))
+        long_transaction.flush()
+        others: list[int] = []
+        for n in range(20):
+            with QueueSession(engine) as session:
+                other = session.enqueue(Task(task="noop", payload={"n": n}))
+                session.commit()
+                others.append(other.id)
+        wait_for(lambda: len(ran) == 20, what="the jobs enqueued after it done")
+        assert job(engine, others[-1]).run_after > job_run_after(long_transaction, late.id)
+        late_id = late.id
+        long_transaction.commit()
+    wait_for(lambda: late_id in ran, timeout=30, what="the late job run at the rescan, not at the poll")
+    assert worker.stats.done >= 20
+
+
+def job_run_after(session: Session, job_id: int) -> Any:
+    return session.execute(text("SELECT run_after FROM tasks WHERE id = :id"), {"id": job_id}).scalar_one()
+
+
+# -- plans made on an empty table ---------------------------------------------------------
+
+
+def test_a_plan_made_while_the_table_was_empty_is_not_kept_as_it_grows(engine: Engine, on: On) -> None:
+    """psycopg prepares a statement run five times; after five more, PostgreSQL settles
+    on its generic plan and keeps it until something invalidates it. Made on an empty
+    table, that plan reads the whole table (a sequential scan), and would for every claim
+    as the table grows. The runtime's connections discard their plans every
+    ``REPLAN_INTERVAL``: the next claim is planned for the table as it is, and takes the
+    index. (Scans are counted in the claim's own transaction: no other backend's.)"""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE tasks"))  # statistics of an empty table, as after a deploy
+    ops = on.ops()
+    ops.cursor = None  # claims from the head: one statement throughout
+
+    def scans_of_one_claim(conn: Any) -> int:
+        conn.query("BEGIN")
+        try:
+            claimed = ops.fetch_claimed(conn, ops.claim_request("w", 1))
+            ((found,),) = conn.query("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'tasks'")
+        finally:
+            conn.query("COMMIT")
+        assert len(claimed) == 1
+        return int(found)
+
+    def scenario(conn: Any) -> tuple[int, int, int]:
+        for _ in range(12):  # planned on the empty table, then settled on that plan
+            assert ops.fetch_claimed(conn, ops.claim_request("w", 1)) == []
+        ((generic,),) = conn.query(
+            "SELECT generic_plans FROM pg_prepared_statements WHERE statement LIKE 'UPDATE tasks%'"
+        )
+        add(engine, 20_000, status="done")
+        add(engine, 10)
+        kept = scans_of_one_claim(conn)
+        conn._replan_at = 0.0  # the interval has passed
+        return int(generic), kept, scans_of_one_claim(conn)
+
+    generic, kept, replanned = on(scenario)
+    assert generic >= 1 and kept >= 1, "the empty table's plan was not kept: the premise of this test is gone"
+    assert replanned == 0, "the claim after the interval scanned the whole table"
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_under_a_plan_made_on_an_empty_table_a_claim_and_a_sweep_take_at_most_their_limit(
+    engine: Engine, on: On, limit: int
+) -> None:
+    """That plan joins the table to the claim's ``LIMIT n FOR UPDATE SKIP LOCKED`` as a
+    nested loop's inner side, run again for every outer row: each run locked rows the
+    last did not, and a claim of one took every pending job. The keys are picked once."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE tasks"))
+    ops = on.ops()
+    ops.cursor = None
+
+    def scenario(conn: Any) -> tuple[list[Any], list[Any]]:
+        for _ in range(12):
+            assert ops.fetch_claimed(conn, ops.claim_request("w", limit)) == []
+            assert list(ops.sweep(conn, limit=limit).jobs) == []
+        add(engine, 20)
+        add(engine, 20, status="running", lease_owner="gone", lease_expires_at=func.now() - text("interval '1 minute'"))
+        return ops.fetch_claimed(conn, ops.claim_request("w", limit)), list(ops.sweep(conn, limit=limit).jobs)
+
+    claimed, swept = on(scenario)
+    assert (len(claimed), len(swept)) == (limit, limit)
