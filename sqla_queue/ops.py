@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
 
 from sqlalchemy import Connection
@@ -255,6 +255,12 @@ def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any
 #: rest: the longest a job that sorts before the cursor (a higher priority, or made
 #: visible late by a long transaction) waits behind jobs after it.
 RESCAN_INTERVAL = 0.25
+#: Seconds a cursor claim starts before the last ``run_after`` claimed. A job's
+#: ``run_after`` is its transaction's start (``now()``), so jobs commit slightly out of
+#: order: one a producer committed a moment after a later-starting one would sort just
+#: behind the cursor and wait for the next claim from the head. The dead entries of this
+#: window (at 800 jobs/s, 800 of them) are all a cursor claim reads beside live ones.
+CURSOR_SLACK = 1.0
 
 
 class ClaimCursor:
@@ -274,12 +280,18 @@ class ClaimCursor:
       worker wakes for it, so no job waits for the poll, and an idle worker stops
       claiming only after a claim from the head found nothing.
 
-    Shared by the executors of one worker; the cursor only moves forward. Keys are
-    compared in Python, so only integer keys use it (their order is the server's).
+    A cursor claim starts :data:`CURSOR_SLACK` seconds of ``run_after`` before the last
+    key, for the jobs committed a moment late. Shared by the executors of one worker;
+    the cursor only moves forward. Keys are compared in Python, so only integer keys use
+    it (their order is the server's).
     """
 
-    def __init__(self, rescan_interval: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, rescan_interval: float | None = None, clock: Callable[[], float] = time.monotonic,
+        slack: float | None = None,
+    ) -> None:
         self.rescan_interval = RESCAN_INTERVAL if rescan_interval is None else rescan_interval
+        self.slack = timedelta(seconds=CURSOR_SLACK if slack is None else slack)
         self._clock = clock
         self._lock = threading.Lock()
         #: The last key claimed, in the claim's order: ``(-priority, run_after, pk)``.
@@ -295,7 +307,7 @@ class ClaimCursor:
             last = self._last
             if last is None or self._behind or self._clock() >= self._rescan_at:
                 return None
-            return -last[0], last[1], last[2]
+            return -last[0], last[1] - self.slack, last[2]
 
     def claimed(self, keys: Sequence[tuple[int, Any, Any]], *, from_head: bool) -> None:
         """Note the ``(priority, run_after, pk)`` of the jobs a claim took."""
@@ -488,7 +500,11 @@ class QueueOps:
             return
         priority, run_after, pk = self._priority_index, self._run_after_index, self._pk_index
         cursor.claimed(
-            [(row[priority], row[run_after], row[pk]) for row in rows if not isinstance(row, RowError)],
+            [
+                (row[priority], row[run_after], row[pk])
+                for row in rows
+                if not isinstance(row, RowError) and isinstance(row[run_after], datetime)
+            ],
             from_head=not request.from_cursor,
         )
 

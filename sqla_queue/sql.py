@@ -1308,11 +1308,15 @@ def _token_fence(
     ``IDS_PARAM``."""
     # ``pk = ANY(:ids)`` besides the join: it lets every plan, generic ones included, find
     # the rows by primary key rather than scan the running jobs (or a bloated index of them).
+    # The status is tested as ``status || ''``, which no partial index's ``WHERE status =
+    # 'running'`` is implied by: otherwise PostgreSQL prefers that small-looking index, and
+    # beside a long transaction it holds the dead entries of every job that ever ran
+    # (measured: a completion of 8 jobs 31 ms through it, against well under 1 ms by key).
     return and_(
         qt.pk == any_(ids if ids is not None else _id_arrays(qt)[0]),
         qt.pk == tokens.c.pk,
         qt.c.attempts == tokens.c.attempt,
-        _status(qt, RUNNING),
+        qt.c.status.op("||")(literal_column("''")) == status_literal(RUNNING),
         _owner_match(qt, owner_prefix=owner_prefix),
     )
 

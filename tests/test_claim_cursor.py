@@ -54,7 +54,7 @@ class Clock:
 
 def test_a_cursor_starts_after_the_last_key_a_claim_from_the_head_took_until_the_rescan() -> None:
     clock = Clock()
-    cursor = ClaimCursor(1.0, clock)
+    cursor = ClaimCursor(1.0, clock, slack=0)
     assert cursor.start() is None  # nothing claimed yet: from the head
     cursor.claimed([(0, T0, 1), (0, T0, 2)], from_head=True)
     assert cursor.start() == (0, T0, 2)
@@ -64,8 +64,16 @@ def test_a_cursor_starts_after_the_last_key_a_claim_from_the_head_took_until_the
     assert cursor.start() is None  # the rescan is due
 
 
+def test_a_cursor_starts_its_slack_before_the_last_run_after_claimed() -> None:
+    """A job committed a moment after a later-starting one sorts just behind the last
+    key claimed: the cursor claim starts the slack (seconds of run_after) earlier."""
+    cursor = ClaimCursor(60.0, Clock(), slack=1.5)
+    cursor.claimed([(0, T0, 7)], from_head=True)
+    assert cursor.start() == (0, T0 - timedelta(seconds=1.5), 7)
+
+
 def test_the_cursor_is_the_last_key_in_the_claims_order_and_only_moves_forward() -> None:
-    cursor = ClaimCursor(60.0, Clock())
+    cursor = ClaimCursor(60.0, Clock(), slack=0)
     later = T0 + timedelta(seconds=1)
     # Priority 5 sorts before priority 0; within one, run_after then the key.
     cursor.claimed([(0, T0, 3), (5, later, 9), (0, T0, 2)], from_head=True)
@@ -78,7 +86,7 @@ def test_the_cursor_is_the_last_key_in_the_claims_order_and_only_moves_forward()
 
 def test_claims_stay_at_the_head_while_they_find_jobs_behind_the_cursor() -> None:
     clock = Clock()
-    cursor = ClaimCursor(1.0, clock)
+    cursor = ClaimCursor(1.0, clock, slack=0)
     cursor.claimed([(0, T0, 10)], from_head=True)
     clock.now = 1.0  # the rescan finds jobs a long transaction committed late
     assert cursor.start() is None
@@ -92,7 +100,7 @@ def test_claims_stay_at_the_head_while_they_find_jobs_behind_the_cursor() -> Non
 
 def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_next_rescan() -> None:
     clock = Clock()
-    cursor = ClaimCursor(1.0, clock)
+    cursor = ClaimCursor(1.0, clock, slack=0)
     cursor.claimed([(0, T0, 10)], from_head=True)
     assert cursor.head_claim_at() is None
     cursor.claimed([(0, T0, 11)], from_head=False)
@@ -254,11 +262,11 @@ def test_under_a_held_snapshot_a_cursor_claim_reads_no_dead_entries(engine: Engi
 # -- a worker ---------------------------------------------------------------------------
 
 
-def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_its_commit(
+def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_the_next_rescan(
     engine: Engine, start_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A transaction enqueues a job (``run_after``: its start) and stays open while the
-    worker runs twenty jobs enqueued after it, so its cursor moves past the job. Once the
+    """A transaction enqueues a job (due 30 s ago) and stays open while the worker runs
+    twenty jobs enqueued after it, so its cursor moves past the job. Once the
     transaction commits, its wake-up's cursor claim finds nothing, and the worker claims
     from the head at the rescan (a second here), not at the poll a minute away."""
     monkeypatch.setattr(ops_module, "RESCAN_INTERVAL", 1.0)
@@ -273,7 +281,9 @@ def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_its_commit(
 
     worker = start_worker(tasks, poll_interval=60.0)
     with QueueSession(engine) as long_transaction:
-        late = long_transaction.enqueue(Task(task="noop", payload={}))
+        # Due since well before the jobs after it (by more than the cursor's slack).
+        since = datetime.now(UTC) - timedelta(seconds=30)
+        late = long_transaction.enqueue(Task(task="noop", payload={}, run_after=since))
         long_transaction.flush()
         others: list[int] = []
         for n in range(20):
