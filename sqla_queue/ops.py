@@ -316,7 +316,9 @@ class ClaimCursor:
             last = self._last
             if from_head:
                 self._rescan_at = self._clock() + self.rescan_interval
-                self._behind = last is not None and any(key < last for key in ordered)
+                # Behind where the next cursor claim would start (the slack covers the rest).
+                start = None if last is None else (last[0], last[1] - self.slack, last[2])
+                self._behind = start is not None and any(key < start for key in ordered)
                 self._missed = False
             elif not ordered:
                 self._missed = True

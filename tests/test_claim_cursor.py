@@ -67,9 +67,16 @@ def test_a_cursor_starts_after_the_last_key_a_claim_from_the_head_took_until_the
 def test_a_cursor_starts_its_slack_before_the_last_run_after_claimed() -> None:
     """A job committed a moment after a later-starting one sorts just behind the last
     key claimed: the cursor claim starts the slack (seconds of run_after) earlier."""
-    cursor = ClaimCursor(60.0, Clock(), slack=1.5)
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock, slack=1.5)
     cursor.claimed([(0, T0, 7)], from_head=True)
     assert cursor.start() == (0, T0 - timedelta(seconds=1.5), 7)
+    clock.now = 1.0  # a claim from the head finds a job inside the slack: not behind
+    cursor.claimed([(0, T0 - timedelta(seconds=1), 5)], from_head=True)
+    assert cursor.start() == (0, T0 - timedelta(seconds=1.5), 7)
+    clock.now = 2.0  # one before it: behind, the next claim is from the head too
+    cursor.claimed([(0, T0 - timedelta(seconds=2), 4)], from_head=True)
+    assert cursor.start() is None
 
 
 def test_the_cursor_is_the_last_key_in_the_claims_order_and_only_moves_forward() -> None:
