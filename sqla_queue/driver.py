@@ -73,13 +73,19 @@ class DbConnection:
     """A dedicated connection: the SQLAlchemy ``Connection`` (for sessions) and its
     psycopg connection (for the runtime's own statements), autocommit between uses."""
 
+    raw: psycopg.Connection[Any]
+
     def __init__(self, sa: Connection, purpose: str) -> None:
+        raw: Any = sa.connection.dbapi_connection
+        raw.autocommit = True
+        self._init_state(sa, purpose, raw)
+
+    def _init_state(self, sa: Connection, purpose: str, raw: Any) -> None:
+        """What every dedicated connection keeps, whatever its flavour of psycopg."""
         self.sa = sa
         self.purpose = purpose
-        raw: Any = sa.connection.dbapi_connection
-        self.raw: psycopg.Connection[Any] = raw
-        self.raw.autocommit = True
-        self._cursor = _runtime_cursor(self.raw)
+        self.raw = raw
+        self._cursor = _runtime_cursor(raw)
         self.closed = False
         #: Cut by Driver.abort (a deadline, a stop): never to be used again.
         self.aborted = False
@@ -210,18 +216,13 @@ class AsyncDbConnection(DbConnection):
     as blocking code never blocks the loop.
     """
 
+    raw: psycopg.AsyncConnection[Any]  # type: ignore[assignment]
+
     def __init__(self, sa: Connection, purpose: str) -> None:
-        self.sa = sa
-        self.purpose = purpose
         adapted: Any = sa.connection.dbapi_connection  # SQLAlchemy's adapter: awaits for us
         self._adapted = adapted
-        self.raw: psycopg.AsyncConnection[Any] = adapted.driver_connection  # type: ignore[assignment]
         adapted.autocommit = True
-        self._cursor = _runtime_cursor(self.raw)
-        self.closed = False
-        #: Cut by Driver.abort (a deadline, a stop): never to be used again.
-        self.aborted = False
-        self._replan_at = time.monotonic() + REPLAN_INTERVAL
+        self._init_state(sa, purpose, adapted.driver_connection)
 
     def set_autocommit(self, on: bool) -> None:
         self._adapted.autocommit = on  # awaited by the adapter
