@@ -27,13 +27,17 @@ class WorkSignal:
         self._due: list[float] = []
         self._stopped = False
         self.idle = 0
-        #: Bumped by every wake-up; lets one idle thread per wake-up ask for due times.
+        #: Bumped by every wake-up, due time and poll; lets one idle thread per wake-up
+        #: ask for due times.
         self.generation = 0
+        #: Bumped by wake() alone (a NOTIFY, returned or retried jobs): news of jobs.
+        self.woken = 0
 
     def wake(self, count: int = 1) -> None:
         with self._cond:
             self._tokens = min(self._tokens + count, self._threads)
             self.generation += 1
+            self.woken += 1
             self._cond.notify(count)
 
     def wake_at(self, when: float) -> None:

@@ -1,0 +1,144 @@
+"""The producer's idle path against the in-memory operations layer: when an idle worker
+looks up the next due time."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sqla_queue.worker import producer as producer_module
+from sqla_queue.worker.config import WorkerConfig
+from sqla_queue.worker.context import WorkerContext
+from sqla_queue.worker.hooks import Hooks
+from sqla_queue.worker.ledger import Ledger
+from sqla_queue.worker.producer import Producer
+from sqla_queue.worker.stats import WorkerStats
+from sqla_queue.worker.work_signal import WorkSignal
+
+from ..fakes import FakeConn, FakeDriver, FakeOps
+
+
+class CountingOps(FakeOps):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups: list[float] = []
+
+    def next_due(self, conn: Any) -> float | None:
+        self.lookups.append(time.monotonic())
+        return None
+
+
+def test_the_wake_ups_of_one_pause_share_one_lookup_of_the_next_due_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each wake-up may bring a delayed job, whose due time the idle worker must learn;
+    at hundreds of wake-ups a second, one lookup per pause serves them all, made at the
+    pause's end for the wake-ups that came during it (not at the poll)."""
+    pause = 1.0
+    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", pause)
+    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", pause)
+    ops = CountingOps()
+    signal = WorkSignal(1)
+    stats = WorkerStats()
+    ctx = WorkerContext(WorkerConfig(poll_interval=60.0), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
+                        "w", Hooks(stats))
+    producer = Producer(ctx)
+    conn = FakeConn()
+
+    signal.wake()
+    producer.wait_for_work(conn)  # type: ignore[arg-type]
+    assert len(ops.lookups) == 1
+    for _ in range(5):  # more wake-ups within the pause: no lookup of their own
+        signal.wake()
+        producer.wait_for_work(conn)  # type: ignore[arg-type]
+    assert len(ops.lookups) == 1
+    # Nothing else wakes the worker now: the pause's end does, well before the poll...
+    began = time.monotonic()
+    producer.wait_for_work(conn)  # type: ignore[arg-type]
+    assert time.monotonic() - began < 30.0, "only the poll woke the worker"
+    assert len(ops.lookups) == 1
+    # ... and the worker, woken, looks up then (its claim found nothing again).
+    signal.wake()
+    producer.wait_for_work(conn)  # type: ignore[arg-type]
+    assert len(ops.lookups) == 2
+    assert ops.lookups[1] - ops.lookups[0] >= pause
+
+
+def test_polls_within_the_pause_schedule_no_lookup_so_an_idle_worker_stays_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poll or a due time brings no news of delayed jobs: within the pause it leaves no
+    due time behind (a worker whose every poll did would never look idle to
+    ``run(until_idle=True)``)."""
+    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", 30.0)
+    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", 30.0)
+    ops = CountingOps()
+    signal = WorkSignal(1)
+    stats = WorkerStats()
+    ctx = WorkerContext(WorkerConfig(poll_interval=0.01), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
+                        "w", Hooks(stats))
+    producer = Producer(ctx)
+    signal.wake()
+    producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+    for _ in range(3):  # each ends at the poll
+        producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+    assert len(ops.lookups) == 1
+    assert signal.next_due() is None  # nothing keeps an idle worker from looking idle
+
+
+def test_a_wake_up_after_a_quiet_pause_looks_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", 0.0)
+    monkeypatch.setattr(producer_module, "NEXT_DUE_COST_RATIO", 0.0)
+    ops = CountingOps()
+    signal = WorkSignal(1)
+    stats = WorkerStats()
+    ctx = WorkerContext(WorkerConfig(poll_interval=60.0), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
+                        "w", Hooks(stats))
+    producer = Producer(ctx)
+    for n in range(1, 4):
+        signal.wake()
+        producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+        assert len(ops.lookups) == n
+
+
+class SlowOps(CountingOps):
+    """Lookups that take ``took`` seconds of the fake clock each."""
+
+    def __init__(self, clock: list[float], took: float) -> None:
+        super().__init__()
+        self.clock, self.took = clock, took
+
+    def next_due(self, conn: Any) -> float | None:
+        self.lookups.append(self.clock[0])
+        self.clock[0] += self.took
+        return None
+
+
+@pytest.mark.parametrize(("took", "pause"), [(0.0005, 0.05), (0.005, 0.2), (0.1, 0.5)])
+def test_the_pause_after_a_slow_lookup_is_in_proportion_to_its_cost(
+    monkeypatch: pytest.MonkeyPatch, took: float, pause: float
+) -> None:
+    """Beside a held snapshot the lookup reads every dead entry of the pending index: the
+    lookups are spaced forty times as far apart as one took (at least the pause, at most
+    half a second), so they cost the worker a bounded share of its time."""
+    clock = [1000.0]
+    monkeypatch.setattr(producer_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    ops = SlowOps(clock, took)
+    signal = WorkSignal(1)
+    stats = WorkerStats()
+    ctx = WorkerContext(WorkerConfig(poll_interval=60.0), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
+                        "w", Hooks(stats))
+    producer = Producer(ctx)
+
+    def woken_at(when: float) -> None:
+        clock[0] = when
+        signal.wake()
+        producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+
+    woken_at(1000.0)
+    assert ops.lookups == [1000.0]
+    woken_at(1000.0 + pause - 0.001)
+    assert len(ops.lookups) == 1
+    woken_at(1000.0 + pause)
+    assert ops.lookups == [1000.0, 1000.0 + pause]
