@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
 
 from sqlalchemy import Connection
@@ -252,15 +252,33 @@ def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any
 
 
 #: Seconds between claims from the head of the pending index while a cursor claims the
-#: rest: the longest a job that sorts before the cursor (a higher priority, or made
-#: visible late by a long transaction) waits behind jobs after it.
+#: rest, at least: the longest a job that sorts before the cursor (a higher priority, or
+#: made visible late by a long transaction) waits behind jobs after it, while claims from
+#: the head are cheap.
 RESCAN_INTERVAL = 0.25
+#: A claim from the head reads every dead entry a held snapshot keeps (at 800 jobs/s, a
+#: hundred thousand in two minutes: 10-80 ms a claim). The next one waits this many times
+#: as long as the last took, so that they cost a worker at most a fortieth of one
+#: connection's time, up to :data:`MAX_RESCAN_INTERVAL`.
+RESCAN_COST_RATIO = 40.0
+#: The longest wait between claims from the head, however slow they grew.
+MAX_RESCAN_INTERVAL = 2.0
 #: Seconds a cursor claim starts before the last ``run_after`` claimed. A job's
 #: ``run_after`` is its transaction's start (``now()``), so jobs commit slightly out of
 #: order: one a producer committed a moment after a later-starting one would sort just
-#: behind the cursor and wait for the next claim from the head. The dead entries of this
-#: window (at 800 jobs/s, 800 of them) are all a cursor claim reads beside live ones.
-CURSOR_SLACK = 1.0
+#: behind the cursor and wait for the next claim from the head (one in a hundred, with
+#: no slack, in ``benchmarks/pressure.py``). The dead entries of this window are all a
+#: cursor claim reads beside live ones under a held snapshot (at 800 jobs/s, 200 of
+#: them; a second's 800 cost every claim 0.11 ms more, and a worker claims about three
+#: times a job at that rate). A transaction that enqueues and commits more than this
+#: after it began has its job found by the next claim from the head.
+CURSOR_SLACK = 0.25
+
+
+#: A ``run_after`` for the cursor of a queue read from its head (any will do).
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+#: Where a cursor claim starts: ``(priority, run_after, pk)`` of the last job claimed.
+CursorStart: TypeAlias = tuple[int, Any, Any]
 
 
 class ClaimCursor:
@@ -271,9 +289,14 @@ class ClaimCursor:
     report, ``pg_dump``, a replica's feedback): a claim from the head reads them all,
     and its cost grows with every job done since. A cursor claim starts after the last
     key claimed (:func:`~sqla_queue.sql.claim_template`, ``after=True``) and reads only
-    live entries. Jobs that sort before it are found by a claim from the head, run
+    live entries; a worker serving several queues keeps one cursor per queue
+    (``per_queue``), since each queue is an index range of its own. Jobs that sort
+    before it are found by a claim from the head, run
 
-    - every :data:`RESCAN_INTERVAL` seconds while the worker claims,
+    - when the rescan is due, by one claim at a time (the executors claiming meanwhile
+      keep to the cursor, so a slow one delays no other pickup): every
+      :data:`RESCAN_INTERVAL` seconds, or :data:`RESCAN_COST_RATIO` times as long as the
+      last one took when that is longer (up to :data:`MAX_RESCAN_INTERVAL`),
     - again and again while such claims find jobs before the cursor (a long transaction
       committed many at once), and
     - at the next rescan after a cursor claim found nothing (:meth:`head_claim_at`): the
@@ -288,44 +311,67 @@ class ClaimCursor:
 
     def __init__(
         self, rescan_interval: float | None = None, clock: Callable[[], float] = time.monotonic,
-        slack: float | None = None,
+        slack: float | None = None, max_rescan_interval: float | None = None, *, per_queue: bool = False,
     ) -> None:
         self.rescan_interval = RESCAN_INTERVAL if rescan_interval is None else rescan_interval
+        self.max_rescan_interval = max(
+            self.rescan_interval, MAX_RESCAN_INTERVAL if max_rescan_interval is None else max_rescan_interval
+        )
         self.slack = timedelta(seconds=CURSOR_SLACK if slack is None else slack)
+        self.per_queue = per_queue
         self._clock = clock
         self._lock = threading.Lock()
-        #: The last key claimed, in the claim's order: ``(-priority, run_after, pk)``.
-        self._last: tuple[Any, Any, Any] | None = None
+        #: The last key claimed, in the claim's order ``(-priority, run_after, pk)``, of
+        #: each queue (``per_queue``), or of all (under None).
+        self._last: dict[str | None, tuple[Any, Any, Any]] = {}
         self._rescan_at = 0.0
+        #: The wait between claims from the head, as the last one's cost set it.
+        self.interval = self.rescan_interval
         self._behind = False
         #: A cursor claim found nothing since the last claim from the head.
         self._missed = False
 
-    def start(self) -> tuple[int, Any, Any] | None:
-        """``(priority, run_after, pk)`` to claim after, or None: claim from the head."""
+    def start(self) -> dict[str | None, CursorStart] | None:
+        """Where to claim after: ``{queue: (priority, run_after, pk)}`` for each queue a
+        job was claimed from (``per_queue``), else ``{None: …}``; None: claim from the
+        head."""
         with self._lock:
-            last = self._last
-            if last is None or self._behind or self._clock() >= self._rescan_at:
+            if not self._last or self._behind:
                 return None
-            return -last[0], last[1] - self.slack, last[2]
+            now = self._clock()
+            if now >= self._rescan_at:
+                # This claim is the rescan; the next one is due an interval on even if it
+                # never reports back (it failed), and the claims meanwhile use the cursor.
+                self._rescan_at = now + self.interval
+                return None
+            slack = self.slack
+            return {lane: (-last[0], last[1] - slack, last[2]) for lane, last in self._last.items()}
 
-    def claimed(self, keys: Sequence[tuple[int, Any, Any]], *, from_head: bool) -> None:
-        """Note the ``(priority, run_after, pk)`` of the jobs a claim took."""
-        ordered = [(-priority, run_after, pk) for priority, run_after, pk in keys]
+    def claimed(self, keys: Sequence[tuple[int, Any, Any, str]], *, from_head: bool, took: float = 0.0) -> None:
+        """Note the ``(priority, run_after, pk, queue)`` of the jobs a claim took, and (a
+        claim from the head) the seconds it ``took``."""
+        per_queue = self.per_queue
+        ordered = [
+            (queue if per_queue else None, (-priority, run_after, pk)) for priority, run_after, pk, queue in keys
+        ]
         with self._lock:
-            last = self._last
+            lasts = self._last
             if from_head:
-                self._rescan_at = self._clock() + self.rescan_interval
+                self.interval = min(max(self.rescan_interval, took * RESCAN_COST_RATIO), self.max_rescan_interval)
+                self._rescan_at = self._clock() + self.interval
                 # Behind where the next cursor claim would start (the slack covers the rest).
-                start = None if last is None else (last[0], last[1] - self.slack, last[2])
-                self._behind = start is not None and any(key < start for key in ordered)
+                slack = self.slack
+                self._behind = any(
+                    (last := lasts.get(lane)) is not None and key < (last[0], last[1] - slack, last[2])
+                    for lane, key in ordered
+                )
                 self._missed = False
             elif not ordered:
                 self._missed = True
-            if ordered:
-                newest = max(ordered)
-                if last is None or newest > last:
-                    self._last = newest
+            for lane, key in ordered:
+                last = lasts.get(lane)
+                if last is None or key > last:
+                    lasts[lane] = key
 
     def head_claim_at(self) -> float | None:
         """When (on the clock given, ``time.monotonic``) a claim from the head is owed:
@@ -390,11 +436,13 @@ class QueueOps:
             )
             for isolated in (False, True)
         }
-        #: Cursor claims (see ClaimCursor): all queues or one, integer keys, not isolated.
+        #: Cursor claims (see ClaimCursor): integer keys, not isolated; several queues
+        #: keep a cursor each, in the order of the queues given.
         self.cursor: ClaimCursor | None = None
         self._cursor_claims: tuple[Statement, Statement] | None = None
-        if (queues is None or len(set(queues)) == 1) and _integer_key(qt.pk):
-            self.cursor = ClaimCursor()
+        self._cursor_queues = list(dict.fromkeys(queues)) if queues is not None and len(set(queues)) > 1 else None
+        if _integer_key(qt.pk):
+            self.cursor = ClaimCursor(per_queue=self._cursor_queues is not None)
             self._cursor_claims = (
                 compile_(q.claim_template(model, queues=queues, fresh=True, after=True)),
                 compile_(q.complete_many_if_owner_then_claim(model, queues=queues, fresh=True, after=True)),
@@ -425,6 +473,7 @@ class QueueOps:
         self._isolated_index = where[id(qt.c.isolated)]
         self._priority_index = where[id(qt.c.priority)]
         self._run_after_index = where[id(qt.c.run_after)]
+        self._queue_index = where[id(qt.c.queue)]
         self._last_error_index = where[id(qt.c.last_error)]
         #: Where the claim's started_at and deadline_at are (None: no timeouts).
         self._deadline_index: tuple[int, int] | None = (
@@ -471,11 +520,24 @@ class QueueOps:
         start = None if isolated or self.cursor is None else self.cursor.start()
         if start is not None:
             assert self._cursor_claims is not None
-            values[q.AFTER_PRIORITY_PARAM], values[q.AFTER_RUN_AFTER_PARAM], values[q.AFTER_KEY_PARAM] = start
+            self._bind_cursor(values, start)
             claim, after = self._cursor_claims
             return ClaimRequest(owner, limit, isolated, None, None, in_flight, claim, values, after, True)
         claim, after = self._claims[isolated]
         return ClaimRequest(owner, limit, isolated, None, None, in_flight, claim, values, after)
+
+    def _bind_cursor(self, values: dict[str, Any], start: dict[str | None, CursorStart]) -> None:
+        """The cursor claim's start: one key, or one per queue served (a queue no job was
+        claimed from yet starts at its head)."""
+        names = self._cursor_queues
+        if names is None:
+            values[q.AFTER_PRIORITY_PARAM], values[q.AFTER_RUN_AFTER_PARAM], values[q.AFTER_KEY_PARAM] = start[None]
+            return
+        head: CursorStart = (q.HEAD_PRIORITY, _EPOCH, 0)
+        each = [start.get(name, head) for name in names]
+        values[q.AFTER_PRIORITIES_PARAM] = [s[0] for s in each]
+        values[q.AFTER_RUN_AFTERS_PARAM] = [s[1] for s in each]
+        values[q.AFTER_KEYS_PARAM] = [s[2] for s in each]
 
     def fetch_claimed(self, conn: DbConnection, request: ClaimRequest) -> list[Claimed]:
         """Run the claim ``request``; a row that cannot be read or loaded comes back with
@@ -485,9 +547,10 @@ class QueueOps:
         :meth:`~sqla_queue.driver.Driver.deadline`); the rows are loaded after it, so the
         model's own code (a reconstructor, a slow type) never counts against it."""
         assert request.statement is not None and request.values is not None
+        began = time.perf_counter()
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
-        self._note(rows, request)
+        self._note(rows, request, time.perf_counter() - began)
         return self._claimed(rows, request.isolated)
 
     def head_claim_at(self) -> float | None:
@@ -495,19 +558,21 @@ class QueueOps:
         cursor claim found nothing, and a job may wait before the cursor. None: no need."""
         return None if self.cursor is None else self.cursor.head_claim_at()
 
-    def _note(self, rows: Sequence[tuple[Any, ...] | RowError], request: ClaimRequest) -> None:
-        """Move the cursor past the rows a claim took (see :class:`ClaimCursor`)."""
+    def _note(self, rows: Sequence[tuple[Any, ...] | RowError], request: ClaimRequest, took: float) -> None:
+        """Move the cursor past the rows a claim took, in ``took`` seconds (see
+        :class:`ClaimCursor`)."""
         cursor = self.cursor
         if cursor is None or request.isolated or request.skip is not None or request.key is not None:
             return
-        priority, run_after, pk = self._priority_index, self._run_after_index, self._pk_index
+        priority, run_after, pk, queue = self._priority_index, self._run_after_index, self._pk_index, self._queue_index
         cursor.claimed(
             [
-                (row[priority], row[run_after], row[pk])
+                (row[priority], row[run_after], row[pk], row[queue])
                 for row in rows
                 if not isinstance(row, RowError) and isinstance(row[run_after], datetime)
             ],
             from_head=not request.from_cursor,
+            took=took,
         )
 
     def complete_then_claim(
@@ -525,8 +590,10 @@ class QueueOps:
         values = token_values(request.owner, tokens)
         values.update(request.values)
         pk, attempt = self._pk_index, self._attempt_index
+        began = time.perf_counter()
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(stmt, values, pk, attempt)
+        took = time.perf_counter() - began
         claimed: list[tuple[Any, ...] | RowError] = []
         keep = claimed.append
         for row in rows:  # the last column tells a completed token's row from a claimed one
@@ -534,7 +601,7 @@ class QueueOps:
                 keep(row)
             else:
                 done[row[pk], row[attempt]] = "done"
-        self._note(claimed, request)
+        self._note(claimed, request, took)
         return cast(Moved, done), self._claimed(claimed, request.isolated)
 
     def _claimed(self, rows: list[tuple[Any, ...] | RowError], isolated: bool) -> list[Claimed]:

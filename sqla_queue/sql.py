@@ -27,6 +27,7 @@ from typing import Any, Final, NamedTuple, TypeAlias
 
 from sqlalchemy import (
     CTE,
+    BigInteger,
     Boolean,
     CompoundSelect,
     DateTime,
@@ -369,9 +370,9 @@ def _claim(
     ]
     names = _queue_names(queues)
     order = (c.priority.desc(), c.run_after, qt.pk)
-    if after:
-        if names is not None and len(names) > 1:
-            raise ValueError("a cursor claim serves all queues or one, not several")
+    if after and names is not None and len(names) > 1:
+        claimable = _claimable_after_each_queue(qt, conditions, order, limit, names)
+    elif after:
         claimable = _claimable_after(qt, [*conditions, *_queue_filter(qt, names)], order, limit)
     elif names is None or len(names) == 1:
         claimable = (
@@ -459,6 +460,55 @@ def _claimable_after(
     ]
     ahead = union_all(*(select(part.c[qt.pk.name]) for part in parts)).subquery("ahead")
     return select(ahead.c[qt.pk.name]).limit(limit)
+
+
+def _claimable_after_each_queue(
+    qt: QueueTable, conditions: Sequence[ColumnElement[bool]], order: Sequence[ColumnElement[Any]],
+    limit: int | ColumnElement[int], names: list[str],
+) -> Select[Any]:
+    """Several queues' pending keys, each after a cursor of its own: one ``LATERAL`` per
+    queue as the claim from the head makes, each reading :func:`_claimable_after`'s two
+    parts from that queue's ``AFTER_*S_PARAM`` entry (arrays in the order of the queues
+    given, duplicates dropped), then the best ``n`` of them. A queue whose entry has the
+    priority :data:`HEAD_PRIORITY` is read from its head (no job of it was claimed yet)."""
+    c = qt.c
+    served = (
+        func.unnest(
+            _queue_array(qt, names),
+            _param(AFTER_PRIORITIES_PARAM, ARRAY(BigInteger())),
+            _param(AFTER_RUN_AFTERS_PARAM, ARRAY(c.run_after.type)),
+            _param(AFTER_KEYS_PARAM, ARRAY(qt.pk.type)),
+        )
+        .table_valued("name", "after_priority", "after_run_after", "after_key")
+        .render_derived(name="served")
+    )
+    later = tuple_(c.run_after, qt.pk) > tuple_(served.c.after_run_after, served.c.after_key)
+    parts = [
+        select(qt.pk, c.priority, c.run_after)
+        .where(*conditions, c.queue == served.c.name, *where)
+        # The queue first, one value here: the order of <table>_claim_queue_idx, which
+        # reads this queue's entries alone (the all-queues index would read every
+        # queue's, a backlog of a queue not served included).
+        .order_by(c.queue, *order)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .correlate(served)
+        .subquery(name)
+        for name, where in (
+            ("same_priority", (c.priority == served.c.after_priority, later)),
+            ("lower", (c.priority < served.c.after_priority,)),
+        )
+    ]
+    ahead = union_all(*(select(*part.c) for part in parts)).subquery("ahead")
+    per_queue = select(*ahead.c).limit(limit).lateral("per_queue")
+    pk = per_queue.c[qt.pk.name]
+    return (
+        select(pk)
+        .select_from(served)
+        .join(per_queue, true())
+        .order_by(per_queue.c.priority.desc(), per_queue.c.run_after, pk)
+        .limit(limit)
+    )
 
 
 def has_timeouts(model: QueueModel) -> bool:
@@ -1264,6 +1314,14 @@ FRESH_PARAM: Final = "sqla_queue_fresh_seconds"
 AFTER_PRIORITY_PARAM: Final = "sqla_queue_after_priority"
 AFTER_RUN_AFTER_PARAM: Final = "sqla_queue_after_run_after"
 AFTER_KEY_PARAM: Final = "sqla_queue_after_key"
+#: A cursor claim of several queues: the same, one entry per queue (arrays, in the order
+#: of the queues given); a queue with no cursor yet has the priority ``HEAD_PRIORITY``.
+AFTER_PRIORITIES_PARAM: Final = "sqla_queue_after_priorities"
+AFTER_RUN_AFTERS_PARAM: Final = "sqla_queue_after_run_afters"
+AFTER_KEYS_PARAM: Final = "sqla_queue_after_keys"
+#: Above every priority a job can have (an ``INTEGER``): a cursor at it reads its queue
+#: from the head.
+HEAD_PRIORITY: Final = 2**31
 #: The last column of :func:`complete_many_if_owner_then_claim`: true on a completed token's row.
 DONE_FLAG_COLUMN: Final = "sqla_queue_done"
 #: :func:`extend_unlocked_leases_if_owner`'s window (seconds back from now), or NULL.
@@ -1369,7 +1427,9 @@ def claim_template(
     claim from the head reads every one. A job that sorts before the cursor (a higher
     priority, or made visible late by a long transaction) waits for the next claim from
     the head; the worker runs one periodically, and whenever a cursor claim finds nothing.
-    All queues or one (the cursor's index range); not several.
+    Several queues take one cursor each: ``AFTER_PRIORITIES_PARAM``,
+    ``AFTER_RUN_AFTERS_PARAM`` and ``AFTER_KEYS_PARAM``, arrays in the order of
+    ``queues`` (``HEAD_PRIORITY``: that queue from its head).
 
     ``skip=True`` also takes ``SKIP_PARAM``, keys the claim must pass over (rows its
     UPDATE cannot change: a trigger that raises, a ``NOT VALID`` CHECK they violate);

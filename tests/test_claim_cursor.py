@@ -39,6 +39,7 @@ from .test_ops import On, add, on_driver, tokens_of
 from .workers import TASKS, job
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+Q = "default"
 
 
 class Clock:
@@ -56,10 +57,10 @@ def test_a_cursor_starts_after_the_last_key_a_claim_from_the_head_took_until_the
     clock = Clock()
     cursor = ClaimCursor(1.0, clock, slack=0)
     assert cursor.start() is None  # nothing claimed yet: from the head
-    cursor.claimed([(0, T0, 1), (0, T0, 2)], from_head=True)
-    assert cursor.start() == (0, T0, 2)
+    cursor.claimed([(0, T0, 1, Q), (0, T0, 2, Q)], from_head=True)
+    assert cursor.start() == {None: (0, T0, 2)}
     clock.now = 0.99
-    assert cursor.start() == (0, T0, 2)
+    assert cursor.start() == {None: (0, T0, 2)}
     clock.now = 1.0
     assert cursor.start() is None  # the rescan is due
 
@@ -69,13 +70,13 @@ def test_a_cursor_starts_its_slack_before_the_last_run_after_claimed() -> None:
     key claimed: the cursor claim starts the slack (seconds of run_after) earlier."""
     clock = Clock()
     cursor = ClaimCursor(1.0, clock, slack=1.5)
-    cursor.claimed([(0, T0, 7)], from_head=True)
-    assert cursor.start() == (0, T0 - timedelta(seconds=1.5), 7)
+    cursor.claimed([(0, T0, 7, Q)], from_head=True)
+    assert cursor.start() == {None: (0, T0 - timedelta(seconds=1.5), 7)}
     clock.now = 1.0  # a claim from the head finds a job inside the slack: not behind
-    cursor.claimed([(0, T0 - timedelta(seconds=1), 5)], from_head=True)
-    assert cursor.start() == (0, T0 - timedelta(seconds=1.5), 7)
+    cursor.claimed([(0, T0 - timedelta(seconds=1), 5, Q)], from_head=True)
+    assert cursor.start() == {None: (0, T0 - timedelta(seconds=1.5), 7)}
     clock.now = 2.0  # one before it: behind, the next claim is from the head too
-    cursor.claimed([(0, T0 - timedelta(seconds=2), 4)], from_head=True)
+    cursor.claimed([(0, T0 - timedelta(seconds=2), 4, Q)], from_head=True)
     assert cursor.start() is None
 
 
@@ -83,34 +84,34 @@ def test_the_cursor_is_the_last_key_in_the_claims_order_and_only_moves_forward()
     cursor = ClaimCursor(60.0, Clock(), slack=0)
     later = T0 + timedelta(seconds=1)
     # Priority 5 sorts before priority 0; within one, run_after then the key.
-    cursor.claimed([(0, T0, 3), (5, later, 9), (0, T0, 2)], from_head=True)
-    assert cursor.start() == (0, T0, 3)
-    cursor.claimed([(0, T0, 1)], from_head=False)  # a straggler behind it: no step back
-    assert cursor.start() == (0, T0, 3)
-    cursor.claimed([(-1, T0, 1)], from_head=False)  # a lower priority: after it
-    assert cursor.start() == (-1, T0, 1)
+    cursor.claimed([(0, T0, 3, Q), (5, later, 9, Q), (0, T0, 2, Q)], from_head=True)
+    assert cursor.start() == {None: (0, T0, 3)}
+    cursor.claimed([(0, T0, 1, Q)], from_head=False)  # a straggler behind it: no step back
+    assert cursor.start() == {None: (0, T0, 3)}
+    cursor.claimed([(-1, T0, 1, Q)], from_head=False)  # a lower priority: after it
+    assert cursor.start() == {None: (-1, T0, 1)}
 
 
 def test_claims_stay_at_the_head_while_they_find_jobs_behind_the_cursor() -> None:
     clock = Clock()
     cursor = ClaimCursor(1.0, clock, slack=0)
-    cursor.claimed([(0, T0, 10)], from_head=True)
+    cursor.claimed([(0, T0, 10, Q)], from_head=True)
     clock.now = 1.0  # the rescan finds jobs a long transaction committed late
     assert cursor.start() is None
-    cursor.claimed([(0, T0 - timedelta(seconds=5), 4)], from_head=True)
+    cursor.claimed([(0, T0 - timedelta(seconds=5), 4, Q)], from_head=True)
     assert cursor.start() is None  # more may wait there: the next claim too
-    cursor.claimed([(0, T0 + timedelta(seconds=1), 11)], from_head=True)
-    assert cursor.start() == (0, T0 + timedelta(seconds=1), 11)
+    cursor.claimed([(0, T0 + timedelta(seconds=1), 11, Q)], from_head=True)
+    assert cursor.start() == {None: (0, T0 + timedelta(seconds=1), 11)}
     cursor.claimed([], from_head=True)  # nothing: the cursor stays, the rescan waits
-    assert cursor.start() == (0, T0 + timedelta(seconds=1), 11)
+    assert cursor.start() == {None: (0, T0 + timedelta(seconds=1), 11)}
 
 
 def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_next_rescan() -> None:
     clock = Clock()
     cursor = ClaimCursor(1.0, clock, slack=0)
-    cursor.claimed([(0, T0, 10)], from_head=True)
+    cursor.claimed([(0, T0, 10, Q)], from_head=True)
     assert cursor.head_claim_at() is None
-    cursor.claimed([(0, T0, 11)], from_head=False)
+    cursor.claimed([(0, T0, 11, Q)], from_head=False)
     assert cursor.head_claim_at() is None  # it found jobs: none owed
     cursor.claimed([], from_head=False)
     assert cursor.head_claim_at() == 1.0
@@ -118,6 +119,74 @@ def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_nex
     assert cursor.start() is None
     cursor.claimed([], from_head=True)  # paid: nothing anywhere, the worker may idle
     assert cursor.head_claim_at() is None
+
+
+def test_one_claim_from_the_head_at_a_time_the_claims_meanwhile_keep_to_the_cursor() -> None:
+    """Under a held snapshot a claim from the head takes tens of milliseconds: the claims
+    made while it runs (the other executors', woken for new jobs) must not each become
+    one too."""
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock, slack=0)
+    cursor.claimed([(0, T0, 2, Q)], from_head=True)
+    clock.now = 1.0
+    assert cursor.start() is None  # the rescan, handed to this claim
+    assert cursor.start() == {None: (0, T0, 2)}  # not to the next, while it runs
+    clock.now = 1.5
+    cursor.claimed([], from_head=True, took=0.001)
+    assert cursor.start() == {None: (0, T0, 2)}
+    clock.now = 2.5
+    assert cursor.start() is None
+
+
+def test_a_claim_from_the_head_that_never_reports_back_does_not_stop_the_rescans() -> None:
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock, slack=0)
+    cursor.claimed([(0, T0, 2, Q)], from_head=True)
+    clock.now = 1.0
+    assert cursor.start() is None  # its statement fails: claimed() is never called
+    clock.now = 1.99
+    assert cursor.start() == {None: (0, T0, 2)}
+    clock.now = 2.0
+    assert cursor.start() is None
+
+
+@pytest.mark.parametrize(
+    ("took", "interval"), [(0.0, 0.25), (0.004, 0.25), (0.02, 0.8), (0.05, 2.0), (0.5, 2.0)]
+)
+def test_the_rescan_waits_in_proportion_to_what_the_last_claim_from_the_head_cost(
+    took: float, interval: float
+) -> None:
+    """A claim from the head costs in proportion to the dead entries before the cursor:
+    the rescans are spaced so that they take a fortieth of the time, between the
+    interval and the longest wait."""
+    clock = Clock()
+    cursor = ClaimCursor(0.25, clock, slack=0, max_rescan_interval=2.0)
+    cursor.claimed([(0, T0, 2, Q)], from_head=True, took=took)
+    assert cursor.interval == pytest.approx(interval)
+    clock.now = interval - 0.001
+    assert cursor.start() == {None: (0, T0, 2)}
+    clock.now = interval
+    assert cursor.start() is None
+    cursor.claimed([], from_head=True, took=0.001)  # cheap again: back to the interval
+    assert cursor.interval == pytest.approx(0.25)
+
+
+def test_a_worker_serving_several_queues_keeps_a_cursor_for_each() -> None:
+    """Each queue is an index range of its own (``<table>_claim_queue_idx``): its claims
+    start after the last job claimed from it, whatever other queues' cursors say."""
+    clock = Clock()
+    cursor = ClaimCursor(1.0, clock, slack=0, per_queue=True)
+    later = T0 + timedelta(seconds=1)
+    cursor.claimed([(0, T0, 3, "a"), (0, later, 9, "b"), (0, T0, 2, "a")], from_head=True)
+    assert cursor.start() == {"a": (0, T0, 3), "b": (0, later, 9)}
+    cursor.claimed([(0, T0, 5, "b")], from_head=False)  # behind b's cursor, after a's: b's stays
+    assert cursor.start() == {"a": (0, T0, 3), "b": (0, later, 9)}
+    cursor.claimed([(0, later, 4, "a")], from_head=False)
+    assert cursor.start() == {"a": (0, later, 4), "b": (0, later, 9)}
+    clock.now = 1.0  # the rescan finds a job of b behind b's cursor (though after a's)
+    assert cursor.start() is None
+    cursor.claimed([(0, T0, 6, "b")], from_head=True)
+    assert cursor.start() is None  # behind: the next claim is from the head too
 
 
 # -- the statements -----------------------------------------------------------------------
@@ -132,8 +201,13 @@ def on(request: pytest.FixtureRequest, engine: Engine) -> Iterator[On]:
 def _ops(on: On, queues: tuple[str, ...] | None) -> tuple[QueueOps, Clock]:
     ops = on.ops(queues=queues)
     clock = Clock()
-    ops.cursor = ClaimCursor(60.0, clock)
+    ops.cursor = ClaimCursor(60.0, clock, per_queue=queues is not None and len(queues) > 1)
     return ops, clock
+
+
+#: The queues a worker serves, as users set them: all, one, several.
+SERVED = [None, ("a",), ("a", "b")]
+SERVED_IDS = ["all queues", "one queue", "two queues"]
 
 
 def _late(engine: Engine, **values: Any) -> int:
@@ -142,7 +216,7 @@ def _late(engine: Engine, **values: Any) -> int:
     return found
 
 
-@pytest.mark.parametrize("queues", [None, ("a",)], ids=["all queues", "one queue"])
+@pytest.mark.parametrize("queues", SERVED, ids=SERVED_IDS)
 def test_a_cursor_claim_takes_jobs_after_the_cursor_and_finds_the_rest_from_the_head(
     engine: Engine, on: On, queues: tuple[str, ...] | None
 ) -> None:
@@ -166,7 +240,7 @@ def test_a_cursor_claim_takes_jobs_after_the_cursor_and_finds_the_rest_from_the_
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 5)))) == [(third, 1)]
 
 
-@pytest.mark.parametrize("queues", [None, ("a",)], ids=["all queues", "one queue"])
+@pytest.mark.parametrize("queues", SERVED, ids=SERVED_IDS)
 def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_rescan(
     engine: Engine, on: On, queues: tuple[str, ...] | None
 ) -> None:
@@ -209,13 +283,32 @@ def test_a_cursor_claim_skips_the_other_queues_and_serves_lower_priorities_after
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(mine[1], 1), (low[0], 1), (low[1], 1)]
 
 
-def test_several_queues_and_isolated_claims_always_claim_from_the_head(engine: Engine, on: On) -> None:
+def test_a_cursor_claim_of_several_queues_starts_each_after_its_own_cursor(engine: Engine, on: On) -> None:
+    """Two queues served, one not: each served queue's claim starts after the last job
+    claimed from it (a queue none was claimed from yet, from its head), and the best of
+    them are taken, in the claim's order; the queue not served is never read."""
+    a1, a2 = add(engine, 2, queue="a")
+    add(engine, 3, queue="c")
+    (b1,) = add(engine, 1, queue="b", priority=2)
+    ops, clock = _ops(on, ("a", "b"))
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))) == [(b1, 1)]
+    late_b = _late(engine, queue="b", priority=2)  # behind b's cursor
+    (b2,) = add(engine, 1, queue="b", priority=2)
+    request = ops.claim_request("w", 2)
+    assert request.from_cursor  # b after its cursor; a, with no cursor yet, from its head
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == sorted([(b2, 1), (a1, 1)])
+    late_a = _late(engine, queue="a")  # behind a's cursor now
+    request = ops.claim_request("w", 5)
+    assert request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(a2, 1)]
+    clock.now = 60.0  # the rescan: from the head of both, the late jobs
+    request = ops.claim_request("w", 5)
+    assert not request.from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == sorted([(late_b, 1), (late_a, 1)])
+
+
+def test_isolated_and_skipping_claims_always_claim_from_the_head(engine: Engine, on: On) -> None:
     add(engine, 2, queue="a")
-    add(engine, 2, queue="b")
-    several = on.ops(queues=("a", "b"))
-    assert several.cursor is None
-    on(lambda conn: several.fetch_claimed(conn, several.claim_request("w", 1)))
-    assert not several.claim_request("w", 1).from_cursor
     ops = on.ops()
     on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))
     assert ops.claim_request("w", 1).from_cursor
@@ -226,14 +319,22 @@ def test_several_queues_and_isolated_claims_always_claim_from_the_head(engine: E
 # -- under a held snapshot --------------------------------------------------------------------
 
 
-def _pages_read(engine: Engine, after: tuple[int, datetime, int] | None) -> int:
+def _pages_read(
+    engine: Engine, after: tuple[int, datetime, int] | None, queues: tuple[str, ...] | None = None
+) -> int:
     """Shared buffers the claim of one job reads (EXPLAIN ANALYZE, rolled back): from the
-    cursor ``after``, or from the head."""
-    stmt = q.claim_template(Task, fresh=True, after=after is not None)
+    cursor ``after``, or from the head. Several ``queues``: ``after`` is the first one's
+    cursor, the others are read from their head."""
+    stmt = q.claim_template(Task, queues=queues, fresh=True, after=after is not None)
     compiled: Any = stmt.compile(dialect=postgresql.dialect())  # type: ignore[no-untyped-call]
     values = {**compiled.params, q.OWNER_PARAM: "w", q.LIMIT_PARAM: 1, q.LEASE_PARAM: 60.0,
               q.FRESH_PARAM: 30.0, q.TIMEOUT_PARAM: None, q.TASK_NAMES_PARAM: [], q.TASK_TIMEOUTS_PARAM: []}
-    if after is not None:
+    if after is not None and queues is not None and len(queues) > 1:
+        rest = len(queues) - 1
+        values[q.AFTER_PRIORITIES_PARAM] = [after[0], *[q.HEAD_PRIORITY] * rest]
+        values[q.AFTER_RUN_AFTERS_PARAM] = [after[1], *[T0] * rest]
+        values[q.AFTER_KEYS_PARAM] = [after[2], *[0] * rest]
+    elif after is not None:
         values[q.AFTER_PRIORITY_PARAM], values[q.AFTER_RUN_AFTER_PARAM], values[q.AFTER_KEY_PARAM] = after
     with engine.connect() as conn:
         (plan,) = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {compiled}", values).scalar_one()
@@ -243,23 +344,27 @@ def _pages_read(engine: Engine, after: tuple[int, datetime, int] | None) -> int:
     return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
 
 
-def test_under_a_held_snapshot_a_cursor_claim_reads_no_dead_entries(engine: Engine) -> None:
+@pytest.mark.parametrize("queues", SERVED, ids=SERVED_IDS)
+def test_under_a_held_snapshot_a_cursor_claim_reads_no_dead_entries(
+    engine: Engine, queues: tuple[str, ...] | None
+) -> None:
     """40,000 jobs finished while a REPEATABLE READ transaction holds the xmin horizon:
     their dead entries stay at the head of the pending index. The claim from the head
     reads pages of them all; the cursor claim a handful, as on a fresh table."""
     ids = add(engine, 40_010)
+    add(engine, 10, queue="b")
     with engine.connect() as conn:
         row = conn.execute(text("SELECT priority, run_after, id FROM tasks WHERE id = :id"), {"id": ids[-11]}).one()
     last = (int(row[0]), row[1], int(row[2]))
-    fresh_pages = _pages_read(engine, last)
+    fresh_pages = _pages_read(engine, last, queues)
     url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(url) as holder:
         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         holder.execute("SELECT count(*) FROM tasks").fetchone()  # the snapshot is taken
         with engine.begin() as conn:
             conn.execute(update(TASKS).where(TASKS.c.id <= ids[-11]).values(status="done", finished_at=func.now()))
-        from_head = _pages_read(engine, None)
-        from_cursor = _pages_read(engine, last)
+        from_head = _pages_read(engine, None, queues)
+        from_cursor = _pages_read(engine, last, queues)
         holder.rollback()
     # The finished rows' new versions move the live ones a page or two, no more.
     assert from_cursor <= 2 * fresh_pages, (from_cursor, fresh_pages)
@@ -269,8 +374,9 @@ def test_under_a_held_snapshot_a_cursor_claim_reads_no_dead_entries(engine: Engi
 # -- a worker ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("queues", [None, ("default", "other")], ids=["all queues", "two queues"])
 def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_the_next_rescan(
-    engine: Engine, start_worker: Any, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, start_worker: Any, monkeypatch: pytest.MonkeyPatch, queues: tuple[str, ...] | None
 ) -> None:
     """A transaction enqueues a job (due 30 s ago) and stays open while the worker runs
     twenty jobs enqueued after it, so its cursor moves past the job. Once the
@@ -286,7 +392,7 @@ def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_the_next_res
         with lock:
             ran.append(job.id)
 
-    worker = start_worker(tasks, poll_interval=60.0)
+    worker = start_worker(tasks, poll_interval=60.0, queues=queues)
     with QueueSession(engine) as long_transaction:
         # Due since well before the jobs after it (by more than the cursor's slack).
         since = datetime.now(UTC) - timedelta(seconds=30)
