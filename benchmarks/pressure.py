@@ -16,14 +16,20 @@ side by side in one run; every ratio below is of the same run.
   baseline's: the INSERTs with and without ``pg_notify``.
 - ``hold``: a steady offered load (``--rate``, 800 jobs/s, two producer processes) for
   ``--minutes`` (10), once clean and once with a ``REPEATABLE READ`` transaction held
-  open from 20 % to 80 % of the run, each side: per minute (per tenth of a run shorter
-  than 5 minutes), throughput, pickup p50/p99 and the claim's mean time, dead tuples and
-  the sizes of the table and each index.
+  open from 20 % to 80 % of the run, each side, on a table with the per-table autovacuum
+  settings the docs recommend (:data:`RECOMMENDED_STORAGE`): per minute (per tenth of a
+  run shorter than 5 minutes), throughput, pickup p50/p99 and the claim's mean time, dead
+  tuples and the sizes of the table and each index; the statements that took the most
+  server time.
 - ``big``: ``--finished`` (10M) finished rows and 100k pending: the claim's latency against
   the same pending jobs in an otherwise empty table, the enqueue rate, and pruning in
   bounded batches while claims run.
 - ``processes``: worker processes 1-4 at default options against the baseline at the same
   process count (``benchmarks/run.py``'s processing harness, on this cluster).
+- ``settings``: the steady load (no held snapshot) beside ``--settings-finished`` (2M)
+  finished rows for ``--settings-minutes`` (5), once per storage variant (the server's
+  defaults, the recommended per-table autovacuum, and that with ``fillfactor`` 80): dead
+  tuples, autovacuum runs, the sizes of the table and its indexes, throughput and pickup.
 """
 
 from __future__ import annotations
@@ -90,6 +96,24 @@ HOLD_THROUGHPUT_TARGET = 0.9  # held / clean
 HOLD_P99_TARGET = 2.0  # held / clean
 BIG_CLAIM_TARGET = 1.2  # 10M finished rows / empty
 PROCESSES_TARGET = 0.85  # sqla_queue / raw
+
+
+#: The storage parameters the runs may set (each run resets them first).
+STORAGE_PARAMETERS = (
+    "autovacuum_vacuum_scale_factor", "autovacuum_vacuum_threshold", "autovacuum_vacuum_cost_delay", "fillfactor",
+)
+#: What docs/operations/monitoring.md recommends for a queue table: vacuum after a fixed
+#: number of dead rows, not after a fifth of the table (which finished jobs kept for a
+#: retention make large), at full speed (the passes are small and frequent).
+RECOMMENDED_STORAGE: dict[str, Any] = {
+    "autovacuum_vacuum_scale_factor": 0, "autovacuum_vacuum_threshold": 10_000, "autovacuum_vacuum_cost_delay": 0,
+}
+#: The variants ``settings`` compares.
+SETTINGS_VARIANTS: dict[str, dict[str, Any]] = {
+    "server defaults": {},
+    "recommended autovacuum": RECOMMENDED_STORAGE,
+    "recommended autovacuum, fillfactor 80": {**RECOMMENDED_STORAGE, "fillfactor": 80},
+}
 
 
 # -- the cluster -------------------------------------------------------------------------
@@ -245,7 +269,7 @@ def run_producers(url: URL, side: str, producers: int, seconds: float) -> float:
 
 def bench_producers(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
     rows = []
-    counts = (2,) if args.quick else (1, 8, 32, 64)
+    counts = (2,) if args.quick else tuple(int(n) for n in args.producers.split(","))
     for n in counts:
         rates: dict[str, list[float]] = {side: [] for side in PRODUCER_SIDES}
         for r in range(args.rounds):
@@ -281,7 +305,13 @@ def _truncate(engine: Engine) -> None:
 
 
 def _load_child(kind: str, url_text: str, rate: float, seconds: float, ready: Any, go: Any) -> None:
-    """Producers: ``rate`` jobs/s, one per transaction, paced, over 2 threads."""
+    """Producers: ``rate`` jobs/s, one per transaction, paced, over 2 threads.
+
+    sqla_queue's enqueue with ``enqueue_values()`` on a Connection (its INSERT carries the
+    wake-up), not ``session.enqueue()``: the ORM's Python time per job (about 900 µs)
+    at 800 jobs/s takes most of a CPU of this 2-CPU machine, which the server and the
+    worker share, and the offered rate was not met even in the clean run. What the
+    producers cost is ``producers``' business; this run measures the consumers."""
     url = make_url(url_text)
     threads = 2
     channel = queue_table(BenchJob).channel
@@ -300,9 +330,9 @@ def _load_child(kind: str, url_text: str, rate: float, seconds: float, ready: An
                 time.sleep(delay)
             if conn is None:
                 assert engine is not None
-                with QueueSession(engine) as session:
-                    session.enqueue(BenchJob(recipient="user@example.com"))
-                    session.commit()
+                with engine.connect() as sa:
+                    enqueue_values(sa, BenchJob, {"recipient": "user@example.com"})
+                    sa.commit()
             else:
                 conn.execute("INSERT INTO bench_jobs (queue, recipient) VALUES ('default', 'user@example.com')",
                              prepare=True)
@@ -366,10 +396,11 @@ def _consume_child(kind: str, url_text: str, ready: Any, go: Any, stop: Any) -> 
 
 def _sample(conn: psycopg.Connection[Any]) -> dict[str, float]:
     """The table's dead tuples and sizes, and the claims' calls and time so far."""
-    dead, table_size = conn.execute(
-        "SELECT n_dead_tup, pg_relation_size('bench_jobs') FROM pg_stat_user_tables WHERE relname = 'bench_jobs'"
-    ).fetchone() or (0, 0)
-    sample: dict[str, float] = {"dead": float(dead), "table MB": table_size / 2**20}
+    dead, table_size, vacuums = conn.execute(
+        "SELECT n_dead_tup, pg_relation_size('bench_jobs'), autovacuum_count FROM pg_stat_user_tables "
+        "WHERE relname = 'bench_jobs'"
+    ).fetchone() or (0, 0, 0)
+    sample: dict[str, float] = {"dead": float(dead), "autovacuums": float(vacuums), "table MB": table_size / 2**20}
     for name, size in conn.execute(
         "SELECT indexrelname, pg_relation_size(indexrelid) FROM pg_stat_user_indexes WHERE relname = 'bench_jobs'"
     ):
@@ -383,15 +414,26 @@ def _sample(conn: psycopg.Connection[Any]) -> dict[str, float]:
     return sample
 
 
-def run_hold(url: URL, engine: Engine, kind: str, minutes: float, rate: float, held: bool) -> list[dict[str, float]]:
+def run_hold(
+    url: URL, engine: Engine, kind: str, minutes: float, rate: float, held: bool, *, finished: int = 0,
+    storage: dict[str, Any] | None = None,
+) -> list[dict[str, float]]:
     """One steady-load run; per minute: throughput, pickup p50/p99, claim mean, dead
-    tuples and sizes at the minute's end."""
+    tuples and sizes at the minute's end. ``finished``: rows of finished jobs loaded
+    first (the jobs a retention keeps); ``storage``: the table's storage parameters
+    (none: the server's defaults)."""
     seconds = minutes * 60
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE bench_jobs RESTART IDENTITY"))
+        conn.execute(text(f"ALTER TABLE bench_jobs RESET ({', '.join(STORAGE_PARAMETERS)})"))
+        if storage:
+            conn.execute(text(f"ALTER TABLE bench_jobs SET ({', '.join(f'{k} = {v}' for k, v in storage.items())})"))
+    if finished:
+        _load_finished(url, finished)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE bench_jobs"))
         conn.execute(text("SELECT pg_stat_statements_reset()"))
+        conn.execute(text("SELECT pg_stat_reset_single_table_counters('bench_jobs'::regclass)"))
     ctx = mp.get_context("spawn")
     ready, go, stop = ctx.Queue(), ctx.Event(), ctx.Event()
     url_text = url.render_as_string(hide_password=False)
@@ -407,6 +449,7 @@ def run_hold(url: URL, engine: Engine, kind: str, minutes: float, rate: float, h
     try:
         bench.wait_ready(ready, procs)
         watch = raw_connect(url, autocommit=True)
+        (began,) = watch.execute("SELECT now()").fetchone() or (None,)
         go.set()
         start = time.monotonic()
         minute = 60.0 if minutes >= 5 else max(seconds / 10, 1.0)  # a tenth of a short run
@@ -429,12 +472,21 @@ def run_hold(url: URL, engine: Engine, kind: str, minutes: float, rate: float, h
         samples.append(_sample(watch))
         # Per minute, from the rows: finished per minute, pickup by the minute enqueued.
         rows = watch.execute(
-            "WITH t AS (SELECT extract(epoch FROM created_at - (SELECT min(created_at) FROM bench_jobs)) AS at, "
-            "extract(epoch FROM started_at - created_at) AS pickup FROM bench_jobs WHERE started_at IS NOT NULL) "
+            "WITH t AS (SELECT extract(epoch FROM created_at - %s) AS at, "
+            "extract(epoch FROM started_at - created_at) AS pickup FROM bench_jobs "
+            "WHERE started_at IS NOT NULL AND created_at >= %s) "
             "SELECT floor(at / %s)::int AS m, count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY pickup), "
             "percentile_cont(0.99) WITHIN GROUP (ORDER BY pickup) FROM t GROUP BY 1 ORDER BY 1",
-            (minute,),
+            (began, began, minute),
         ).fetchall()
+        for calls, total, mean, query in watch.execute(
+            "SELECT calls, total_exec_time, mean_exec_time, regexp_replace(query, '\\s+', ' ', 'g') "
+            "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "ORDER BY total_exec_time DESC LIMIT 6"
+        ):
+            kind = ("cursor claim: " if "same_priority" in query else
+                    "head claim: " if "SKIP LOCKED" in query else "")
+            say(f"    server time: {total / 1000:6.1f} s in {calls:7,} calls ({mean:.3f} ms): {kind}{query[:80]}")
         watch.close()
     finally:
         if holder is not None:
@@ -463,7 +515,8 @@ def bench_hold(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
     for kind in ("sqla", "raw"):
         for held in (False, True):
             say(f"  hold: {kind} {'held' if held else 'clean'} ({args.minutes} min)")
-            results[kind, held] = run_hold(url, engine, kind, args.minutes, args.rate, held)
+            results[kind, held] = run_hold(url, engine, kind, args.minutes, args.rate, held,
+                                           storage=RECOMMENDED_STORAGE)
             for m in results[kind, held]:
                 say("    " + "  ".join(f"{k} {v:,.1f}" for k, v in m.items()))
 
@@ -498,6 +551,48 @@ def bench_hold(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
                     f"{claim['sqla'][0]:.2f} / {claim['sqla'][1]:.2f} ms",
                     f"{claim['raw'][0]:.2f} / {claim['raw'][1]:.2f} ms",
                     claim["sqla"][0] / claim["sqla"][1] if claim["sqla"][1] else None, "", None))
+    return rows
+
+
+# -- settings: per-table autovacuum and fillfactor under churn ---------------------------
+
+def _load_finished(url: URL, n: int) -> None:
+    """``n`` rows of jobs finished in the last hour (no retention prunes them)."""
+    with raw_connect(url) as conn:
+        conn.execute(
+            "INSERT INTO bench_jobs (queue, recipient, status, attempts, created_at, started_at, finished_at) "
+            "SELECT 'default', 'user@example.com', 'done', 1, t, t, t "
+            "FROM (SELECT now() - interval '1 hour' + i * (interval '1 hour' / %s) AS t "
+            "FROM generate_series(1, %s) AS i) AS s",
+            (n, n),
+        )
+        conn.commit()
+
+
+def bench_settings(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
+    """The steady load (no held snapshot) on a table holding ``--settings-finished``
+    finished jobs, once per storage variant: what autovacuum keeps of the table."""
+    rows = []
+    finished = 20_000 if args.quick else args.settings_finished
+    for label, storage in SETTINGS_VARIANTS.items():
+        say(f"  settings: {label} ({args.settings_minutes} min, {finished:,} finished rows first)")
+        per = run_hold(url, engine, "sqla", args.settings_minutes, args.rate, False, finished=finished,
+                       storage=storage)
+        for m in per:
+            say("    " + "  ".join(f"{k} {v:,.1f}" for k, v in m.items()))
+        last = per[-1] if per else {}
+        indexes = sum(v for k, v in last.items() if k.endswith("MB") and k != "table MB")
+        steady = per[1:] or per  # past the first minute's warm-up
+        rows.append(Row(
+            f"churn at {args.rate:,.0f} jobs/s for {args.settings_minutes:g} min beside {finished:,} finished rows: "
+            f"{label}",
+            f"{statistics.median(m['jobs/s'] for m in steady):,.0f} jobs/s, pickup p99 "
+            f"{max(m['p99 ms'] for m in steady):.1f} ms, "
+            f"claim {statistics.median(m['claim ms'] for m in steady):.2f} ms",
+            f"dead tuples at most {max(m['dead'] for m in per):,.0f}, {last.get('autovacuums', 0):.0f} autovacuums; "
+            f"at the end table {last.get('table MB', 0):,.0f} MB, indexes {indexes:,.0f} MB",
+            None, "", None,
+        ))
     return rows
 
 
@@ -625,6 +720,7 @@ def bench_processes(engine: Engine, url: URL, args: argparse.Namespace) -> list[
 
 BENCHES: dict[str, Callable[[Engine, URL, argparse.Namespace], list[Row]]] = {
     "producers": bench_producers, "hold": bench_hold, "big": bench_big, "processes": bench_processes,
+    "settings": bench_settings,
 }
 
 
@@ -634,12 +730,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="each steady-load run (hold)")
     parser.add_argument("--rate", type=float, default=800.0, help="offered jobs/s (hold)")
     parser.add_argument("--finished", type=int, default=10_000_000, help="finished rows (big)")
+    parser.add_argument("--settings-minutes", type=float, default=5.0, help="each steady-load run (settings)")
+    parser.add_argument("--settings-finished", type=int, default=2_000_000,
+                        help="finished rows loaded before each run (settings)")
     parser.add_argument("--seconds", type=float, default=8.0, help="each producers run")
+    parser.add_argument("--producers", default="1,8,32,64", help="comma-separated producer counts (producers)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the producers and processes runs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
     args = parser.parse_args(argv)
     if args.quick:
         args.minutes, args.seconds, args.rounds, args.rate = 0.1, 0.5, 1, 200.0
+        args.settings_minutes = 0.1
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - BENCHES.keys())
     if unknown:

@@ -110,6 +110,7 @@ def main(url: str) -> None:
         mounted(engine)
         logs(engine, Sessions)
         depth(engine)
+        autovacuum(engine)
     finally:
         Base.metadata.drop_all(engine)
         engine.dispose()
@@ -200,6 +201,22 @@ def depth(engine: Any) -> None:
         assert conn.scalar(text("SELECT count(*) FROM tasks WHERE status = 'done'")) == 2
     assert reading.table == "tasks" and reading.dead_tuples >= 0
     print(f"depth: {reading.as_dict()}; {len(rows)} row(s) from the builder")
+
+
+def autovacuum(engine: Any) -> None:
+    # --8<-- [start:autovacuum]
+    # Vacuum the queue table after 10,000 dead rows, not after a fifth of the table, and
+    # without the cost pauses (in an Alembic migration: op.execute() of the same text).
+    with engine.begin() as conn:
+        conn.execute(text(
+            "ALTER TABLE tasks SET (autovacuum_vacuum_scale_factor = 0, "
+            "autovacuum_vacuum_threshold = 10000, autovacuum_vacuum_cost_delay = 0)"
+        ))
+    # --8<-- [end:autovacuum]
+    with engine.connect() as conn:
+        options = conn.scalar(text("SELECT reloptions FROM pg_class WHERE oid = 'tasks'::regclass"))
+    assert "autovacuum_vacuum_threshold=10000" in options, options
+    print(f"autovacuum: {options}")
 
 
 if __name__ == "__main__":
