@@ -222,9 +222,9 @@ class Producer:
     def _pass_over(self, conn: DbConnection, key: Any, exc: BaseException, *, dead_letter: bool) -> None:
         """A row the claim cannot update: dead-letter it where an update of it is possible
         (only when other rows did claim, so a claim broken for every row fails none),
-        else pass over it for a while."""
-        if self._skip.get(key, 0.0) > time.monotonic():
-            return  # another executor of this worker found it first
+        else pass over it for a while. The dead letter is tried even where another
+        executor of this worker passes over the row already: that one may have found
+        no other row to claim, and a pass-over alone would keep the row pending."""
         reason = _first_line(exc)
         if dead_letter:
             error = storable(f"the claim cannot update this row: {describe_error(exc, self.config.max_error_length)}",
@@ -237,8 +237,11 @@ class Producer:
                     raise
                 failed = False
             if failed:
+                self._skip.pop(key, None)
                 log.error("job %s cannot be claimed (%s): dead-lettered", key, reason)
                 return
+        if self._skip.get(key, 0.0) > time.monotonic():
+            return  # another executor of this worker found it first
         if len(self._skip) >= MAX_SKIPPED:
             log.error("job %s cannot be claimed (%s); %d rows are passed over already", key, reason, MAX_SKIPPED)
             return

@@ -142,3 +142,22 @@ def test_the_pause_after_a_slow_lookup_is_in_proportion_to_its_cost(
     assert len(ops.lookups) == 1
     woken_at(1000.0 + pause)
     assert ops.lookups == [1000.0, 1000.0 + pause]
+
+
+def test_a_row_another_executor_passes_over_is_still_dead_lettered_where_rows_claim() -> None:
+    """Two executors hit the same unclaimable row: the one that found no other row to
+    claim passes over it (a claim broken for every row must fail none); the one whose
+    claim did take other rows must still dead-letter it, or it stays pending."""
+    ops = FakeOps()
+    (bad,) = ops.add(1)
+    stats = WorkerStats()
+    ctx = WorkerContext(WorkerConfig(), Ledger(), FakeDriver(), ops, WorkSignal(1), stats,  # type: ignore[arg-type]
+                        "w", Hooks(stats))
+    producer = Producer(ctx)
+    error = RuntimeError("job 1 is frozen by policy")
+    producer._pass_over(FakeConn(), bad, error, dead_letter=False)  # type: ignore[arg-type]
+    assert ops.jobs[bad].status == "pending" and producer._skipped() == [bad]
+    producer._pass_over(FakeConn(), bad, error, dead_letter=True)  # type: ignore[arg-type]
+    assert ops.jobs[bad].status == "failed"
+    assert "frozen by policy" in (ops.jobs[bad].last_error or "")
+    assert producer._skipped() is None
