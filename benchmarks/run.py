@@ -213,7 +213,7 @@ def throughput_row(
         f"{a:,.0f} {unit}",
         f"{b:,.0f} {unit}",
         ratio,
-        f">= {target:.1f}x" if target is not None else "",
+        f">= {target:.2f}x" if target is not None else "",
         (ratio >= target) if target is not None else None,
     )
 

@@ -159,6 +159,7 @@ PRESSURE_ROWS = (
     "2 producers, one job per transaction, enqueue_values(): wake-up after_commit / none |",
     "held snapshot: throughput during the hold / clean run |",
     "held snapshot: pickup p99 during the hold / clean run |",
+    "held snapshot: claim's mean time, the hold's last minute / its first |",
     "held snapshot: claim's mean time during the hold / clean |",
     "claim latency at 50,000 finished rows / empty table (p50) |",
     "enqueue at 50,000 finished rows / empty table |",
