@@ -31,6 +31,13 @@ class CountingOps(FakeOps):
         return None
 
 
+def _producer(ops: FakeOps, signal: WorkSignal, config: WorkerConfig) -> Producer:
+    """A producer over the in-memory operations layer."""
+    stats = WorkerStats()
+    ctx = WorkerContext(config, Ledger(), FakeDriver(), ops, signal, stats, "w", Hooks(stats))  # type: ignore[arg-type]
+    return Producer(ctx)
+
+
 def test_the_wake_ups_of_one_pause_share_one_lookup_of_the_next_due_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each wake-up may bring a delayed job, whose due time the idle worker must learn;
     at hundreds of wake-ups a second, one lookup per pause serves them all, made at the
@@ -40,10 +47,7 @@ def test_the_wake_ups_of_one_pause_share_one_lookup_of_the_next_due_time(monkeyp
     monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", pause)
     ops = CountingOps()
     signal = WorkSignal(1)
-    stats = WorkerStats()
-    ctx = WorkerContext(WorkerConfig(poll_interval=60.0), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
-                        "w", Hooks(stats))
-    producer = Producer(ctx)
+    producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
     conn = FakeConn()
 
     signal.wake()
@@ -75,10 +79,7 @@ def test_polls_within_the_pause_schedule_no_lookup_so_an_idle_worker_stays_quiet
     monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", 30.0)
     ops = CountingOps()
     signal = WorkSignal(1)
-    stats = WorkerStats()
-    ctx = WorkerContext(WorkerConfig(poll_interval=0.01), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
-                        "w", Hooks(stats))
-    producer = Producer(ctx)
+    producer = _producer(ops, signal, WorkerConfig(poll_interval=0.01))
     signal.wake()
     producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
     for _ in range(3):  # each ends at the poll
@@ -92,10 +93,7 @@ def test_a_wake_up_after_a_quiet_pause_looks_up_at_once(monkeypatch: pytest.Monk
     monkeypatch.setattr(producer_module, "NEXT_DUE_COST_RATIO", 0.0)
     ops = CountingOps()
     signal = WorkSignal(1)
-    stats = WorkerStats()
-    ctx = WorkerContext(WorkerConfig(poll_interval=60.0), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
-                        "w", Hooks(stats))
-    producer = Producer(ctx)
+    producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
     for n in range(1, 4):
         signal.wake()
         producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
@@ -126,10 +124,7 @@ def test_the_pause_after_a_slow_lookup_is_in_proportion_to_its_cost(
     monkeypatch.setattr(producer_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     ops = SlowOps(clock, took)
     signal = WorkSignal(1)
-    stats = WorkerStats()
-    ctx = WorkerContext(WorkerConfig(poll_interval=60.0), Ledger(), FakeDriver(), ops, signal, stats,  # type: ignore[arg-type]
-                        "w", Hooks(stats))
-    producer = Producer(ctx)
+    producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
 
     def woken_at(when: float) -> None:
         clock[0] = when
@@ -150,10 +145,7 @@ def test_a_row_another_executor_passes_over_is_still_dead_lettered_where_rows_cl
     claim did take other rows must still dead-letter it, or it stays pending."""
     ops = FakeOps()
     (bad,) = ops.add(1)
-    stats = WorkerStats()
-    ctx = WorkerContext(WorkerConfig(), Ledger(), FakeDriver(), ops, WorkSignal(1), stats,  # type: ignore[arg-type]
-                        "w", Hooks(stats))
-    producer = Producer(ctx)
+    producer = _producer(ops, WorkSignal(1), WorkerConfig())
     error = RuntimeError("job 1 is frozen by policy")
     producer._pass_over(FakeConn(), bad, error, dead_letter=False)  # type: ignore[arg-type]
     assert ops.jobs[bad].status == "pending" and producer._skipped() == [bad]
