@@ -256,11 +256,12 @@ def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any
 #: made visible late by a long transaction) waits behind jobs after it, while claims from
 #: the head are cheap.
 RESCAN_INTERVAL = 0.25
-#: A claim from the head reads every dead entry a held snapshot keeps (at 800 jobs/s, a
-#: hundred thousand in two minutes: 10-80 ms a claim). The next one waits this many times
-#: as long as the last took, so that they cost a worker at most a fortieth of one
-#: connection's time, up to :data:`MAX_RESCAN_INTERVAL`.
-RESCAN_COST_RATIO = 40.0
+#: A statement that reads every dead entry a held snapshot keeps (a claim from the head:
+#: at 800 jobs/s, a hundred thousand entries in two minutes, 10-80 ms a claim; the idle
+#: worker's lookup of the next due time) waits this many times as long as it last took
+#: before it runs again, so that it costs a worker at most a fortieth of one
+#: connection's time (see :func:`spaced_by_cost`).
+COST_RATIO = 40.0
 #: The longest wait between claims from the head, however slow they grew.
 MAX_RESCAN_INTERVAL = 2.0
 #: Seconds a cursor claim starts before the last ``run_after`` claimed. A job's
@@ -273,6 +274,12 @@ MAX_RESCAN_INTERVAL = 2.0
 #: times a job at that rate). A transaction that enqueues and commits more than this
 #: after it began has its job found by the next claim from the head.
 CURSOR_SLACK = 0.25
+
+
+def spaced_by_cost(took: float, least: float, most: float) -> float:
+    """Seconds until a statement that ``took`` seconds runs again: :data:`COST_RATIO`
+    times as long, between ``least`` and ``most``."""
+    return min(max(least, took * COST_RATIO), most)
 
 
 #: A ``run_after`` for the cursor of a queue read from its head (any will do).
@@ -295,7 +302,7 @@ class ClaimCursor:
 
     - when the rescan is due, by one claim at a time (the executors claiming meanwhile
       keep to the cursor, so a slow one delays no other pickup): every
-      :data:`RESCAN_INTERVAL` seconds, or :data:`RESCAN_COST_RATIO` times as long as the
+      :data:`RESCAN_INTERVAL` seconds, or :data:`COST_RATIO` times as long as the
       last one took when that is longer (up to :data:`MAX_RESCAN_INTERVAL`),
     - again and again while such claims find jobs before the cursor (a long transaction
       committed many at once), and
@@ -357,7 +364,7 @@ class ClaimCursor:
         with self._lock:
             lasts = self._last
             if from_head:
-                self.interval = min(max(self.rescan_interval, took * RESCAN_COST_RATIO), self.max_rescan_interval)
+                self.interval = spaced_by_cost(took, self.rescan_interval, self.max_rescan_interval)
                 self._rescan_at = self._clock() + self.interval
                 # Behind where the next cursor claim would start (the slack covers the rest).
                 slack = self.slack

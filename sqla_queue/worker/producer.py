@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 
 from ..driver import DbConnection, Driver
-from ..ops import Claimed, ClaimRequest, RowProblem
+from ..ops import Claimed, ClaimRequest, RowProblem, spaced_by_cost
 from ..runtime import Semaphore
 from .context import WorkerContext
 from .ledger import Held
@@ -54,9 +54,8 @@ MISSED_DUE_PAUSE = 0.002
 #: times a second; the wake-ups of one pause share the lookup made at its end.
 NEXT_DUE_PAUSE = 0.05
 #: The lookup reads the pending index, whose dead entries a held snapshot keeps (at 800
-#: jobs/s, 2 ms a lookup after two minutes): the pause after one is this many times as
-#: long as it took when that is longer, up to :data:`MAX_NEXT_DUE_PAUSE`.
-NEXT_DUE_COST_RATIO = 40.0
+#: jobs/s, 2 ms a lookup after two minutes): the pause after one grows with its cost
+#: (:func:`~sqla_queue.ops.spaced_by_cost`), up to this.
 MAX_NEXT_DUE_PAUSE = 0.5
 
 #: How long a row no claim can update is passed over before it is tried again.
@@ -302,7 +301,7 @@ class Producer:
                 with self.driver.deadline(conn, self._deadline):
                     seconds = self.ops.next_due(conn)
                 took = time.monotonic() - now
-                self._next_lookup = now + min(max(NEXT_DUE_PAUSE, took * NEXT_DUE_COST_RATIO), MAX_NEXT_DUE_PAUSE)
+                self._next_lookup = now + spaced_by_cost(took, NEXT_DUE_PAUSE, MAX_NEXT_DUE_PAUSE)
                 if seconds is not None:
                     # Due already, yet the claim just missed it: another claim holds it, or
                     # it fell due a moment after ours. Look again shortly, not in a loop.

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from sqla_queue import ops as ops_module
 from sqla_queue.worker import producer as producer_module
 from sqla_queue.worker.config import WorkerConfig
 from sqla_queue.worker.context import WorkerContext
@@ -90,7 +91,7 @@ def test_polls_within_the_pause_schedule_no_lookup_so_an_idle_worker_stays_quiet
 
 def test_a_wake_up_after_a_quiet_pause_looks_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", 0.0)
-    monkeypatch.setattr(producer_module, "NEXT_DUE_COST_RATIO", 0.0)
+    monkeypatch.setattr(ops_module, "COST_RATIO", 0.0)
     ops = CountingOps()
     signal = WorkSignal(1)
     producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
