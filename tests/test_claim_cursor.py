@@ -9,7 +9,7 @@ finding such jobs, and at the next rescan after a cursor claim found nothing.
 
 The cursor's rules are tested on :class:`~sqla_queue.ops.ClaimCursor` alone; the
 statements through :class:`~sqla_queue.ops.QueueOps` on both drivers against PostgreSQL,
-with all queues and one (several queues claim from the head); the whole against a held
+with all queues, one and several (a cursor each); the whole against a held
 snapshot by the index pages each claim reads; and a worker of each runtime running a job
 a long transaction committed after claims had moved past it.
 """

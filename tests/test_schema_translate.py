@@ -166,3 +166,29 @@ def _tasks() -> Any:
     from .worker_app import tasks
 
     return tasks
+
+
+@pytest.mark.parametrize("queues", [("a",), ("a", "b")], ids=["one queue", "two queues"])
+def test_cursor_claims_read_the_tenants_table(tenants: Engine, queues: tuple[str, ...]) -> None:
+    """The cursor claim, compiled once and run on the DBAPI cursor (with arrays of one
+    entry per queue when several are served), reads the translated table: after a claim
+    from the head, the cursor claim takes the tenant's next jobs of each queue, never the
+    rows with the same ids in the other schemas."""
+    from .test_ops import add, on_driver, tokens_of
+
+    a = tenant(tenants, "tenant_a")
+    for other in (tenants, tenant(tenants, "tenant_b")):  # the same ids, elsewhere
+        for queue in queues:
+            add(other, 3, queue=queue)
+    first = {queue: add(a, 1, queue=queue)[0] for queue in queues}
+    with on_driver("thread", a) as on:
+        ops = on.ops(queues=queues)
+        head = ops.claim_request("w", len(queues))
+        assert not head.from_cursor
+        assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, head))) == sorted((k, 1) for k in first.values())
+        later = sorted(k for queue in queues for k in add(a, 2, queue=queue))
+        request = ops.claim_request("w", 10)
+        assert request.from_cursor
+        assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(k, 1) for k in later]
+    for schema in (None, "tenant_b"):
+        assert {r.status for r in rows_in(tenants, schema)} == {"pending"}
