@@ -16,6 +16,8 @@ import pytest
 
 from .helpers import Server
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
 PEERS_SCRIPT = SCRIPT.with_name("peers.py")
 PEERS = ("pgqueuer", "procrastinate")

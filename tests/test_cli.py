@@ -110,6 +110,7 @@ def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text).total_seconds() == seconds
 
 
+@pytest.mark.system
 def test_console_script_help_lists_the_commands() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sqla_queue.cli", "--help"], capture_output=True, text=True, cwd=REPO, check=True
@@ -526,6 +527,7 @@ def test_second_signal_stops_an_async_worker_at_once(
     assert not effect_notes(engine)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("args", "existing_ini", "created"),
     [
@@ -571,6 +573,7 @@ SIGINT_IGNORED = [
 ]
 
 
+@pytest.mark.system
 def test_sigint_stops_a_worker_started_with_sigint_ignored(tmp_path: Path) -> None:
     """A background job of a non-interactive shell inherits SIGINT ignored: the worker
     restores it at once, so SIGINT stops it even while it still imports its target."""

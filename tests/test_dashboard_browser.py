@@ -24,6 +24,8 @@ from sqlalchemy import Engine, func, insert, select
 from .helpers import Server, table_of, wait_for
 from .models import EmailJob, Order, Task
 
+pytestmark = pytest.mark.system
+
 pytest.importorskip("flask")
 
 JOBS = table_of(EmailJob)

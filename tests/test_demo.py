@@ -17,6 +17,8 @@ import pytest
 
 from .helpers import Server, wait_for
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parent.parent
 
 

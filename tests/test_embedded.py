@@ -17,6 +17,8 @@ from sqlalchemy.pool import NullPool
 
 from sqla_queue.embedded import EmbeddedPostgres
 
+pytestmark = pytest.mark.system
+
 
 def servers_of(data_dir: Path) -> list[int]:
     """Live (not zombie) processes of a PostgreSQL server whose command line names ``data_dir``."""

@@ -35,6 +35,8 @@ from .models import Effect, Task
 from .proxy import proxied
 from .workers import FAST, add, engine_with, job
 
+pytestmark = pytest.mark.system
+
 #: Long enough that a job left to its lease would miss every deadline below.
 LEASE = 30.0
 #: A job settled by its row is running again (or done) well within this: a third of the

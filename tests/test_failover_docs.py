@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from .helpers import Server
 from .test_examples import run_example
+
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "operations" / "failover.md"

@@ -256,6 +256,7 @@ def _docs_flask_example() -> str:
     return block.group(1)
 
 
+@pytest.mark.system
 def test_docs_flask_example_passes_mypy_strict(tmp_path: Path) -> None:
     example = tmp_path / "docs_flask_example.py"
     example.write_text(_docs_flask_example())

@@ -36,7 +36,13 @@ class Backend:
         return {s.job_id: (s.status, s.attempt, s.lease_owner) for s in self(lambda c: ops.token_states(c, ids))}
 
 
-@pytest.fixture(params=["thread", "asyncio", "fake"])
+@pytest.fixture(
+    params=[
+        pytest.param("thread", marks=pytest.mark.integration),
+        pytest.param("asyncio", marks=pytest.mark.integration),
+        "fake",
+    ]
+)
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "fake":
         jobs: dict[int, FakeJob] = {}

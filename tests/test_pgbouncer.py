@@ -31,6 +31,8 @@ from sqla_queue import QueueSession, Worker
 from .helpers import Server, wait_for
 from .models import Effect, Task
 
+pytestmark = pytest.mark.system
+
 #: Fewer server connections than clients: each is shared, as in production.
 POOL_SIZE = 3
 

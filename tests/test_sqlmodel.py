@@ -241,6 +241,7 @@ def test_mixin_field_copies_any_declarative_mixins_column() -> None:
     assert LabelledJob().rank == 3 and LabelledJob().label is None
 
 
+@pytest.mark.system
 def test_importing_sqla_queue_does_not_need_sqlmodel() -> None:
     code = (
         "import sys; sys.modules['sqlmodel'] = None\n"  # any import of it raises ImportError

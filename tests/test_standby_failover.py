@@ -45,11 +45,14 @@ from .standby import Pair, find_bin_dir
 from .workers import FAST, engine_with
 
 BIN_DIR = find_bin_dir()
-pytestmark = pytest.mark.skipif(
-    BIN_DIR is None,
-    reason="pg_basebackup is not installed (the PostgreSQL server binaries, e.g. Debian's postgresql-15; "
-    "or set PG_BIN_DIR)",
-)
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.skipif(
+        BIN_DIR is None,
+        reason="pg_basebackup is not installed (the PostgreSQL server binaries, e.g. Debian's postgresql-15; "
+        "or set PG_BIN_DIR)",
+    ),
+]
 
 #: Short, so a job left to its lease would show; long enough for a loaded machine's beats.
 LEASE = 8.0

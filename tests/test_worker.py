@@ -25,6 +25,7 @@ from .workers import FAST, TASKS, add, all_status, claimed_by, effects, engine_w
 # -- outcomes ------------------------------------------------------------------------------
 
 
+@pytest.mark.compat  # the worker smoke test of the compatibility run
 def test_transactional_handler_commits_its_writes_with_completion(
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
@@ -35,6 +36,7 @@ def test_transactional_handler_commits_its_writes_with_completion(
     assert sorted(e.job_id for e in effects(engine)) == ids
 
 
+@pytest.mark.compat  # the worker smoke test of the compatibility run
 def test_failed_transactional_handler_leaves_no_writes(
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
@@ -54,6 +56,7 @@ def test_failed_transactional_handler_leaves_no_writes(
     assert job(engine, job_id).attempts == 2  # the first attempt's row was rolled back
 
 
+@pytest.mark.compat  # the worker smoke test of the compatibility run
 def test_retry_with_backoff_then_success(engine: Engine, Sessions: Any, start_worker: Any) -> None:
     (job_id,) = add(Sessions, "flaky", succeed_on=3)
     worker = start_worker()
@@ -294,6 +297,7 @@ def test_heartbeats_keep_a_long_job_leased(engine: Engine, Sessions: Any, start_
     assert len(effects(engine)) == 1 and other.stats.claimed == 0
 
 
+@pytest.mark.compat  # the worker smoke test of the compatibility run
 def test_stale_completion_is_refused_and_its_writes_rolled_back(
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
@@ -361,6 +365,7 @@ def test_a_handler_that_commits_after_losing_its_lease_commits_nothing(
 # -- wake-ups ------------------------------------------------------------------------------
 
 
+@pytest.mark.compat  # the worker smoke test of the compatibility run
 def test_notify_wakes_an_idle_worker(engine: Engine, Sessions: Any, start_worker: Any) -> None:
     worker = start_worker(poll_interval=120)
     wait_for(worker.idle, what="the worker to go idle")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import sessionmaker
 
@@ -23,6 +24,8 @@ from sqla_queue import QueueSession
 
 from .helpers import Server, WorkerProcess, table_of, wait_for
 from .models import Effect, Task
+
+pytestmark = pytest.mark.system
 
 TASKS = table_of(Task)
 Start = Callable[..., WorkerProcess]

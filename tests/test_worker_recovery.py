@@ -37,6 +37,8 @@ from .models import Effect, Task
 from .worker_app import tasks as app_tasks
 from .workers import TASKS, Runtimes, engine_with, job
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parent.parent
 
 # -- helpers -------------------------------------------------------------------------------
