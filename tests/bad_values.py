@@ -69,6 +69,12 @@ OPTION_CASES = [
     pytest.param({"delay": timedelta(days=999_999_999)}, "at most 1000 years", id="delay-timedelta-max"),
 ]
 
+#: One case of each kind, for the integration suites: on the real server they prove that
+#: the caller's transaction commits whole after a refusal. Every case runs on every path in
+#: the unit tier (``tests/unit/test_refused_before_sent.py``), where nothing may be sent.
+COLUMN_SAMPLE = [case for case in COLUMN_CASES if case.id in ("queue-too-long", "payload-nul-value", "user-text-nul")]
+OPTION_SAMPLE = [case for case in OPTION_CASES if case.id in ("queue-nul", "delay-1e12")]
+
 #: Values that look close to the bad ones but are fine, and must be stored as given.
 GOOD_TEXT = "caf\u00e9 \U0001f600 \\u0000 \\ud800"  # non-BMP emoji, escaped-looking text
 GOOD_PAYLOAD = {"emoji \U0001f600": ["\U0001f600", "\\u0000", "\\\\ud800", "\u00e9"]}

@@ -35,7 +35,7 @@ from sqla_queue import (
     queue_table,
 )
 
-from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
+from .bad_values import COLUMN_SAMPLE, OPTION_SAMPLE, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobB, Order, Task
 
@@ -300,7 +300,7 @@ def test_a_foreign_key_violation_leaves_the_transaction_usable(
         assert conn.scalars(select(EmailJob.recipient)).all() == ["again", "again"]
 
 
-@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_SAMPLE)
 def test_bad_values_raise_what_the_sync_load_raises(
     run: Run, engine: Engine, model: Any, column: str, value: Any, error: type[Exception], message: str
 ) -> None:
@@ -324,7 +324,7 @@ def test_bad_values_raise_what_the_sync_load_raises(
     assert count(engine, Order) == 1 and count(engine, model) == 0
 
 
-@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+@pytest.mark.parametrize(("options", "message"), OPTION_SAMPLE)
 def test_bad_options_fail_before_any_row_is_read(
     run: Run, engine: Engine, options: dict[str, Any], message: str
 ) -> None:
@@ -454,7 +454,7 @@ def test_the_wake_up_rides_in_the_commit_query(
     assert count(engine, EmailJob) == (2 if savepoint else 1)
 
 
-@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_SAMPLE)
 def test_async_enqueue_validates_as_enqueue(
     run: Run, engine: Engine, model: Any, column: str, value: Any, error: type[Exception], message: str
 ) -> None:

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from sqla_queue import AsyncQueueSession, EnqueueError, enqueue, enqueue_values, queue_table
 
-from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
+from .bad_values import COLUMN_SAMPLE, OPTION_SAMPLE, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
 from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, RoutedJob, Task
 
@@ -213,7 +213,7 @@ def test_defaults_options_and_delay_as_the_sync_call(run: Run, engine: Engine) -
 
 
 @pytest.mark.parametrize("kind", ["AsyncSession", "AsyncConnection"])
-@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_SAMPLE)
 def test_bad_values_raise_from_the_await_before_anything_is_written(
     run: Run, engine: Engine, kind: str, model: Any, column: str, value: Any, error: type[Exception], message: str
 ) -> None:
@@ -230,7 +230,7 @@ def test_bad_values_raise_from_the_await_before_anything_is_written(
     assert rows(engine, EMAILS) == [] and rows(engine, TASKS) == []
 
 
-@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+@pytest.mark.parametrize(("options", "message"), OPTION_SAMPLE)
 def test_bad_options_raise_from_the_await(run: Run, engine: Engine, options: dict[str, Any], message: str) -> None:
     async def body(async_engine: AsyncEngine) -> None:
         async with AsyncSession(async_engine) as session:

@@ -32,7 +32,7 @@ from sqla_queue import (
 )
 from sqla_queue.bulk import COPY_MIN_ROWS
 
-from .bad_values import COLUMN_CASES, GOOD_PAYLOAD, GOOD_TEXT, OPTION_CASES, row_values
+from .bad_values import COLUMN_SAMPLE, GOOD_PAYLOAD, GOOD_TEXT, OPTION_SAMPLE, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, ReportJob, Task, UuidJob
 
@@ -625,7 +625,7 @@ def test_copy_honours_schema_translate_map(engine: Engine) -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("form", ["dict", "instance"])
-@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_SAMPLE)
 def test_bad_row_values_are_bulk_row_errors_in_every_path(
     Sessions: sessionmaker[QueueSession],
     engine: Engine,
@@ -652,7 +652,7 @@ def test_bad_row_values_are_bulk_row_errors_in_every_path(
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+@pytest.mark.parametrize(("options", "message"), OPTION_SAMPLE)
 def test_bad_option_values_fail_before_any_row_is_written(
     Sessions: sessionmaker[QueueSession],
     engine: Engine,

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from sqla_queue import EnqueueError, QueueSession, enqueue, enqueue_values, queue_table
 
-from .bad_values import COLUMN_CASES, OPTION_CASES, row_values
+from .bad_values import COLUMN_SAMPLE, OPTION_SAMPLE, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, terminate_backend
 from .models import EmailJob, EncodedJob, InheritedJob, InheritedJobA, InheritedJobB, Order, RoutedJob, Task, UuidJob
 
@@ -109,7 +109,7 @@ def test_on_a_connection_and_a_scoped_session(engine: Engine, listening: Any, se
     assert sorted(got) == [(EMAIL_CHANNEL, "conn"), (EMAIL_CHANNEL, "scoped")]
 
 
-@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_CASES)
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), COLUMN_SAMPLE)
 def test_bad_values_raise_before_anything_is_written(
     engine: Engine, model: Any, column: str, value: Any, error: type[Exception], message: str
 ) -> None:
@@ -123,7 +123,7 @@ def test_bad_values_raise_before_anything_is_written(
     assert rows(engine, EMAILS) == [] and rows(engine, TASKS) == []
 
 
-@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+@pytest.mark.parametrize(("options", "message"), OPTION_SAMPLE)
 def test_bad_options_raise_before_anything_is_written(engine: Engine, options: dict[str, Any], message: str) -> None:
     with Session(engine) as session:
         with pytest.raises(EnqueueError, match=message):
