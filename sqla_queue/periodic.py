@@ -5,9 +5,9 @@ enqueues. Every worker given schedules runs a scheduler (:mod:`sqla_queue.worker
 no leader is elected. A tick is claimed by advancing the schedule's watermark row in the
 queue table's :func:`schedules_table` (``INSERT … ON CONFLICT DO UPDATE … WHERE last_tick <
 :tick``), in the same transaction as the job's insert: the worker whose update matched
-enqueues, the others (blocked on that row until it commits) match nothing. So a tick is
-claimed if and only if its job exists, however many workers run, and whichever of them
-dies half-way.
+enqueues, the others (blocked on that row until it commits, for a bounded time) match
+nothing. So a tick is claimed if and only if its job exists, however many workers run,
+and whichever of them dies half-way.
 
 Cron expressions are read by `cronsim <https://pypi.org/project/cronsim/>`_: small, pure
 Python, typed, with no dependency of its own, maintained for Healthchecks.io (which
