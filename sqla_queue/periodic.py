@@ -5,9 +5,9 @@ enqueues. Every worker given schedules runs a scheduler (:mod:`sqla_queue.worker
 no leader is elected. A tick is claimed by advancing the schedule's watermark row in the
 queue table's :func:`schedules_table` (``INSERT … ON CONFLICT DO UPDATE … WHERE last_tick <
 :tick``), in the same transaction as the job's insert: the worker whose update matched
-enqueues, the others (blocked on that row until it commits) match nothing. So a tick is
-claimed if and only if its job exists, however many workers run, and whichever of them
-dies half-way.
+enqueues, the others (blocked on that row until it commits, for a bounded time) match
+nothing. So a tick is claimed if and only if its job exists, however many workers run,
+and whichever of them dies half-way.
 
 Cron expressions are read by `cronsim <https://pypi.org/project/cronsim/>`_: small, pure
 Python, typed, with no dependency of its own, maintained for Healthchecks.io (which
@@ -21,7 +21,7 @@ hour (``*/5 * * * *``) run in every real hour.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -30,6 +30,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from sqlalchemy import Column, DateTime, String, Table, func
 
+from ._rules import MAX_DELAY_SECONDS
 from .model import constraint_name, queue_table
 from .options import EnqueueOptions
 
@@ -43,6 +44,11 @@ _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _INFO_KEY: Final = "sqla_queue.schedules_table"
 #: A moment just past ``now``: cronsim's reverse iteration returns ticks strictly before.
 _EPSILON: Final = timedelta(microseconds=1)
+#: Longer than any change of a zone's UTC offset (two hours at most, besides a day
+#: skipped once): how far before a tick found backwards forward iteration starts.
+_OFFSET_CHANGE: Final = timedelta(hours=3)
+#: Longest ``every``: as long as the longest delay, so the next tick is a datetime.
+MAX_EVERY_SECONDS: Final = int(MAX_DELAY_SECONDS)
 
 RowValues = Mapping[str, Any] | Callable[[datetime], Mapping[str, Any]]
 
@@ -109,6 +115,8 @@ class Schedule:
             if not math.isfinite(every) or every < 1 or every != int(every):
                 raise ValueError(f"schedule {self.name!r}: every must be a whole number of seconds, at least 1, "
                                  f"got {raw!r}")
+            if every > MAX_EVERY_SECONDS:  # its next tick would overflow datetime on every pass
+                raise ValueError(f"schedule {self.name!r}: every must be at most 1000 years, got {raw!r}")
         object.__setattr__(self, "_every", every)
         if isinstance(self.backfill, bool) or not isinstance(self.backfill, int) or not (
             0 <= self.backfill <= MAX_BACKFILL
@@ -134,15 +142,20 @@ class Schedule:
             step = int(self._every)
             elapsed = math.floor((now - _EPOCH).total_seconds())
             return _EPOCH + timedelta(seconds=elapsed - elapsed % step)
-        local = now.astimezone(self._zone) + _EPSILON
-        return _utc(next(CronSim(self.cron or "", local, reverse=True)))
+        found = self._cron_before(now + _EPSILON, 1)
+        if not found:
+            raise ValueError(f"schedule {self.name!r}: {self.cron!r} has no tick before {now.isoformat()}")
+        return found[-1]
 
     def next_tick(self, now: datetime) -> datetime:
         """The first tick after ``now``, in UTC."""
         now = _utc(now)
         if self._every is not None:
             return self.latest_tick(now) + timedelta(seconds=self._every)
-        return _utc(next(CronSim(self.cron or "", now.astimezone(self._zone))))
+        for tick in self._cron_after(now - _OFFSET_CHANGE):
+            if tick > now:
+                return tick
+        raise ValueError(f"schedule {self.name!r}: {self.cron!r} has no tick after {now.isoformat()}")
 
     def missed(self, after: datetime, upto: datetime) -> list[datetime]:
         """The ticks a pass that claimed ``upto`` enqueues when the watermark stood at
@@ -158,12 +171,54 @@ class Schedule:
                     found.append(tick)
                     tick -= step
             else:
-                for moment in CronSim(self.cron or "", upto.astimezone(self._zone), reverse=True):
-                    tick = _utc(moment)
-                    if tick <= after or len(found) > self.backfill:
-                        break
-                    found.append(tick)
+                found += self._cron_before(upto, self.backfill, after)
         return sorted(found)
+
+    def _cron_after(self, start: datetime) -> Iterator[datetime]:
+        """The ticks of the cron expression after ``start``, in UTC, in order.
+
+        Forward iteration from a moment inside an hour that occurs twice (its second
+        occurrence) reads it as the first: it would give a tick of the past and skip
+        ticks of the second occurrence. So it starts before that hour."""
+        begin = start
+        while begin.astimezone(self._zone).fold:
+            begin -= timedelta(hours=1)
+        for local in CronSim(self.cron or "", begin.astimezone(self._zone)):
+            tick = _utc(local)
+            if tick > start:
+                yield tick
+
+    def _cron_before(self, moment: datetime, count: int, after: datetime | None = None) -> list[datetime]:
+        """The latest ``count`` (at most) ticks of the cron expression strictly before
+        ``moment`` and after ``after``, oldest first, in UTC.
+
+        The ticks are those of forward iteration, the ones :meth:`next_tick` steps
+        through: cronsim's reverse iteration skips the ticks of an hour that occurs twice
+        (``0 * * * *`` in Paris had no 02:00 CET) and may give the second occurrence of a
+        time that runs at its first. It only finds where to start: ``count`` ticks back,
+        less the longest change of a UTC offset."""
+        expression = self.cron or ""
+        backwards = CronSim(expression, moment.astimezone(self._zone), reverse=True)
+        start, exhausted = moment, False
+        while True:
+            for _ in range(count):
+                found = next(backwards, None)
+                if found is None:
+                    exhausted = True
+                    break
+                start = _utc(found)
+                if after is not None and start <= after:
+                    break
+            start -= _OFFSET_CHANGE
+            if after is not None and start <= after:
+                start, exhausted = after, True
+            ticks: list[datetime] = []
+            for tick in self._cron_after(start):
+                if tick >= moment:
+                    break
+                ticks.append(tick)
+            if len(ticks) >= count or exhausted:
+                return ticks[-count:]
 
     # -- the job -----------------------------------------------------------------------
 

@@ -123,18 +123,20 @@ class Tasks:
 
         def register(func: F) -> F:
             task_name = task or func.__name__
+            # Built first: a schedule refused leaves nothing registered.
+            schedule = Schedule(
+                name or task_name, cron, every=every, timezone=timezone,
+                values={"task": task_name, "payload": dict(payload or {})},
+                queue=queue, priority=priority, max_attempts=max_attempts, backfill=backfill,
+            )
+            if schedule.name in self._schedules:
+                raise ValueError(f"a schedule named {schedule.name!r} is already registered: give name=")
             found = self._handlers.get(task_name)
             if found is None:
                 self.register(task_name, func)
             elif found.fn is not func:
                 raise ValueError(f"task {task_name!r} is already registered with another function")
-            self.schedule(
-                Schedule(
-                    name or task_name, cron, every=every, timezone=timezone,
-                    values={"task": task_name, "payload": dict(payload or {})},
-                    queue=queue, priority=priority, max_attempts=max_attempts, backfill=backfill,
-                )
-            )
+            self.schedule(schedule)
             return func
 
         return register
@@ -163,6 +165,13 @@ class Tasks:
         """Register ``fn`` under ``name`` (default: the function's ``__name__``);
         ``timeout``: seconds one attempt of the task may run (a job's own ``timeout``
         wins, and this one wins over the worker's)."""
+
+        if fn is not None and not callable(fn):
+            # tasks.task("send_email"): the name must be given by keyword.
+            raise TypeError(
+                f"Tasks.task takes the function (@tasks.task) or keyword arguments "
+                f"(@tasks.task(name={fn!r})), got {fn!r}"
+            )
 
         def register(func: F) -> F:
             self.register(name or func.__name__, func, timeout=timeout)

@@ -4,12 +4,15 @@
 ``AsyncWorker`` when ``SQLA_QUEUE_TEST_RUNTIME=asyncio``). With ``SQLA_QUEUE_TEST_HANG``
 set to a path, the first process to claim a tick (the one that creates that file) writes
 its pid and the tick there and then hangs inside the claiming transaction, between the
-watermark's update and the job's insert: the test kills it there.
+watermark's update and the job's insert: the test kills it there. With
+``SQLA_QUEUE_TEST_HANG_STOP`` also set, it stops itself there instead (SIGSTOP: every
+thread frozen, as in a paused VM) and goes on where it was when the test sends SIGCONT.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from datetime import datetime
 from typing import Any
@@ -35,7 +38,10 @@ def beat_values(tick: datetime) -> dict[str, Any]:
         else:
             os.write(fd, f"{os.getpid()} {tick.isoformat()}".encode())
             os.close(fd)
-            _never.wait()  # the tick stays claimed by an open transaction until the process dies
+            if os.environ.get("SQLA_QUEUE_TEST_HANG_STOP"):
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen inside the transaction until SIGCONT
+            else:
+                _never.wait()  # the tick stays claimed by an open transaction until the process dies
     return {"task": "beat", "payload": {"tick": tick.isoformat(), "pid": os.getpid()}}
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import psutil
 import pytest
 from sqlalchemy import Engine, String, create_engine, func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -17,8 +19,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqla_queue import JobMixin, Schedule, Tasks, Worker, WorkerStartError, schedules_table
 from sqla_queue import sql as q
 from sqla_queue.periodic import MAX_BACKFILL
+from sqla_queue.worker.scheduler import BUSY_RETRY, CLAIM_DEADLINE, TICK_IDLE_TIMEOUT, TICK_LOCK_TIMEOUT
 
-from .helpers import table_of, wait_for
+from .helpers import ConnectLag, table_of, wait_for
 from .models import REPORT_SCHEDULES, TASK_SCHEDULES, ReportJob, Task
 from .workers import FAST
 
@@ -300,6 +303,34 @@ def test_a_failing_tick_claims_nothing_and_the_next_one_runs(engine: Engine, cap
     assert [(job.report, job.run_after) for job in _jobs(engine, REPORTS)] == [("r3", minute(3))]
 
 
+def test_a_claim_on_a_held_watermark_row_gives_up_soon_and_is_tried_again(engine: Engine) -> None:
+    """Another transaction holds the watermark row: the claim waits TICK_LOCK_TIMEOUT,
+    not for as long as that transaction lives; the tick is not taken as handled, the
+    next pass comes after BUSY_RETRY, and it enqueues the tick once the row is free."""
+    schedule = Schedule("held", every=60, values={"task": "work", "payload": {}})  # no backfill
+    (worker,) = _schedulers(engine, 1, [schedule])
+    scheduler = worker.scheduler
+    assert scheduler is not None
+    holder = engine.connect()
+    try:
+        scheduler.run_due(minute(0))  # first sight: the watermark row
+        holder.begin()
+        holder.execute(select(TASK_SCHEDULES).where(TASK_SCHEDULES.c.name == "held").with_for_update())
+        began = time.monotonic()
+        assert scheduler.run_due(minute(1)) == {}
+        assert time.monotonic() - began < CLAIM_DEADLINE  # gave up before the client-side deadline
+        assert scheduler.busy == {"held"} and scheduler.handled["held"] == minute(0)
+        scheduler.clock = lambda: minute(1) + timedelta(seconds=1)
+        assert scheduler.tick() == BUSY_RETRY
+        holder.rollback()
+        assert len(scheduler.run_due(minute(1) + timedelta(seconds=2))["held"]) == 1
+        assert scheduler.busy == set()
+    finally:
+        holder.close()
+        _close([worker])
+    assert [job.run_after for job in _jobs(engine)] == [minute(1)]
+
+
 def test_a_removed_schedule_stops_and_its_row_stays_harmless(engine: Engine) -> None:
     old = Schedule("old", every=60, values={"task": "work", "payload": {}})
     new = Schedule("new", every=60, values={"task": "work", "payload": {}})
@@ -425,6 +456,60 @@ def test_killing_the_process_that_claimed_a_tick_loses_nothing_and_doubles_nothi
     assert ticks == [ticks[0] + timedelta(seconds=n) for n in range(len(ticks))]
     (of_hung,) = [job for job in jobs if job.run_after == hung]
     assert of_hung.payload["pid"] != victim.pid
+
+
+def test_a_process_frozen_inside_its_claim_holds_the_tick_only_for_a_bounded_time(
+    engine: Engine, worker_processes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two worker processes on a one-second schedule; the first to claim a tick stops
+    itself (SIGSTOP) inside its transaction, its watermark row locked. The server ends
+    that transaction once it has sat idle for TICK_IDLE_TIMEOUT, and the other process,
+    whose claims give up on the held row after TICK_LOCK_TIMEOUT and are tried again,
+    enqueues the tick within the sum of those bounds. Sent SIGCONT, the frozen process
+    finds its transaction gone, enqueues nothing twice, and goes on with later ticks."""
+    hang = tmp_path / "hang"
+    monkeypatch.setenv("SQLA_QUEUE_TEST_HANG", str(hang))
+    monkeypatch.setenv("SQLA_QUEUE_TEST_HANG_STOP", "1")
+    processes = [worker_processes(target="tests.periodic_app:make_worker") for _ in range(2)]
+    wait_for(hang.exists, timeout=30, what="a process to claim a tick and freeze")
+    wait_for(lambda: " " in hang.read_text(), what="the frozen tick")
+    pid_text, tick_text = hang.read_text().split(" ")
+    (victim,) = [p for p in processes if p.pid == int(pid_text)]
+    (other,) = [p for p in processes if p is not victim]
+    hung = datetime.fromisoformat(tick_text)
+    with ConnectLag(engine.url) as lag:
+        wait_for(lambda: psutil.Process(victim.pid).status() == psutil.STATUS_STOPPED, what="the process stopped")
+        frozen = time.monotonic()
+        wait_for(lambda: _ticks_from(engine, hung) >= 1, timeout=60, what="the frozen tick enqueued")
+        took = time.monotonic() - frozen
+        # The server's timer, one claim that gave up, the retry, and a claim that commits.
+        bound = TICK_IDLE_TIMEOUT + TICK_LOCK_TIMEOUT + BUSY_RETRY + 1.0 + 3 * lag.worst
+        assert took <= bound, (took, bound, lag.worst)
+    wait_for(lambda: _ticks_from(engine, hung) >= 3, timeout=30, what="ticks after the frozen one")
+    victim.signal(signal.SIGCONT)
+    other.signal(signal.SIGTERM)
+    other.wait(20)
+    # Alone now, the process that was frozen enqueues the next ticks itself.
+    wait_for(lambda: _ticks_by(engine, victim.pid) >= 2, timeout=30, what="ticks of the process thawed")
+    victim.signal(signal.SIGTERM)
+    victim.wait(20)
+    jobs = _jobs(engine)
+    runs = Counter(job.run_after for job in jobs)
+    assert max(runs.values()) == 1, runs
+    ticks = sorted(runs)
+    assert ticks == [ticks[0] + timedelta(seconds=n) for n in range(len(ticks))]
+    (of_hung,) = [job for job in jobs if job.run_after == hung]
+    assert of_hung.payload["pid"] == other.pid
+
+
+def _ticks_from(engine: Engine, tick: datetime) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).where(TASKS.c.run_after >= tick)) or 0)
+
+
+def _ticks_by(engine: Engine, pid: int) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).where(TASKS.c.payload["pid"].as_integer() == pid)) or 0)
 
 
 def _ticks_after(engine: Engine, tick: datetime) -> int:

@@ -8,6 +8,11 @@ row's lock, then match nothing; if the claiming worker dies before its commit, i
 transaction rolls back with the job, and the next claim (the waiting worker's) enqueues
 the tick instead. A tick is claimed if and only if its job exists.
 
+Both the wait and the transaction are bounded (:data:`TICK_LOCK_TIMEOUT`,
+:data:`TICK_IDLE_TIMEOUT`): a worker frozen inside its claim (SIGSTOP, a paused VM) would
+otherwise hold the row, and stall the schedule on every worker, for as long as it stays
+frozen. The server ends its transaction instead, and another worker claims the tick.
+
 Ticks come from the worker's clock (:attr:`Scheduler.clock`), each job runs from its
 tick on (``run_after``). After an outage the latest missed tick is enqueued, and as many
 earlier ones as the schedule's ``backfill``; a schedule seen for the first time starts
@@ -22,6 +27,10 @@ from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
+from sqlalchemy import func, select
+from sqlalchemy.exc import DBAPIError
+
 from ..ops import ScheduleOps
 from ..periodic import Schedule
 from .context import WorkerContext
@@ -35,6 +44,16 @@ log = logging.getLogger("sqla_queue.worker")
 MAX_WAIT = 30.0
 #: A claim and its inserts stuck longer than this (behind a lock, a hung server) are cut short.
 CLAIM_DEADLINE = 15.0
+#: Longest wait for a watermark row another worker holds (``lock_timeout``): the claim
+#: gives up and is tried again soon, so one held row does not stall every schedule.
+TICK_LOCK_TIMEOUT = 1.0
+#: Longest time the tick's transaction may sit idle between statements
+#: (``idle_in_transaction_session_timeout``): a worker stopped inside it (SIGSTOP, a
+#: paused VM) has its transaction ended by the server, which releases the watermark
+#: row and rolls its job back, so another worker claims the tick.
+TICK_IDLE_TIMEOUT = 3.0
+#: How soon a claim that found the watermark row held is tried again.
+BUSY_RETRY = 0.25
 
 
 def utc_now() -> datetime:
@@ -57,6 +76,9 @@ class Scheduler(Service):
         #: The latest tick of each schedule this scheduler handled (claimed, or found
         #: claimed): it is not asked again before the next one.
         self.handled: dict[str, datetime] = {}
+        #: Schedules whose watermark row another worker held at the last pass: the
+        #: next pass comes after :data:`BUSY_RETRY`, not at the next tick.
+        self.busy: set[str] = set()
         self.link = Reconnecting(driver, "sqla_queue scheduler")
 
     def check(self) -> None:
@@ -65,6 +87,8 @@ class Scheduler(Service):
 
     def tick(self) -> float:
         self.run_due(self.clock())
+        if self.busy:
+            return BUSY_RETRY
         now = self.clock()
         soonest = min(schedule.next_tick(now) for schedule in self.schedules)
         return min(max((soonest - now).total_seconds(), 0.0), MAX_WAIT)
@@ -81,6 +105,14 @@ class Scheduler(Service):
             try:
                 keys = self._claim(schedule, tick)
             except Exception as exc:
+                if _lock_not_available(exc):
+                    # Another worker holds the watermark row: it commits (then the
+                    # tick is found claimed) or its transaction ends (then it is ours).
+                    log.debug("scheduler: schedule %r: watermark held by another worker; trying again",
+                              schedule.name)
+                    self.busy.add(schedule.name)
+                    continue
+                self.busy.discard(schedule.name)
                 if self.driver.is_connection_error(exc):
                     raise  # the service reconnects; the tick is tried again
                 # A mistake of the schedule's own (its values callable raised, a value the
@@ -90,6 +122,7 @@ class Scheduler(Service):
                 self.link.reset()
                 self.handled[schedule.name] = tick
                 continue
+            self.busy.discard(schedule.name)
             self.handled[schedule.name] = tick
             if keys is not None:
                 enqueued[schedule.name] = keys
@@ -108,6 +141,7 @@ class Scheduler(Service):
             sa = conn.sa
             trans = sa.begin()
             try:
+                sa.execute(_BOUNDS)
                 claimed, previous = self.ops.claim_tick(sa, schedule.name, tick)
                 keys: list[Any] = []
                 if claimed and previous is not None:
@@ -122,3 +156,18 @@ class Scheduler(Service):
                 except Exception:  # noqa: BLE001 - a broken connection: make a new one
                     self.link.reset()
         return keys if claimed else None
+
+
+#: The bounds of a tick's transaction, for that transaction only (``set_config(…, true)``
+#: is ``SET LOCAL``): how long its claim waits for a held watermark row, and how long
+#: it may sit idle before the server ends it.
+_BOUNDS = select(
+    func.set_config("lock_timeout", f"{int(TICK_LOCK_TIMEOUT * 1000)}ms", True),
+    func.set_config("idle_in_transaction_session_timeout", f"{int(TICK_IDLE_TIMEOUT * 1000)}ms", True),
+)
+
+
+def _lock_not_available(exc: BaseException) -> bool:
+    """The claim gave up waiting for a watermark row (SQLSTATE 55P03)."""
+    cause = exc.orig if isinstance(exc, DBAPIError) else exc
+    return isinstance(cause, psycopg.errors.LockNotAvailable)
