@@ -14,13 +14,13 @@ from sqlalchemy import Engine, func, insert, select, update
 
 pytest.importorskip("flask")
 
-from flask import Flask, redirect
+from flask import Flask, redirect, request
 from markupsafe import escape
 
 from sqla_queue.dashboard import create_app, dashboard_blueprint
 
 from .helpers import table_of
-from .models import EmailJob, Order, Task
+from .models import EmailJob, Order, Task, UuidJob
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
@@ -37,6 +37,7 @@ def app(engine: Engine) -> Flask:
 @pytest.fixture
 def client(app: Flask) -> Iterator[Any]:
     with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"  # what a browser sends from the dashboard's pages
         yield client
 
 
@@ -229,6 +230,7 @@ def test_read_only_mode_hides_and_refuses_actions(engine: Engine) -> None:
     key = add(engine, JOBS, status="failed")
     app = create_app(engine, [EmailJob], read_only=True)
     with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
         page = client.get("/email_jobs/jobs").get_data(as_text=True)
         assert ids_on(page) == [key]
         assert 'value="requeue"' not in page and 'type="checkbox" name="id"' not in page
@@ -270,6 +272,7 @@ def test_auth_callable_guards_every_page(engine: Engine) -> None:
         dashboard_blueprint(engine, [EmailJob], auth=lambda: allowed["verdict"]), url_prefix="/admin/queue"
     )
     with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
         for path in ("/admin/queue/", "/admin/queue/email_jobs/jobs", "/admin/queue/email_jobs/workers"):
             assert client.get(path).status_code == 403
         assert client.post("/admin/queue/email_jobs/action", data={}).status_code == 403
@@ -316,3 +319,116 @@ def test_requeue_every_dead_letter_matching_the_filter(engine: Engine, client: A
     keep = add(engine, TASKS, task="send", status="failed")
     client.post("/tasks/action", data={"csrf_token": csrf(client), "action": "requeue_matching", "task": "crop,x"})
     assert status_of(engine, TASKS, task) == "pending" and status_of(engine, TASKS, keep) == "failed"
+
+
+def count_of(engine: Engine, table: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).select_from(table)) or 0)
+
+
+def test_a_page_under_a_foreign_host_name_is_refused(engine: Engine, client: Any) -> None:
+    """DNS rebinding: a page of attacker.example, its name now pointing at 127.0.0.1,
+    reads the dashboard and posts to it with the token it read. Nothing is served,
+    nothing changes."""
+    keys = [add(engine, TASKS, task="pay", payload={"card": "4111111111111111"}) for _ in range(3)]
+    forged = {"Host": "attacker.example", "Origin": "http://attacker.example"}
+    for path in ("/", "/tasks/jobs", f"/tasks/job/{keys[0]}", f"/tasks/job/{keys[0]}/raw/payload", "/tasks/workers"):
+        response = client.get(path, headers=forged)
+        assert response.status_code == 400, path
+        assert "4111" not in response.get_data(as_text=True) and "csrf_token" not in response.get_data(as_text=True)
+    token = csrf(client, "/tasks/jobs")  # even with a token read under the right name
+    response = client.post("/tasks/action", headers=forged,
+                           data={"csrf_token": token, "action": "delete", "id": [str(k) for k in keys]})
+    assert response.status_code == 400
+    assert count_of(engine, TASKS) == 3
+    for host in ("localhost", "LOCALHOST:8787", "127.0.0.1:8787", "[::1]:8787"):  # this machine's names pass
+        assert client.get("/tasks/jobs", headers={"Host": host}).status_code == 200, host
+
+
+def test_a_post_from_another_origin_is_refused(engine: Engine, client: Any) -> None:
+    keys = [add(engine, JOBS, status="failed") for _ in range(3)]
+    token = csrf(client)
+    data = {"csrf_token": token, "action": "delete", "id": [str(k) for k in keys]}
+    for headers in (
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},  # a sandboxed frame, a data: page
+        {"Origin": "http://localhost:9999"},  # another server of this machine
+        {"Origin": "", "Referer": "http://evil.example/page"},
+        {"Origin": ""},  # neither header: not sent by a page of the dashboard
+    ):
+        response = client.post("/email_jobs/action", headers=headers, data=data)
+        assert response.status_code == 400, headers
+        assert "did not come from a page of the dashboard" in response.get_data(as_text=True)
+    assert count_of(engine, JOBS) == 3
+    response = client.post("/email_jobs/action", headers={"Origin": "", "Referer": "http://localhost/email_jobs/jobs"},
+                           data=data)
+    assert response.status_code == 302 and count_of(engine, JOBS) == 0  # a browser that sends only Referer
+
+
+def test_a_mounted_dashboard_checks_the_hosts_it_is_given_before_auth(engine: Engine) -> None:
+    calls: list[str] = []
+
+    def auth() -> bool:
+        calls.append(request.host)
+        return True
+
+    app = Flask(__name__)
+    app.secret_key = "test"
+    app.register_blueprint(
+        dashboard_blueprint(engine, [EmailJob], auth=auth, trusted_hosts=[".example.com"]), url_prefix="/queue"
+    )
+    with app.test_client() as client:
+        assert client.get("/queue/", headers={"Host": "evil.example"}).status_code == 400
+        assert client.get("/queue/", headers={"Host": "example.com.evil.example"}).status_code == 400
+        assert calls == []  # refused before auth ran
+        assert client.get("/queue/", headers={"Host": "ops.example.com"}).status_code == 200
+        assert client.get("/queue/", headers={"Host": "example.com"}).status_code == 200
+    with pytest.raises(ValueError, match="not a host name"):
+        dashboard_blueprint(engine, [EmailJob], auth=None, trusted_hosts=["a/b"])
+    with pytest.raises(ValueError, match="list of names"):
+        dashboard_blueprint(engine, [EmailJob], auth=None, trusted_hosts="localhost")
+
+
+BIG = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "data", "status"),
+    [
+        ("GET", f"/email_jobs/job/{BIG}", None, 404),
+        ("GET", f"/email_jobs/job/-{BIG}", None, 404),
+        ("GET", "/email_jobs/job/9223372036854775808", None, 404),  # bigint's largest plus one
+        ("GET", "/email_jobs/job/-9223372036854775809", None, 404),
+        ("GET", f"/email_jobs/job/{BIG}/raw/payload", None, 404),
+        ("GET", f"/email_jobs/jobs?before={BIG}", None, 404),
+        ("GET", f"/email_jobs/dead?before=-{BIG}", None, 404),
+        ("GET", "/email_jobs/jobs?queue=a%00b", None, 400),
+        ("GET", "/email_jobs/jobs?error=%00", None, 400),
+        ("GET", "/email_jobs/jobs?queue=a&queue=%00", None, 400),  # a repeated argument, not only the first
+        ("GET", "/email_jobs/dead?queue=x%00", None, 400),
+        ("GET", "/tasks/jobs?task=%00", None, 400),
+        ("GET", "/email_jobs/job/1%00", None, 400),
+        ("GET", "/uuid_jobs/job/%00", None, 400),
+        ("POST", "/email_jobs/action", {"action": "delete", "id": BIG}, 404),
+        ("POST", "/email_jobs/action", {"action": "requeue", "id": ["1", f"-{BIG}"]}, 404),
+        ("POST", "/email_jobs/action", {"action": "requeue_matching", "error": "\x00"}, 400),
+        ("POST", "/email_jobs/action", {"action": "requeue_matching", "queue": "q\x00"}, 400),
+        ("POST", "/tasks/action", {"action": "requeue_matching", "task": "\x00"}, 400),
+        ("POST", "/email_jobs/action", {"action": "cancel", "id": "1", "next\x00": "x"}, 400),
+    ],
+)
+def test_hostile_input_is_a_400_or_404_and_changes_nothing(
+    engine: Engine, method: str, path: str, data: dict[str, Any] | None, status: int
+) -> None:
+    app = create_app(engine, [EmailJob, Task, UuidJob])  # not testing: a failure is the 500 a browser would see
+    key = add(engine, JOBS, status="failed", last_error="x")
+    task = add(engine, TASKS, task="t", status="failed")
+    with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+        if method == "GET":
+            response = client.get(path)
+        else:
+            assert data is not None
+            response = client.post(path, data={**data, "csrf_token": csrf(client)})
+    assert response.status_code == status, response.get_data(as_text=True)[:300]
+    assert status_of(engine, JOBS, key) == "failed" and status_of(engine, TASKS, task) == "failed"

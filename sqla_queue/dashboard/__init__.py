@@ -11,6 +11,14 @@ Mount it in your own app, behind your own authentication::
 
 or run it on its own: ``sqla-queue dashboard myapp.jobs:worker`` (127.0.0.1 only).
 
+A server with no login of its own on 127.0.0.1 is still reachable from any web page the
+local user opens, by DNS rebinding (the page's own name made to point at 127.0.0.1): so
+the stand-alone app answers only requests whose ``Host`` is one of its own names
+(``trusted_hosts``, 400 otherwise), and every POST must come from a page of the same
+origin (``Origin``, or failing it ``Referer``). Mounted in your app, pass
+``trusted_hosts=`` (or set Flask's ``TRUSTED_HOSTS``) for the same ``Host`` check; the
+``Origin`` check is always on, and your ``auth`` is the login.
+
 Server-rendered (Jinja templates shipped in the package), no JavaScript at all: the
 Content-Security-Policy of every page forbids scripts, so even a template mistake cannot
 run a payload's ``<script>``. Every action is a POST carrying a CSRF token kept in Flask's
@@ -27,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import (
     Blueprint,
@@ -41,12 +50,16 @@ from flask import (
     session,
     url_for,
 )
-from sqlalchemy import Engine
+from sqlalchemy import BigInteger, Engine, Integer, SmallInteger
 
 from .. import admin
 from ..model import JobStatus, QueueTable, queue_table
 
-__all__ = ["Auth", "create_app", "dashboard_blueprint", "serve"]
+__all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
+
+#: The names of this machine a browser uses to reach a server bound to a loopback
+#: address: what the stand-alone dashboard trusts by default.
+LOOPBACK_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 
 #: Called before every request of the dashboard: a true value lets it through, a Flask
 #: response (a redirect to your login page) is returned as it is, anything else is a 403.
@@ -86,6 +99,7 @@ class _Settings:
         lease: float | None,
         page_size: int,
         truncate: int,
+        trusted_hosts: Sequence[str] | None = None,
     ) -> None:
         if isinstance(models, (str, bytes)) or not models:
             raise ValueError("the dashboard needs at least one queue model")
@@ -103,6 +117,7 @@ class _Settings:
         self.lease = lease
         self.page_size = page_size
         self.truncate = truncate
+        self.trusted_hosts = _trusted_hosts(trusted_hosts)
 
     @property
     def engine(self) -> Engine:
@@ -126,6 +141,7 @@ def dashboard_blueprint(
     page_size: int = 50,
     truncate: int = 2000,
     name: str = "sqla_queue_dashboard",
+    trusted_hosts: Sequence[str] | None = None,
 ) -> Blueprint:
     """The dashboard as a blueprint to register in your app (``url_prefix`` of your choice).
 
@@ -136,12 +152,23 @@ def dashboard_blueprint(
     (seconds), to show their last heartbeat. Values longer than ``truncate`` characters
     are cut, with a link to the full value. The app needs a ``secret_key``: the CSRF
     token lives in its session.
+
+    ``trusted_hosts``: the names the dashboard is reached by (``Host``; ``.example.com``
+    also takes its subdomains); a request naming another gets a 400, before ``auth``
+    runs. ``None`` leaves the ``Host`` check to your app (Flask's ``TRUSTED_HOSTS``).
+    Whatever it is, a POST whose ``Origin`` (or ``Referer``) is not the request's own
+    host is refused with a 400: behind a proxy, pass the original ``Host`` on (or use
+    Werkzeug's ``ProxyFix``).
     """
-    settings = _Settings(engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate)
+    settings = _Settings(
+        engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate,
+        trusted_hosts=trusted_hosts,
+    )
     bp = Blueprint(name, __name__, template_folder="templates")
 
     @bp.before_request
     def _authorize() -> Any:
+        _check_request(settings.trusted_hosts)
         if auth is not None:
             verdict = auth()
             if isinstance(verdict, Response):
@@ -264,11 +291,85 @@ def dashboard_blueprint(
     return bp
 
 
+#: The values each integer column type can hold: a key outside them names no job (and
+#: PostgreSQL would refuse the statement that looks for it).
+_INT_RANGES = ((BigInteger, 63), (SmallInteger, 15), (Integer, 31))
+
+
 def _job_id(entry: _Table, value: str) -> Any:
     try:
-        return admin.parse_job_id(entry.model, value)
+        key = admin.parse_job_id(entry.model, value)
     except ValueError:
         abort(404)
+    column_type = entry.qt.pk.type
+    if isinstance(key, int):
+        for kind, bits in _INT_RANGES:
+            if isinstance(column_type, kind):
+                if not -(2**bits) <= key < 2**bits:
+                    abort(404)
+                break
+    return key
+
+
+def _trusted_hosts(hosts: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``hosts`` lower-cased, without brackets or ports; ValueError when one is no name."""
+    if hosts is None:
+        return None
+    if isinstance(hosts, (str, bytes)):
+        raise ValueError("trusted_hosts is a list of names, not one string")
+    names = []
+    for host in hosts:
+        dot = host.startswith(".")
+        name = _hostname(host[1:] if dot else host)
+        if name is None:
+            raise ValueError(f"not a host name: {host!r}")
+        names.append("." + name if dot else name)
+    if not names:
+        raise ValueError("trusted_hosts needs at least one name (None: no Host check)")
+    return tuple(names)
+
+
+def _hostname(netloc: str) -> str | None:
+    """The host of ``host[:port]`` (an IPv6 address in brackets or bare), lower-cased."""
+    if not netloc or any(c in netloc for c in "/?#@\\ \t\r\n\x00"):
+        return None
+    if netloc.count(":") > 1 and not netloc.startswith("["):
+        netloc = f"[{netloc}]"  # a bare IPv6 address
+    try:
+        parts = urlsplit("//" + netloc)
+        parts.port  # noqa: B018  (raises ValueError on a bad port)
+    except ValueError:
+        return None
+    return parts.hostname or None
+
+
+def _host_trusted(netloc: str, trusted: Sequence[str]) -> bool:
+    host = _hostname(netloc)
+    if host is None:
+        return False
+    return any(host == name or (name.startswith(".") and (host == name[1:] or host.endswith(name)))
+               for name in trusted)
+
+
+def _check_request(trusted: Sequence[str] | None) -> None:
+    """Refuse what DNS rebinding and cross-site posts send, and values no column holds.
+
+    A ``Host`` outside ``trusted`` is a page of another site that resolved its own name
+    to this server. A POST must come from one of the dashboard's own pages: its
+    ``Origin`` (every browser sends one on a POST; ``Referer`` where it does not) names
+    the request's own host. A NUL character fits in no text column: refused here rather
+    than by PostgreSQL halfway through a request.
+    """
+    if trusted is not None and not _host_trusted(request.host, trusted):
+        abort(400, "this dashboard is not served under that host name")
+    if request.method == "POST":
+        source = request.headers.get("Origin") or request.headers.get("Referer")
+        origin = urlsplit(source) if source else None
+        if origin is None or origin.scheme not in ("http", "https") or origin.netloc.lower() != request.host.lower():
+            abort(400, "this action did not come from a page of the dashboard")
+    fields = [*request.args.lists(), *(request.form.lists() if request.method == "POST" else ())]
+    if "\x00" in request.path or any("\x00" in key or any("\x00" in v for v in values) for key, values in fields):
+        abort(400, "a NUL character in the request")
 
 
 def _split(values: list[str]) -> tuple[str, ...]:
@@ -407,15 +508,20 @@ def create_app(
     auth: Auth | None = None,
     secret_key: str | None = None,
     page_size: int = 50,
+    trusted_hosts: Sequence[str] = LOOPBACK_HOSTS,
 ) -> Flask:
     """A Flask app serving only the dashboard, at ``/``: what ``sqla-queue dashboard``
     runs. A random ``secret_key`` unless given (sessions, hence CSRF tokens, last as long
-    as the process)."""
+    as the process). Only requests naming one of ``trusted_hosts`` are answered (by
+    default this machine's loopback names: see the module's docstring)."""
     app = Flask("sqla_queue.dashboard")
     app.secret_key = secret_key or secrets.token_hex(32)
     app.config["SESSION_COOKIE_SAMESITE"] = "Strict"
     app.register_blueprint(
-        dashboard_blueprint(engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size)
+        dashboard_blueprint(
+            engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size,
+            trusted_hosts=trusted_hosts,
+        )
     )
     return app
 
@@ -429,12 +535,19 @@ def serve(
     read_only: bool = False,
     lease: float | None = None,
     ready: Callable[[str], None] | None = None,
+    trusted_hosts: Sequence[str] | None = None,
 ) -> None:
     """Serve :func:`create_app` with Werkzeug's threaded server until interrupted; prints
-    (or passes to ``ready``) the address once it listens (``port=0``: a free port)."""
+    (or passes to ``ready``) the address once it listens (``port=0``: a free port).
+
+    ``trusted_hosts``: the names browsers reach it by; by default the loopback names on
+    a loopback address, else ``host`` itself. On every address (``0.0.0.0``, ``::``)
+    they must be given: ValueError otherwise."""
     from werkzeug.serving import make_server
 
-    app = create_app(engine, models, read_only=read_only, lease=lease)
+    app = create_app(
+        engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts)
+    )
     server = make_server(host, port, app, threaded=True)
     shown = f"[{host}]" if ":" in host else host
     address = f"http://{shown}:{server.server_port}/"
@@ -448,3 +561,24 @@ def serve(
         pass
     finally:
         server.server_close()
+
+
+def served_hosts(host: str, trusted_hosts: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The names a dashboard bound to ``host`` answers to: ``trusted_hosts`` when given,
+    else this machine's loopback names for a loopback address, else ``host`` itself.
+    ValueError for a wildcard address without ``trusted_hosts`` (no name to trust)."""
+    if trusted_hosts is not None:
+        names = _trusted_hosts(trusted_hosts)
+        assert names is not None
+        return names
+    bare = host.strip("[]").lower()
+    if bare in ("", "0.0.0.0", "::"):
+        raise ValueError(
+            f"the dashboard listens on every address ({host or '*'}): name the hosts it is reached by "
+            "(trusted_hosts, --trusted-host)"
+        )
+    if bare in LOOPBACK_HOSTS or bare.startswith("127."):
+        return LOOPBACK_HOSTS if bare in LOOPBACK_HOSTS else (*LOOPBACK_HOSTS, bare)
+    names = _trusted_hosts([bare])
+    assert names is not None
+    return names
