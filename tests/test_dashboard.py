@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import html
 import re
+import time
+import tracemalloc
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -432,3 +434,70 @@ def test_hostile_input_is_a_400_or_404_and_changes_nothing(
             response = client.post(path, data={**data, "csrf_token": csrf(client)})
     assert response.status_code == status, response.get_data(as_text=True)[:300]
     assert status_of(engine, JOBS, key) == "failed" and status_of(engine, TASKS, task) == "failed"
+
+
+def _page_cost(client: Any, path: str, runs: int = 5) -> tuple[float, int, str]:
+    """The fastest of ``runs`` renderings of ``path`` (seconds), the Python memory one
+    takes at its peak (bytes), and the page."""
+    best = float("inf")
+    page = ""
+    for _ in range(runs):
+        started = time.perf_counter()
+        response = client.get(path)
+        best = min(best, time.perf_counter() - started)
+        assert response.status_code == 200
+        page = response.get_data(as_text=True)
+    tracemalloc.start()
+    try:
+        client.get(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return best, peak, page
+
+
+def test_a_page_of_big_payloads_costs_what_a_page_of_small_ones_does(engine: Engine) -> None:
+    blob = "z" * 1_000_000
+    with engine.begin() as conn:
+        conn.execute(insert(TASKS), [{"task": "t", "queue": "big", "payload": {"blob": blob, "n": i},
+                                      "last_error": "Traceback\n" + "e" * 100_000 + "\nValueError: big"}
+                                     for i in range(20)])
+        conn.execute(insert(TASKS), [{"task": "t", "queue": "small", "payload": {"html": XSS, "n": i},
+                                      "last_error": "Traceback\nValueError: small"} for i in range(20)])
+    app = create_app(engine, [Task], page_size=20)
+    with app.test_client() as client:
+        small_time, small_peak, small_page = _page_cost(client, "/tasks/jobs?queue=small")
+        big_time, big_peak, big_page = _page_cost(client, "/tasks/jobs?queue=big")
+    assert len(ids_on(small_page)) == len(ids_on(big_page)) == 20
+    assert big_peak <= 2 * small_peak, (big_peak, small_peak)
+    assert big_time <= 2 * small_time, (big_time, small_time)
+    assert "&lt;script&gt;" in small_page and "ValueError: small" in small_page  # small values: their start
+    assert big_page.count('<span class="muted">97.7 kB</span>') == 20  # a big error: its size
+    assert len(re.findall(r'<span class="muted">\d+\.\d kB stored</span>', big_page)) == 20  # a payload: its size
+
+
+def test_a_job_page_shows_a_bounded_view_of_a_big_value(engine: Engine, client: Any) -> None:
+    key = add(engine, TASKS, task="t", payload={"blob": "z" * 4_000_000, "html": XSS},
+              last_error="Traceback\n" + "e" * 150_000 + "\nValueError: the end")
+    tracemalloc.start()
+    try:
+        response = client.get(f"/tasks/job/{key}")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    page = response.get_data(as_text=True)
+    assert response.status_code == 200 and len(page) < 200_000
+    assert peak < 2_000_000, peak  # the 4 MB value never reaches Python
+    links = {
+        column: (html.unescape(url), int(length))
+        for url, column, length in re.findall(
+            r'<a href="([^"]+/raw/([a-z_]+))" class="full-value">full value \((\d+) characters\)', page
+        )
+    }
+    assert set(links) == {"payload", "last_error"}
+    for column, (url, length) in links.items():
+        raw = client.get(url).get_data(as_text=True)  # the whole value, on request
+        assert len(raw) == length, column
+    assert client.get(links["payload"][0]).get_data(as_text=True).count("z") == 4_000_000
+    assert "ValueError: the end" not in page and "ValueError: the end" in client.get(links["last_error"][0]).get_data(
+        as_text=True)

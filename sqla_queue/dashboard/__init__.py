@@ -50,9 +50,11 @@ from flask import (
     session,
     url_for,
 )
-from sqlalchemy import BigInteger, Engine, Integer, SmallInteger
+from sqlalchemy import JSON, BigInteger, ColumnElement, Engine, Integer, SmallInteger, String, Text, case, cast, func
+from sqlalchemy.dialects.postgresql import JSONB
 
 from .. import admin
+from .. import sql as q
 from ..model import JobStatus, QueueTable, queue_table
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
@@ -72,6 +74,15 @@ _CSP = (
 )
 _ACTIONS = ("requeue", "cancel", "delete", "requeue_matching")
 _STATUSES = frozenset(s.value for s in JobStatus)
+#: A list shows the first characters of a JSON value stored uncompressed in at most
+#: this many bytes (the last ones of a text of at most ``_PREVIEW_TEXT_BYTES``), and only
+#: the size of a bigger one: PostgreSQL would read, decompress and render all of it to
+#: give a few characters (a 4 MB payload for 60 of them). Its job page shows the start.
+_PREVIEW_BYTES = 4096
+_PREVIEW_TEXT_BYTES = 16384
+_PREVIEW_CHARS = 200
+#: How much of ``last_error`` the job page shows before linking to the whole.
+_ERROR_VIEW = 100_000
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,7 @@ def dashboard_blueprint(
             "last_line": _last_line,
             "age": _age,
             "when": _when,
+            "size": _size,
         }
 
     @bp.get("/")
@@ -222,29 +234,46 @@ def dashboard_blueprint(
     @bp.get("/<path:table>/job/<job_id>")
     def job(table: str, job_id: str) -> str:
         entry = settings.table(table)
-        row = admin.get_job(settings.engine, entry.model, _job_id(entry, job_id))
-        if row is None:
+        view = _job_view(settings, entry, _job_id(entry, job_id))
+        if view is None:
             abort(404)
+        values, lengths = view
         pk = entry.qt.pk.name
-        values = row._mapping
-        cells = [(name, _full(values[name]), values[name] is None) for name in [pk, *(n for n in values if n != pk)]]
+        cells = [
+            (name, _full(values[name]), values[name] is None, lengths.get(name, len(_full(values[name]))))
+            for name in [pk, *(n for n in values if n != pk)]
+        ]
         return render_template(
             "sqla_queue_dashboard/job.html",
             table=entry,
-            row=row._mapping,
+            row=values,
             job_id=job_id,
             cells=cells,
             limit=settings.truncate,
+            error_length=lengths.get("last_error", 0),
+            error_limit=_ERROR_VIEW,
         )
 
     @bp.get("/<path:table>/job/<job_id>/raw/<column>")
     def raw(table: str, job_id: str, column: str) -> Response:
         entry = settings.table(table)
-        row = admin.get_job(settings.engine, entry.model, _job_id(entry, job_id))
-        if row is None or column not in row._mapping:
+        key = _job_id(entry, job_id)
+        if column not in entry.qt.table.c:
             abort(404)
+        shown = _as_text(entry.qt.table.c[column])
+        if shown is not None:  # rendered by PostgreSQL, as the job page shows it
+            with settings.engine.connect() as conn:
+                found = conn.execute(q.get_job(entry.model, key).with_only_columns(shown)).first()
+            if found is None:
+                abort(404)
+            text = found[0] or ""
+        else:
+            row = admin.get_job(settings.engine, entry.model, key)
+            if row is None:
+                abort(404)
+            text = _full(row._mapping[column])
         # text/plain with nosniff: the browser shows the value, never renders it.
-        return Response(_full(row._mapping[column]), mimetype="text/plain")
+        return Response(text, mimetype="text/plain")
 
     @bp.get("/<path:table>/workers")
     def workers(table: str) -> str:
@@ -294,6 +323,70 @@ def dashboard_blueprint(
 #: The values each integer column type can hold: a key outside them names no job (and
 #: PostgreSQL would refuse the statement that looks for it).
 _INT_RANGES = ((BigInteger, 63), (SmallInteger, 15), (Integer, 31))
+
+
+def _as_text(column: Any) -> ColumnElement[str] | None:
+    """``column`` as text rendered by PostgreSQL, for the types whose values can be big
+    (JSON, text without a length); None for the others (and for a ``TypeDecorator``,
+    whose Python side may change what the value shows)."""
+    kind = column.type
+    if isinstance(kind, JSONB):
+        return func.jsonb_pretty(column)
+    if isinstance(kind, JSON):
+        return cast(column, Text)
+    if isinstance(kind, String) and kind.length is None:
+        return column  # type: ignore[no-any-return]
+    return None
+
+
+def _job_view(settings: _Settings, entry: _Table, key: Any) -> tuple[dict[str, Any], dict[str, int]] | None:
+    """A job's columns, each value that can be big cut in SQL to what the page shows
+    (``truncate`` characters, ``last_error`` more), with the full lengths of those: the
+    page of a job with a 4 MB payload reads a few kilobytes. None when there is no job."""
+    table = entry.qt.table
+    shown: list[Any] = []
+    measured: list[str] = []
+    for column in table.c:
+        text = _as_text(column)
+        if text is None:
+            shown.append(column)
+            continue
+        bound = _ERROR_VIEW if column.name == "last_error" else settings.truncate
+        shown.append(func.left(text, bound + 1).label(column.name))
+        measured.append(column.name)
+    lengths = [func.length(_as_text(table.c[name])) for name in measured]
+    with settings.engine.connect() as conn:
+        row = conn.execute(q.get_job(entry.model, key).with_only_columns(*shown, *lengths)).first()
+    if row is None:
+        return None
+    values = dict(zip(table.c.keys(), row[: len(shown)], strict=True))
+    return values, {name: int(n or 0) for name, n in zip(measured, row[len(shown):], strict=True)}
+
+
+def _list_columns(entry: _Table) -> list[Any]:
+    """The columns a list shows, a payload and an error only as a bounded preview (see
+    :data:`_PREVIEW_BYTES`) with their stored size."""
+    c = entry.qt.c
+    columns: list[Any] = [
+        entry.qt.pk, c.queue, c.status, c.attempts, c.max_attempts, c.run_after, c.created_at, c.lease_owner,
+    ]
+    if entry.has_task:
+        columns.append(c.task)
+    previews = [("last_error", True)] + ([("payload", False)] if entry.has_payload else [])
+    for name, tail in previews:
+        column = c[name]
+        if isinstance(column.type, String):
+            # The length of a text, compressed or not, is in its header: nothing is read.
+            text: Any = column
+            size: Any = func.octet_length(column)
+            small = size <= _PREVIEW_TEXT_BYTES
+        else:
+            text = cast(column, Text)
+            size = func.pg_column_size(column)  # as stored: a JSON value has no cheaper length
+            small = (size <= _PREVIEW_BYTES) & func.pg_column_compression(column).is_(None)
+        cut = func.right(text, _PREVIEW_CHARS) if tail else func.left(text, _PREVIEW_CHARS)
+        columns += [case((small, cut), else_=None).label(name), size.label(f"{name}_bytes")]
+    return columns
 
 
 def _job_id(entry: _Table, value: str) -> Any:
@@ -388,14 +481,17 @@ def _jobs_page(settings: _Settings, entry: _Table, *, dead: bool) -> str:
         error_contains=args.get("error") or None,
     )
     before = args.get("before")
-    page = admin.list_jobs(
-        settings.engine,
-        entry.model,
-        filters,
-        before=_job_id(entry, before) if before else None,
-        limit=settings.page_size,
-    )
+    # admin.list_jobs' statement, reading only what the page shows.
+    stmt = q.list_jobs(
+        entry.model, **filters.builder_kwargs(), before=_job_id(entry, before) if before else None,
+        limit=settings.page_size + 1,
+    ).with_only_columns(*_list_columns(entry))
+    with settings.engine.connect() as conn:
+        rows = list(conn.execute(stmt).all())
     pk = entry.qt.pk.name
+    more = len(rows) > settings.page_size
+    rows = rows[: settings.page_size]
+    page = admin.JobPage(rows, rows[-1]._mapping[pk] if more else None)
     query = {"queue": ",".join(filters.queues), "task": ",".join(filters.tasks), "error": filters.error_contains or ""}
     if not dead:
         query["status"] = ",".join(filters.statuses)
@@ -466,6 +562,16 @@ def _last_line(value: str | None, width: int = 100) -> str:
     """An error's last line (the exception and its message, under the traceback)."""
     lines = [line for line in (value or "").strip().splitlines() if line.strip()]
     return _short(lines[-1], width) if lines else ""
+
+
+def _size(stored: int | None) -> str:
+    """A stored size, for a value too big to preview in a list."""
+    value = float(stored or 0)
+    for unit in ("bytes", "kB", "MB"):
+        if value < 1024 or unit == "MB":
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return ""
 
 
 def _when(value: datetime | None) -> str:
