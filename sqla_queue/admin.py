@@ -461,6 +461,30 @@ def lease_owners(engine: Engine, model: Any, *, lease: float | None = None) -> l
     return owners
 
 
+@dataclass(frozen=True)
+class ListeningWorker:
+    """A live worker of a table, seen by its listener's connection: that connection's
+    server process id, ``application_name``, client address, when it connected and
+    when it last did something."""
+
+    pid: int
+    application_name: str
+    client: str
+    connected_at: datetime | None
+    last_active: datetime | None
+
+
+def listening_workers(engine: Engine, model: Any) -> list[ListeningWorker]:
+    """The live workers of ``model``'s table, idle ones too
+    (:func:`sqla_queue.sql.listening_workers`), under the engine's
+    ``schema_translate_map``."""
+    schema_map = engine.get_execution_options().get("schema_translate_map")
+    with engine.connect() as conn:
+        rows = conn.execute(q.listening_workers(model, schema_map)).all()
+    return [ListeningWorker(int(r.pid), r.application_name or "", r.client, r.connected_at, r.last_active)
+            for r in rows]
+
+
 def _cell(value: Any, width: int | None = None) -> str:
     if value is None:
         text_ = "-"

@@ -5,23 +5,26 @@ from __future__ import annotations
 
 import html
 import re
+import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, func, insert, select, text, update
+from sqlalchemy.orm import Session
 
 pytest.importorskip("flask")
 
 from flask import Flask, redirect, request
 from markupsafe import escape
 
+from sqla_queue import Tasks, cancel, current_job
 from sqla_queue.dashboard import create_app, dashboard_blueprint
 
-from .helpers import table_of
+from .helpers import table_of, wait_for
 from .models import EmailJob, Order, Task, UuidJob
 
 JOBS = table_of(EmailJob)
@@ -257,6 +260,7 @@ def test_workers_page_lists_lease_owners_with_their_last_heartbeat(engine: Engin
                      .values(lease_expires_at=func.now() - timedelta(seconds=5)))
         heartbeat = conn.scalar(select(func.max(JOBS.c.lease_expires_at) - timedelta(seconds=60)))
     page = client.get("/email_jobs/workers").get_data(as_text=True)
+    page = page[page.index('id="running"'):]
     rows = re.findall(r"<tr>\s*(.*?)</tr>", page, re.S)
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows if "<td" in row]
     assert [c[0] for c in cells] == ["h:1:aa", "h:2:bb"]
@@ -501,3 +505,78 @@ def test_a_job_page_shows_a_bounded_view_of_a_big_value(engine: Engine, client: 
     assert client.get(links["payload"][0]).get_data(as_text=True).count("z") == 4_000_000
     assert "ValueError: the end" not in page and "ValueError: the end" in client.get(links["last_error"][0]).get_data(
         as_text=True)
+
+
+def _listening(engine: Engine) -> dict[int, Any]:
+    """The listeners' connections of this test's database, by pid: their last activity."""
+    with engine.connect() as conn:
+        return {int(pid): changed for pid, changed in conn.execute(text(
+            "SELECT pid, state_change FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+        ))}
+
+
+def _workers_page(client: Any) -> tuple[list[str], dict[str, list[int]]]:
+    """The pids of the connected workers, and the running jobs named for each worker."""
+    page = client.get("/tasks/workers").get_data(as_text=True)
+    listening = page[page.index('id="listening"'):page.index('id="running"')]
+    running = page[page.index('id="running"'):]
+    pids = re.findall(r'<td class="num mono">(\d+)</td>', listening)
+    jobs = {
+        owner: [int(k) for k in re.findall(r'class="running-job">(\d+)</a>', cells)]
+        for owner, cells in re.findall(r'<td class="mono">([^<]+)</td>.*?<td class="mono">(.*?)</td>\s*</tr>',
+                                       running, re.S)
+    }
+    return pids, jobs
+
+
+def test_workers_page_shows_idle_workers_and_what_each_runs(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    started, release = threading.Event(), threading.Event()
+    tasks = Tasks()
+
+    @tasks.task(name="hold")
+    def hold(job: Any) -> None:
+        started.set()
+        while not release.is_set() and not current_job().cancelled:
+            release.wait(0.02)
+
+    app = create_app(engine, [Task], lease=30.0)
+    workers = [start_worker(tasks, lease=30.0) for _ in range(3)]
+    try:
+        with app.test_client() as client:
+            client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+            wait_for(lambda: len(_listening(engine)) == 3, what="three listeners")
+            pids, jobs = _workers_page(client)
+            assert sorted(map(int, pids)) == sorted(_listening(engine)) and jobs == {}  # three idle workers
+            assert "No job is running" in client.get("/tasks/workers").get_data(as_text=True)
+
+            key = add(engine, TASKS, task="hold")
+            assert started.wait(20)
+            wait_for(lambda: status_of(engine, TASKS, key) == "running", what="the job running")
+            pids, jobs = _workers_page(client)
+            assert len(pids) == 3 and list(jobs.values()) == [[key]]  # what it runs, beside the three
+            (shown,) = jobs
+            assert any(shown.startswith(w.owner) for w in workers)
+
+            # A worker whose listener read the rows of a job cancelled under it is still seen.
+            before = _listening(engine)
+            with Session(engine) as session:
+                assert cancel(session, Task, ids=[key]) == [key]
+                session.commit()
+            wait_for(lambda: any(_activity(engine, pid) != changed for pid, changed in before.items()),
+                     what="a listener acted on the cancel")
+            wait_for(lambda: len(_workers_page(client)[0]) == 3, what="three connected workers again")
+    finally:
+        release.set()
+
+
+def table_row(engine: Engine, key: int) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(TASKS).where(TASKS.c.id == key)).one()
+
+
+def _activity(engine: Engine, pid: int) -> Any:
+    with engine.connect() as conn:
+        return conn.scalar(text("SELECT state_change FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid})

@@ -278,8 +278,12 @@ def dashboard_blueprint(
     @bp.get("/<path:table>/workers")
     def workers(table: str) -> str:
         entry = settings.table(table)
-        owners = admin.lease_owners(settings.engine, entry.model, lease=settings.lease)
-        return render_template("sqla_queue_dashboard/workers.html", table=entry, owners=owners, lease=settings.lease)
+        engine = settings.engine
+        owners = admin.lease_owners(engine, entry.model, lease=settings.lease)
+        return render_template(
+            "sqla_queue_dashboard/workers.html", table=entry, owners=owners, lease=settings.lease,
+            listening=admin.listening_workers(engine, entry.model), running=_running_jobs(engine, entry),
+        )
 
     @bp.post("/<path:table>/action")
     def action(table: str) -> Any:
@@ -387,6 +391,28 @@ def _list_columns(entry: _Table) -> list[Any]:
         cut = func.right(text, _PREVIEW_CHARS) if tail else func.left(text, _PREVIEW_CHARS)
         columns += [case((small, cut), else_=None).label(name), size.label(f"{name}_bytes")]
     return columns
+
+
+#: How many of its running jobs the workers page names for each worker.
+_RUNNING_SHOWN = 10
+
+
+def _running_jobs(engine: Engine, entry: _Table) -> dict[str | None, list[Any]]:
+    """The running jobs of each worker (its executors' together), up to
+    :data:`_RUNNING_SHOWN` each, newest first: what each is running."""
+    c = entry.qt.c
+    columns = [entry.qt.pk, c.lease_owner, c.queue, *([c.task] if entry.has_task else [])]
+    stmt = q.list_jobs(entry.model, statuses=["running"], limit=1000).with_only_columns(*columns)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    running: dict[str | None, list[Any]] = {}
+    for row in rows:
+        match = admin._EXECUTOR.match(row.lease_owner or "")
+        worker = match["worker"] if match else row.lease_owner
+        jobs = running.setdefault(worker, [])
+        if len(jobs) < _RUNNING_SHOWN:
+            jobs.append(row._mapping)
+    return running
 
 
 def _job_id(entry: _Table, value: str) -> Any:
