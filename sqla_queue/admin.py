@@ -419,7 +419,7 @@ def queue_overview(engine: Engine, model: Any, *, minutes: int = 60) -> list[Que
 @dataclass(frozen=True)
 class LeaseOwner:
     """A worker holding running jobs: its name (the lease owner of its executors, without
-    their ``/N``), how many executors and jobs, the earliest and latest lease expiry
+    their ``/N.n``), how many executors and jobs, the earliest and latest lease expiry
     among them, and (when the lease length is known) its last heartbeat."""
 
     owner: str | None
@@ -431,7 +431,7 @@ class LeaseOwner:
     expired: bool
 
 
-_EXECUTOR = re.compile(r"^(?P<worker>.+)/\d+$")
+_EXECUTOR = re.compile(r"^(?P<worker>.+)/\d+(?:\.\d+)?$")  # {worker}/{executor}.{n}
 
 
 def lease_owners(engine: Engine, model: Any, *, lease: float | None = None) -> list[LeaseOwner]:
