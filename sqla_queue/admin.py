@@ -419,7 +419,7 @@ def queue_overview(engine: Engine, model: Any, *, minutes: int = 60) -> list[Que
 @dataclass(frozen=True)
 class LeaseOwner:
     """A worker holding running jobs: its name (the lease owner of its executors, without
-    their ``/N``), how many executors and jobs, the earliest and latest lease expiry
+    their ``/N.n``), how many executors and jobs, the earliest and latest lease expiry
     among them, and (when the lease length is known) its last heartbeat."""
 
     owner: str | None
@@ -431,7 +431,7 @@ class LeaseOwner:
     expired: bool
 
 
-_EXECUTOR = re.compile(r"^(?P<worker>.+)/\d+$")
+_EXECUTOR = re.compile(r"^(?P<worker>.+)/\d+(?:\.\d+)?$")  # {worker}/{executor}.{n}
 
 
 def lease_owners(engine: Engine, model: Any, *, lease: float | None = None) -> list[LeaseOwner]:
@@ -459,6 +459,30 @@ def lease_owners(engine: Engine, model: Any, *, lease: float | None = None) -> l
             LeaseOwner(owner, len(group), sum(int(r.jobs) for r in group), oldest, latest, heartbeat, expired)
         )
     return owners
+
+
+@dataclass(frozen=True)
+class ListeningWorker:
+    """A live worker of a table, seen by its listener's connection: that connection's
+    server process id, ``application_name``, client address, when it connected and
+    when it last did something."""
+
+    pid: int
+    application_name: str
+    client: str
+    connected_at: datetime | None
+    last_active: datetime | None
+
+
+def listening_workers(engine: Engine, model: Any) -> list[ListeningWorker]:
+    """The live workers of ``model``'s table, idle ones too
+    (:func:`sqla_queue.sql.listening_workers`), under the engine's
+    ``schema_translate_map``."""
+    schema_map = engine.get_execution_options().get("schema_translate_map")
+    with engine.connect() as conn:
+        rows = conn.execute(q.listening_workers(model, schema_map)).all()
+    return [ListeningWorker(int(r.pid), r.application_name or "", r.client, r.connected_at, r.last_active)
+            for r in rows]
 
 
 def _cell(value: Any, width: int | None = None) -> str:

@@ -551,8 +551,12 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from .dashboard import serve
+    from .dashboard import serve, served_hosts
 
+    try:
+        trusted_hosts = served_hosts(args.host, args.trusted_host)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     engine, models, lease = _dashboard_targets(args)
     if args.lease is not None:
         lease = args.lease
@@ -565,7 +569,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     try:
         for model in models:
             admin.check_table(engine, model)
-        serve(engine, models, host=args.host, port=args.port, read_only=args.read_only, lease=lease)
+        serve(engine, models, host=args.host, port=args.port, read_only=args.read_only, lease=lease,
+              trusted_hosts=trusted_hosts)
     finally:
         engine.dispose()
     return 0
@@ -734,6 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     dashboard.add_argument("--port", type=port_number, default=8787, help="port (default 8787; 0: any free port)")
+    dashboard.add_argument(
+        "--trusted-host", action="append", metavar="NAME",
+        help="a name browsers reach the dashboard by (repeat it; .example.com takes subdomains); any other Host "
+        "header is refused (default: localhost, 127.0.0.1 and ::1 on a loopback --host, else --host itself)",
+    )
     dashboard.add_argument("--read-only", action="store_true", help="refuse every action (requeue, cancel, delete)")
     dashboard.add_argument(
         "--lease",

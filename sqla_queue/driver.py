@@ -425,7 +425,7 @@ class Driver:
             conn = self._connection_class(sa, purpose)
             self._keepalive(conn)
             if listen is not None:
-                conn.query(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(listen)))
+                self.listen(conn, listen)
         except BaseException:
             with suppress(Exception):
                 sa.invalidate()
@@ -452,6 +452,14 @@ class Driver:
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         finally:
             sock.close()  # closes the duplicate descriptor only
+
+    @staticmethod
+    def listen(conn: DbConnection, channel: str) -> None:
+        """LISTEN on ``channel``. Again on a connection that already does, it changes
+        nothing but the connection's last statement in ``pg_stat_activity``: the
+        listener ends each use of its connection with it, so that a listening worker can
+        be told from there (:func:`sqla_queue.sql.listening_workers`)."""
+        conn.query(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(channel)))
 
     @staticmethod
     def notify(conn: DbConnection, channel: str, payloads: Sequence[str]) -> None:

@@ -76,6 +76,7 @@ from .model import (
     JobStatus,
     QueueTable,
     UniqueJobs,
+    notify_channel,
     queue_table,
     status_literal,
     unique_jobs,
@@ -113,6 +114,7 @@ __all__ = [
     "job_filter",
     "lease_owners",
     "list_jobs",
+    "listening_workers",
     "next_run_after",
     "owned_tokens",
     "prune_finished",
@@ -1039,6 +1041,45 @@ def lease_owners(model: QueueModel) -> Select[Any]:
         .where(_status(qt, RUNNING), *_kind_filter(qt))
         .group_by(c.lease_owner)
         .order_by(c.lease_owner)
+    )
+
+
+def listening_workers(
+    model: QueueModel, schema_translate_map: Mapping[str | None, str | None] | None = None
+) -> Select[Any]:
+    """``(pid, application_name, client, connected_at, last_active)``: the connections
+    of this database that wait for ``model``'s jobs, one per live worker listening to
+    its channel (under the engine's ``schema_translate_map``), oldest first.
+
+    A worker's listener runs ``LISTEN`` and waits, so its last statement in
+    ``pg_stat_activity`` is that ``LISTEN`` for as long as the worker lives, idle or
+    busy: the live workers without a table of their own. Not seen: workers started
+    with ``listen=False`` (behind a transaction pooler), and every worker when the
+    reading role may not see other roles' statements (grant it ``pg_read_all_stats``).
+    """
+    channel = notify_channel(queue_table(model).table, schema_translate_map)
+    activity = _sql_table(
+        "pg_stat_activity", *(_sql_column(name) for name in (
+            "pid", "datname", "application_name", "client_addr", "client_port", "backend_start", "state_change",
+            "query",
+        ))
+    )
+    a = activity.c
+    client = func.coalesce(func.host(a.client_addr) + ":" + cast(a.client_port, String), "local socket")
+    return (
+        select(
+            a.pid,
+            a.application_name,
+            client.label("client"),
+            a.backend_start.label("connected_at"),
+            a.state_change.label("last_active"),
+        )
+        .where(
+            a.datname == func.current_database(),
+            a.pid != func.pg_backend_pid(),
+            a.query == literal('LISTEN "' + channel.replace('"', '""') + '"', String),
+        )
+        .order_by(a.backend_start, a.pid)
     )
 
 

@@ -3,6 +3,7 @@ each filter with one and several values, against real PostgreSQL."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.request
@@ -269,3 +270,63 @@ def test_dashboard_command_takes_an_async_worker_and_shows_its_heartbeats(engine
         process.wait(timeout=30)
         if process.stdout is not None:
             process.stdout.close()
+
+
+def _request(address: str, path: str, host: str, method: str = "GET", body: str = "",
+             origin: str | None = None, cookie: str | None = None) -> tuple[int, str, str]:
+    """A request to the served dashboard naming ``host`` in its Host header."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30)
+    try:
+        headers = {"Host": host, "Content-Type": "application/x-www-form-urlencoded"}
+        if origin is not None:
+            headers["Origin"] = origin
+        if cookie is not None:
+            headers["Cookie"] = cookie
+        conn.request(method, path, body=body or None, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read().decode(), (response.getheader("Set-Cookie") or "").split(";")[0]
+    finally:
+        conn.close()
+
+
+def test_dashboard_command_answers_only_its_trusted_host_names(engine: Engine, url: str) -> None:
+    keys = [add(engine, queue="q", status="failed") for _ in range(3)]
+    for flags, good, bad in (
+        ([], "127.0.0.1", "attacker.example"),
+        (["--trusted-host", "queue.internal"], "queue.internal", "127.0.0.1"),
+    ):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sqla_queue", "dashboard", MODEL, "--url", url, "--port", "0", *flags],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        try:
+            assert process.stdout is not None
+            address = process.stdout.readline().split()[3]
+            port = address.rstrip("/").rsplit(":", 1)[1]
+            status, page, _ = _request(address, "/email_jobs/dead", f"{bad}:{port}")
+            assert status == 400 and "csrf_token" not in page
+            status, page, cookie = _request(address, "/email_jobs/dead", f"{good}:{port}")
+            assert status == 200 and f'data-id="{keys[0]}"' in page
+            token = re.search(r'name="csrf_token" value="([^"]+)"', page)
+            assert token and cookie
+            body = f"csrf_token={token.group(1)}&action=delete&" + "&".join(f"id={k}" for k in keys)
+            for host, origin in ((bad, f"http://{bad}:{port}"), (good, "http://evil.example")):
+                status, _, _ = _request(address, "/email_jobs/action", f"{host}:{port}", "POST", body, origin, cookie)
+                assert status == 400
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+            if process.stdout is not None:
+                process.stdout.close()
+        with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(JOBS)) == 3
+
+
+def test_dashboard_command_on_every_address_needs_its_host_names(server: Server, url: str, capsys: Any) -> None:
+    assert main(["dashboard", MODEL, "--url", url, "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "name the hosts it is reached by" in err and len(err.strip().splitlines()) == 1, err

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Iterator
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, func, insert, select, text, update
+from sqlalchemy.orm import Session
 
 pytest.importorskip("flask")
 
-from flask import Flask, redirect
+from flask import Flask, redirect, request
 from markupsafe import escape
 
+from sqla_queue import Tasks, cancel, current_job
 from sqla_queue.dashboard import create_app, dashboard_blueprint
 
-from .helpers import table_of
-from .models import EmailJob, Order, Task
+from .helpers import table_of, wait_for
+from .models import EmailJob, Order, Task, UuidJob
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
@@ -37,6 +42,7 @@ def app(engine: Engine) -> Flask:
 @pytest.fixture
 def client(app: Flask) -> Iterator[Any]:
     with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"  # what a browser sends from the dashboard's pages
         yield client
 
 
@@ -229,6 +235,7 @@ def test_read_only_mode_hides_and_refuses_actions(engine: Engine) -> None:
     key = add(engine, JOBS, status="failed")
     app = create_app(engine, [EmailJob], read_only=True)
     with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
         page = client.get("/email_jobs/jobs").get_data(as_text=True)
         assert ids_on(page) == [key]
         assert 'value="requeue"' not in page and 'type="checkbox" name="id"' not in page
@@ -253,6 +260,7 @@ def test_workers_page_lists_lease_owners_with_their_last_heartbeat(engine: Engin
                      .values(lease_expires_at=func.now() - timedelta(seconds=5)))
         heartbeat = conn.scalar(select(func.max(JOBS.c.lease_expires_at) - timedelta(seconds=60)))
     page = client.get("/email_jobs/workers").get_data(as_text=True)
+    page = page[page.index('id="running"'):]
     rows = re.findall(r"<tr>\s*(.*?)</tr>", page, re.S)
     cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows if "<td" in row]
     assert [c[0] for c in cells] == ["h:1:aa", "h:2:bb"]
@@ -270,6 +278,7 @@ def test_auth_callable_guards_every_page(engine: Engine) -> None:
         dashboard_blueprint(engine, [EmailJob], auth=lambda: allowed["verdict"]), url_prefix="/admin/queue"
     )
     with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
         for path in ("/admin/queue/", "/admin/queue/email_jobs/jobs", "/admin/queue/email_jobs/workers"):
             assert client.get(path).status_code == 403
         assert client.post("/admin/queue/email_jobs/action", data={}).status_code == 403
@@ -316,3 +325,258 @@ def test_requeue_every_dead_letter_matching_the_filter(engine: Engine, client: A
     keep = add(engine, TASKS, task="send", status="failed")
     client.post("/tasks/action", data={"csrf_token": csrf(client), "action": "requeue_matching", "task": "crop,x"})
     assert status_of(engine, TASKS, task) == "pending" and status_of(engine, TASKS, keep) == "failed"
+
+
+def count_of(engine: Engine, table: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).select_from(table)) or 0)
+
+
+def test_a_page_under_a_foreign_host_name_is_refused(engine: Engine, client: Any) -> None:
+    """DNS rebinding: a page of attacker.example, its name now pointing at 127.0.0.1,
+    reads the dashboard and posts to it with the token it read. Nothing is served,
+    nothing changes."""
+    keys = [add(engine, TASKS, task="pay", payload={"card": "4111111111111111"}) for _ in range(3)]
+    forged = {"Host": "attacker.example", "Origin": "http://attacker.example"}
+    for path in ("/", "/tasks/jobs", f"/tasks/job/{keys[0]}", f"/tasks/job/{keys[0]}/raw/payload", "/tasks/workers"):
+        response = client.get(path, headers=forged)
+        assert response.status_code == 400, path
+        assert "4111" not in response.get_data(as_text=True) and "csrf_token" not in response.get_data(as_text=True)
+    token = csrf(client, "/tasks/jobs")  # even with a token read under the right name
+    response = client.post("/tasks/action", headers=forged,
+                           data={"csrf_token": token, "action": "delete", "id": [str(k) for k in keys]})
+    assert response.status_code == 400
+    assert count_of(engine, TASKS) == 3
+    for host in ("localhost", "LOCALHOST:8787", "127.0.0.1:8787", "[::1]:8787"):  # this machine's names pass
+        assert client.get("/tasks/jobs", headers={"Host": host}).status_code == 200, host
+
+
+def test_a_post_from_another_origin_is_refused(engine: Engine, client: Any) -> None:
+    keys = [add(engine, JOBS, status="failed") for _ in range(3)]
+    token = csrf(client)
+    data = {"csrf_token": token, "action": "delete", "id": [str(k) for k in keys]}
+    for headers in (
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},  # a sandboxed frame, a data: page
+        {"Origin": "http://localhost:9999"},  # another server of this machine
+        {"Origin": "", "Referer": "http://evil.example/page"},
+        {"Origin": ""},  # neither header: not sent by a page of the dashboard
+    ):
+        response = client.post("/email_jobs/action", headers=headers, data=data)
+        assert response.status_code == 400, headers
+        assert "did not come from a page of the dashboard" in response.get_data(as_text=True)
+    assert count_of(engine, JOBS) == 3
+    response = client.post("/email_jobs/action", headers={"Origin": "", "Referer": "http://localhost/email_jobs/jobs"},
+                           data=data)
+    assert response.status_code == 302 and count_of(engine, JOBS) == 0  # a browser that sends only Referer
+
+
+def test_a_mounted_dashboard_checks_the_hosts_it_is_given_before_auth(engine: Engine) -> None:
+    calls: list[str] = []
+
+    def auth() -> bool:
+        calls.append(request.host)
+        return True
+
+    app = Flask(__name__)
+    app.secret_key = "test"
+    app.register_blueprint(
+        dashboard_blueprint(engine, [EmailJob], auth=auth, trusted_hosts=[".example.com"]), url_prefix="/queue"
+    )
+    with app.test_client() as client:
+        assert client.get("/queue/", headers={"Host": "evil.example"}).status_code == 400
+        assert client.get("/queue/", headers={"Host": "example.com.evil.example"}).status_code == 400
+        assert calls == []  # refused before auth ran
+        assert client.get("/queue/", headers={"Host": "ops.example.com"}).status_code == 200
+        assert client.get("/queue/", headers={"Host": "example.com"}).status_code == 200
+    with pytest.raises(ValueError, match="not a host name"):
+        dashboard_blueprint(engine, [EmailJob], auth=None, trusted_hosts=["a/b"])
+    with pytest.raises(ValueError, match="list of names"):
+        dashboard_blueprint(engine, [EmailJob], auth=None, trusted_hosts="localhost")
+
+
+BIG = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "data", "status"),
+    [
+        ("GET", f"/email_jobs/job/{BIG}", None, 404),
+        ("GET", f"/email_jobs/job/-{BIG}", None, 404),
+        ("GET", "/email_jobs/job/9223372036854775808", None, 404),  # bigint's largest plus one
+        ("GET", "/email_jobs/job/-9223372036854775809", None, 404),
+        ("GET", f"/email_jobs/job/{BIG}/raw/payload", None, 404),
+        ("GET", f"/email_jobs/jobs?before={BIG}", None, 404),
+        ("GET", f"/email_jobs/dead?before=-{BIG}", None, 404),
+        ("GET", "/email_jobs/jobs?queue=a%00b", None, 400),
+        ("GET", "/email_jobs/jobs?error=%00", None, 400),
+        ("GET", "/email_jobs/jobs?queue=a&queue=%00", None, 400),  # a repeated argument, not only the first
+        ("GET", "/email_jobs/dead?queue=x%00", None, 400),
+        ("GET", "/tasks/jobs?task=%00", None, 400),
+        ("GET", "/email_jobs/job/1%00", None, 400),
+        ("GET", "/uuid_jobs/job/%00", None, 400),
+        ("POST", "/email_jobs/action", {"action": "delete", "id": BIG}, 404),
+        ("POST", "/email_jobs/action", {"action": "requeue", "id": ["1", f"-{BIG}"]}, 404),
+        ("POST", "/email_jobs/action", {"action": "requeue_matching", "error": "\x00"}, 400),
+        ("POST", "/email_jobs/action", {"action": "requeue_matching", "queue": "q\x00"}, 400),
+        ("POST", "/tasks/action", {"action": "requeue_matching", "task": "\x00"}, 400),
+        ("POST", "/email_jobs/action", {"action": "cancel", "id": "1", "next\x00": "x"}, 400),
+    ],
+)
+def test_hostile_input_is_a_400_or_404_and_changes_nothing(
+    engine: Engine, method: str, path: str, data: dict[str, Any] | None, status: int
+) -> None:
+    app = create_app(engine, [EmailJob, Task, UuidJob])  # not testing: a failure is the 500 a browser would see
+    key = add(engine, JOBS, status="failed", last_error="x")
+    task = add(engine, TASKS, task="t", status="failed")
+    with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+        if method == "GET":
+            response = client.get(path)
+        else:
+            assert data is not None
+            response = client.post(path, data={**data, "csrf_token": csrf(client)})
+    assert response.status_code == status, response.get_data(as_text=True)[:300]
+    assert status_of(engine, JOBS, key) == "failed" and status_of(engine, TASKS, task) == "failed"
+
+
+def _page_cost(client: Any, path: str, runs: int = 5) -> tuple[float, int, str]:
+    """The fastest of ``runs`` renderings of ``path`` (seconds), the Python memory one
+    takes at its peak (bytes), and the page."""
+    best = float("inf")
+    page = ""
+    for _ in range(runs):
+        started = time.perf_counter()
+        response = client.get(path)
+        best = min(best, time.perf_counter() - started)
+        assert response.status_code == 200
+        page = response.get_data(as_text=True)
+    tracemalloc.start()
+    try:
+        client.get(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return best, peak, page
+
+
+def test_a_page_of_big_payloads_costs_what_a_page_of_small_ones_does(engine: Engine) -> None:
+    blob = "z" * 1_000_000
+    with engine.begin() as conn:
+        conn.execute(insert(TASKS), [{"task": "t", "queue": "big", "payload": {"blob": blob, "n": i},
+                                      "last_error": "Traceback\n" + "e" * 100_000 + "\nValueError: big"}
+                                     for i in range(20)])
+        conn.execute(insert(TASKS), [{"task": "t", "queue": "small", "payload": {"html": XSS, "n": i},
+                                      "last_error": "Traceback\nValueError: small"} for i in range(20)])
+    app = create_app(engine, [Task], page_size=20)
+    with app.test_client() as client:
+        small_time, small_peak, small_page = _page_cost(client, "/tasks/jobs?queue=small")
+        big_time, big_peak, big_page = _page_cost(client, "/tasks/jobs?queue=big")
+    assert len(ids_on(small_page)) == len(ids_on(big_page)) == 20
+    assert big_peak <= 2 * small_peak, (big_peak, small_peak)
+    assert big_time <= 2 * small_time, (big_time, small_time)
+    assert "&lt;script&gt;" in small_page and "ValueError: small" in small_page  # small values: their start
+    assert big_page.count('<span class="muted">97.7 kB</span>') == 20  # a big error: its size
+    assert len(re.findall(r'<span class="muted">\d+\.\d kB stored</span>', big_page)) == 20  # a payload: its size
+
+
+def test_a_job_page_shows_a_bounded_view_of_a_big_value(engine: Engine, client: Any) -> None:
+    key = add(engine, TASKS, task="t", payload={"blob": "z" * 4_000_000, "html": XSS},
+              last_error="Traceback\n" + "e" * 150_000 + "\nValueError: the end")
+    tracemalloc.start()
+    try:
+        response = client.get(f"/tasks/job/{key}")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    page = response.get_data(as_text=True)
+    assert response.status_code == 200 and len(page) < 200_000
+    assert peak < 2_000_000, peak  # the 4 MB value never reaches Python
+    links = {
+        column: (html.unescape(url), int(length))
+        for url, column, length in re.findall(
+            r'<a href="([^"]+/raw/([a-z_]+))" class="full-value">full value \((\d+) characters\)', page
+        )
+    }
+    assert set(links) == {"payload", "last_error"}
+    for column, (url, length) in links.items():
+        raw = client.get(url).get_data(as_text=True)  # the whole value, on request
+        assert len(raw) == length, column
+    assert client.get(links["payload"][0]).get_data(as_text=True).count("z") == 4_000_000
+    assert "ValueError: the end" not in page and "ValueError: the end" in client.get(links["last_error"][0]).get_data(
+        as_text=True)
+
+
+def _listening(engine: Engine) -> dict[int, Any]:
+    """The listeners' connections of this test's database, by pid: their last activity."""
+    with engine.connect() as conn:
+        return {int(pid): changed for pid, changed in conn.execute(text(
+            "SELECT pid, state_change FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+        ))}
+
+
+def _workers_page(client: Any) -> tuple[list[str], dict[str, list[int]]]:
+    """The pids of the connected workers, and the running jobs named for each worker."""
+    page = client.get("/tasks/workers").get_data(as_text=True)
+    listening = page[page.index('id="listening"'):page.index('id="running"')]
+    running = page[page.index('id="running"'):]
+    pids = re.findall(r'<td class="num mono">(\d+)</td>', listening)
+    jobs = {
+        owner: [int(k) for k in re.findall(r'class="running-job">(\d+)</a>', cells)]
+        for owner, cells in re.findall(r'<td class="mono">([^<]+)</td>.*?<td class="mono">(.*?)</td>\s*</tr>',
+                                       running, re.S)
+    }
+    return pids, jobs
+
+
+def test_workers_page_shows_idle_workers_and_what_each_runs(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    started, release = threading.Event(), threading.Event()
+    tasks = Tasks()
+
+    @tasks.task(name="hold")
+    def hold(job: Any) -> None:
+        started.set()
+        while not release.is_set() and not current_job().cancelled:
+            release.wait(0.02)
+
+    app = create_app(engine, [Task], lease=30.0)
+    workers = [start_worker(tasks, lease=30.0) for _ in range(3)]
+    try:
+        with app.test_client() as client:
+            client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+            wait_for(lambda: len(_listening(engine)) == 3, what="three listeners")
+            pids, jobs = _workers_page(client)
+            assert sorted(map(int, pids)) == sorted(_listening(engine)) and jobs == {}  # three idle workers
+            assert "No job is running" in client.get("/tasks/workers").get_data(as_text=True)
+
+            key = add(engine, TASKS, task="hold")
+            assert started.wait(20)
+            wait_for(lambda: status_of(engine, TASKS, key) == "running", what="the job running")
+            pids, jobs = _workers_page(client)
+            assert len(pids) == 3 and list(jobs.values()) == [[key]]  # what it runs, beside the three
+            (shown,) = jobs
+            assert shown in {w.owner for w in workers}  # the worker, its executors' names taken together
+
+            # A worker whose listener read the rows of a job cancelled under it is still seen.
+            before = _listening(engine)
+            with Session(engine) as session:
+                assert cancel(session, Task, ids=[key]) == [key]
+                session.commit()
+            wait_for(lambda: any(_activity(engine, pid) != changed for pid, changed in before.items()),
+                     what="a listener acted on the cancel")
+            wait_for(lambda: len(_workers_page(client)[0]) == 3, what="three connected workers again")
+    finally:
+        release.set()
+
+
+def table_row(engine: Engine, key: int) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(TASKS).where(TASKS.c.id == key)).one()
+
+
+def _activity(engine: Engine, pid: int) -> Any:
+    with engine.connect() as conn:
+        return conn.scalar(text("SELECT state_change FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid})

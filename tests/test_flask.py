@@ -351,7 +351,7 @@ def test_flask_queue_dashboard_is_a_blueprint_behind_the_apps_auth(app: Any) -> 
     assert "a@x.example" in detail and "<dt>order_id</dt>" in detail
     token = re.search(r'name="csrf_token" value="([^"]+)"', page)
     assert token
-    cancel = client.post("/queue/confirmation_email/action",
+    cancel = client.post("/queue/confirmation_email/action", headers={"Origin": "http://localhost"},
                          data={"csrf_token": token.group(1), "action": "cancel", "id": "1"})
     assert cancel.status_code == 302
     with app.app_context():

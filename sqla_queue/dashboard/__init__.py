@@ -11,6 +11,14 @@ Mount it in your own app, behind your own authentication::
 
 or run it on its own: ``sqla-queue dashboard myapp.jobs:worker`` (127.0.0.1 only).
 
+A server with no login of its own on 127.0.0.1 is still reachable from any web page the
+local user opens, by DNS rebinding (the page's own name made to point at 127.0.0.1): so
+the stand-alone app answers only requests whose ``Host`` is one of its own names
+(``trusted_hosts``, 400 otherwise), and every POST must come from a page of the same
+origin (``Origin``, or failing it ``Referer``). Mounted in your app, pass
+``trusted_hosts=`` (or set Flask's ``TRUSTED_HOSTS``) for the same ``Host`` check; the
+``Origin`` check is always on, and your ``auth`` is the login.
+
 Server-rendered (Jinja templates shipped in the package), no JavaScript at all: the
 Content-Security-Policy of every page forbids scripts, so even a template mistake cannot
 run a payload's ``<script>``. Every action is a POST carrying a CSRF token kept in Flask's
@@ -27,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import (
     Blueprint,
@@ -41,12 +50,18 @@ from flask import (
     session,
     url_for,
 )
-from sqlalchemy import Engine
+from sqlalchemy import JSON, BigInteger, ColumnElement, Engine, Integer, SmallInteger, String, Text, case, cast, func
+from sqlalchemy.dialects.postgresql import JSONB
 
 from .. import admin
+from .. import sql as q
 from ..model import JobStatus, QueueTable, queue_table
 
-__all__ = ["Auth", "create_app", "dashboard_blueprint", "serve"]
+__all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
+
+#: The names of this machine a browser uses to reach a server bound to a loopback
+#: address: what the stand-alone dashboard trusts by default.
+LOOPBACK_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 
 #: Called before every request of the dashboard: a true value lets it through, a Flask
 #: response (a redirect to your login page) is returned as it is, anything else is a 403.
@@ -59,6 +74,15 @@ _CSP = (
 )
 _ACTIONS = ("requeue", "cancel", "delete", "requeue_matching")
 _STATUSES = frozenset(s.value for s in JobStatus)
+#: A list shows the first characters of a JSON value stored uncompressed in at most
+#: this many bytes (the last ones of a text of at most ``_PREVIEW_TEXT_BYTES``), and only
+#: the size of a bigger one: PostgreSQL would read, decompress and render all of it to
+#: give a few characters (a 4 MB payload for 60 of them). Its job page shows the start.
+_PREVIEW_BYTES = 4096
+_PREVIEW_TEXT_BYTES = 16384
+_PREVIEW_CHARS = 200
+#: How much of ``last_error`` the job page shows before linking to the whole.
+_ERROR_VIEW = 100_000
 
 
 @dataclass(frozen=True)
@@ -86,6 +110,7 @@ class _Settings:
         lease: float | None,
         page_size: int,
         truncate: int,
+        trusted_hosts: Sequence[str] | None = None,
     ) -> None:
         if isinstance(models, (str, bytes)) or not models:
             raise ValueError("the dashboard needs at least one queue model")
@@ -103,6 +128,7 @@ class _Settings:
         self.lease = lease
         self.page_size = page_size
         self.truncate = truncate
+        self.trusted_hosts = _trusted_hosts(trusted_hosts)
 
     @property
     def engine(self) -> Engine:
@@ -126,6 +152,7 @@ def dashboard_blueprint(
     page_size: int = 50,
     truncate: int = 2000,
     name: str = "sqla_queue_dashboard",
+    trusted_hosts: Sequence[str] | None = None,
 ) -> Blueprint:
     """The dashboard as a blueprint to register in your app (``url_prefix`` of your choice).
 
@@ -136,12 +163,23 @@ def dashboard_blueprint(
     (seconds), to show their last heartbeat. Values longer than ``truncate`` characters
     are cut, with a link to the full value. The app needs a ``secret_key``: the CSRF
     token lives in its session.
+
+    ``trusted_hosts``: the names the dashboard is reached by (``Host``; ``.example.com``
+    also takes its subdomains); a request naming another gets a 400, before ``auth``
+    runs. ``None`` leaves the ``Host`` check to your app (Flask's ``TRUSTED_HOSTS``).
+    Whatever it is, a POST whose ``Origin`` (or ``Referer``) is not the request's own
+    host is refused with a 400: behind a proxy, pass the original ``Host`` on (or use
+    Werkzeug's ``ProxyFix``).
     """
-    settings = _Settings(engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate)
+    settings = _Settings(
+        engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate,
+        trusted_hosts=trusted_hosts,
+    )
     bp = Blueprint(name, __name__, template_folder="templates")
 
     @bp.before_request
     def _authorize() -> Any:
+        _check_request(settings.trusted_hosts)
         if auth is not None:
             verdict = auth()
             if isinstance(verdict, Response):
@@ -171,6 +209,7 @@ def dashboard_blueprint(
             "last_line": _last_line,
             "age": _age,
             "when": _when,
+            "size": _size,
         }
 
     @bp.get("/")
@@ -195,35 +234,56 @@ def dashboard_blueprint(
     @bp.get("/<path:table>/job/<job_id>")
     def job(table: str, job_id: str) -> str:
         entry = settings.table(table)
-        row = admin.get_job(settings.engine, entry.model, _job_id(entry, job_id))
-        if row is None:
+        view = _job_view(settings, entry, _job_id(entry, job_id))
+        if view is None:
             abort(404)
+        values, lengths = view
         pk = entry.qt.pk.name
-        values = row._mapping
-        cells = [(name, _full(values[name]), values[name] is None) for name in [pk, *(n for n in values if n != pk)]]
+        cells = [
+            (name, _full(values[name]), values[name] is None, lengths.get(name, len(_full(values[name]))))
+            for name in [pk, *(n for n in values if n != pk)]
+        ]
         return render_template(
             "sqla_queue_dashboard/job.html",
             table=entry,
-            row=row._mapping,
+            row=values,
             job_id=job_id,
             cells=cells,
             limit=settings.truncate,
+            error_length=lengths.get("last_error", 0),
+            error_limit=_ERROR_VIEW,
         )
 
     @bp.get("/<path:table>/job/<job_id>/raw/<column>")
     def raw(table: str, job_id: str, column: str) -> Response:
         entry = settings.table(table)
-        row = admin.get_job(settings.engine, entry.model, _job_id(entry, job_id))
-        if row is None or column not in row._mapping:
+        key = _job_id(entry, job_id)
+        if column not in entry.qt.table.c:
             abort(404)
+        shown = _as_text(entry.qt.table.c[column])
+        if shown is not None:  # rendered by PostgreSQL, as the job page shows it
+            with settings.engine.connect() as conn:
+                found = conn.execute(q.get_job(entry.model, key).with_only_columns(shown)).first()
+            if found is None:
+                abort(404)
+            text = found[0] or ""
+        else:
+            row = admin.get_job(settings.engine, entry.model, key)
+            if row is None:
+                abort(404)
+            text = _full(row._mapping[column])
         # text/plain with nosniff: the browser shows the value, never renders it.
-        return Response(_full(row._mapping[column]), mimetype="text/plain")
+        return Response(text, mimetype="text/plain")
 
     @bp.get("/<path:table>/workers")
     def workers(table: str) -> str:
         entry = settings.table(table)
-        owners = admin.lease_owners(settings.engine, entry.model, lease=settings.lease)
-        return render_template("sqla_queue_dashboard/workers.html", table=entry, owners=owners, lease=settings.lease)
+        engine = settings.engine
+        owners = admin.lease_owners(engine, entry.model, lease=settings.lease)
+        return render_template(
+            "sqla_queue_dashboard/workers.html", table=entry, owners=owners, lease=settings.lease,
+            listening=admin.listening_workers(engine, entry.model), running=_running_jobs(engine, entry),
+        )
 
     @bp.post("/<path:table>/action")
     def action(table: str) -> Any:
@@ -264,11 +324,171 @@ def dashboard_blueprint(
     return bp
 
 
+#: The values each integer column type can hold: a key outside them names no job (and
+#: PostgreSQL would refuse the statement that looks for it).
+_INT_RANGES = ((BigInteger, 63), (SmallInteger, 15), (Integer, 31))
+
+
+def _as_text(column: Any) -> ColumnElement[str] | None:
+    """``column`` as text rendered by PostgreSQL, for the types whose values can be big
+    (JSON, text without a length); None for the others (and for a ``TypeDecorator``,
+    whose Python side may change what the value shows)."""
+    kind = column.type
+    if isinstance(kind, JSONB):
+        return func.jsonb_pretty(column)
+    if isinstance(kind, JSON):
+        return cast(column, Text)
+    if isinstance(kind, String) and kind.length is None:
+        return column  # type: ignore[no-any-return]
+    return None
+
+
+def _job_view(settings: _Settings, entry: _Table, key: Any) -> tuple[dict[str, Any], dict[str, int]] | None:
+    """A job's columns, each value that can be big cut in SQL to what the page shows
+    (``truncate`` characters, ``last_error`` more), with the full lengths of those: the
+    page of a job with a 4 MB payload reads a few kilobytes. None when there is no job."""
+    table = entry.qt.table
+    shown: list[Any] = []
+    measured: list[str] = []
+    for column in table.c:
+        text = _as_text(column)
+        if text is None:
+            shown.append(column)
+            continue
+        bound = _ERROR_VIEW if column.name == "last_error" else settings.truncate
+        shown.append(func.left(text, bound + 1).label(column.name))
+        measured.append(column.name)
+    lengths = [func.length(_as_text(table.c[name])) for name in measured]
+    with settings.engine.connect() as conn:
+        row = conn.execute(q.get_job(entry.model, key).with_only_columns(*shown, *lengths)).first()
+    if row is None:
+        return None
+    values = dict(zip(table.c.keys(), row[: len(shown)], strict=True))
+    return values, {name: int(n or 0) for name, n in zip(measured, row[len(shown):], strict=True)}
+
+
+def _list_columns(entry: _Table) -> list[Any]:
+    """The columns a list shows, a payload and an error only as a bounded preview (see
+    :data:`_PREVIEW_BYTES`) with their stored size."""
+    c = entry.qt.c
+    columns: list[Any] = [
+        entry.qt.pk, c.queue, c.status, c.attempts, c.max_attempts, c.run_after, c.created_at, c.lease_owner,
+    ]
+    if entry.has_task:
+        columns.append(c.task)
+    previews = [("last_error", True)] + ([("payload", False)] if entry.has_payload else [])
+    for name, tail in previews:
+        column = c[name]
+        if isinstance(column.type, String):
+            # The length of a text, compressed or not, is in its header: nothing is read.
+            text: Any = column
+            size: Any = func.octet_length(column)
+            small = size <= _PREVIEW_TEXT_BYTES
+        else:
+            text = cast(column, Text)
+            size = func.pg_column_size(column)  # as stored: a JSON value has no cheaper length
+            small = (size <= _PREVIEW_BYTES) & func.pg_column_compression(column).is_(None)
+        cut = func.right(text, _PREVIEW_CHARS) if tail else func.left(text, _PREVIEW_CHARS)
+        columns += [case((small, cut), else_=None).label(name), size.label(f"{name}_bytes")]
+    return columns
+
+
+#: How many of its running jobs the workers page names for each worker.
+_RUNNING_SHOWN = 10
+
+
+def _running_jobs(engine: Engine, entry: _Table) -> dict[str | None, list[Any]]:
+    """The running jobs of each worker (its executors' together), up to
+    :data:`_RUNNING_SHOWN` each, newest first: what each is running."""
+    c = entry.qt.c
+    columns = [entry.qt.pk, c.lease_owner, c.queue, *([c.task] if entry.has_task else [])]
+    stmt = q.list_jobs(entry.model, statuses=["running"], limit=1000).with_only_columns(*columns)
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    running: dict[str | None, list[Any]] = {}
+    for row in rows:
+        match = admin._EXECUTOR.match(row.lease_owner or "")
+        worker = match["worker"] if match else row.lease_owner
+        jobs = running.setdefault(worker, [])
+        if len(jobs) < _RUNNING_SHOWN:
+            jobs.append(row._mapping)
+    return running
+
+
 def _job_id(entry: _Table, value: str) -> Any:
     try:
-        return admin.parse_job_id(entry.model, value)
+        key = admin.parse_job_id(entry.model, value)
     except ValueError:
         abort(404)
+    column_type = entry.qt.pk.type
+    if isinstance(key, int):
+        for kind, bits in _INT_RANGES:
+            if isinstance(column_type, kind):
+                if not -(2**bits) <= key < 2**bits:
+                    abort(404)
+                break
+    return key
+
+
+def _trusted_hosts(hosts: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``hosts`` lower-cased, without brackets or ports; ValueError when one is no name."""
+    if hosts is None:
+        return None
+    if isinstance(hosts, (str, bytes)):
+        raise ValueError("trusted_hosts is a list of names, not one string")
+    names = []
+    for host in hosts:
+        dot = host.startswith(".")
+        name = _hostname(host[1:] if dot else host)
+        if name is None:
+            raise ValueError(f"not a host name: {host!r}")
+        names.append("." + name if dot else name)
+    if not names:
+        raise ValueError("trusted_hosts needs at least one name (None: no Host check)")
+    return tuple(names)
+
+
+def _hostname(netloc: str) -> str | None:
+    """The host of ``host[:port]`` (an IPv6 address in brackets or bare), lower-cased."""
+    if not netloc or any(c in netloc for c in "/?#@\\ \t\r\n\x00"):
+        return None
+    if netloc.count(":") > 1 and not netloc.startswith("["):
+        netloc = f"[{netloc}]"  # a bare IPv6 address
+    try:
+        parts = urlsplit("//" + netloc)
+        parts.port  # noqa: B018  (raises ValueError on a bad port)
+    except ValueError:
+        return None
+    return parts.hostname or None
+
+
+def _host_trusted(netloc: str, trusted: Sequence[str]) -> bool:
+    host = _hostname(netloc)
+    if host is None:
+        return False
+    return any(host == name or (name.startswith(".") and (host == name[1:] or host.endswith(name)))
+               for name in trusted)
+
+
+def _check_request(trusted: Sequence[str] | None) -> None:
+    """Refuse what DNS rebinding and cross-site posts send, and values no column holds.
+
+    A ``Host`` outside ``trusted`` is a page of another site that resolved its own name
+    to this server. A POST must come from one of the dashboard's own pages: its
+    ``Origin`` (every browser sends one on a POST; ``Referer`` where it does not) names
+    the request's own host. A NUL character fits in no text column: refused here rather
+    than by PostgreSQL halfway through a request.
+    """
+    if trusted is not None and not _host_trusted(request.host, trusted):
+        abort(400, "this dashboard is not served under that host name")
+    if request.method == "POST":
+        source = request.headers.get("Origin") or request.headers.get("Referer")
+        origin = urlsplit(source) if source else None
+        if origin is None or origin.scheme not in ("http", "https") or origin.netloc.lower() != request.host.lower():
+            abort(400, "this action did not come from a page of the dashboard")
+    fields = [*request.args.lists(), *(request.form.lists() if request.method == "POST" else ())]
+    if "\x00" in request.path or any("\x00" in key or any("\x00" in v for v in values) for key, values in fields):
+        abort(400, "a NUL character in the request")
 
 
 def _split(values: list[str]) -> tuple[str, ...]:
@@ -287,14 +507,17 @@ def _jobs_page(settings: _Settings, entry: _Table, *, dead: bool) -> str:
         error_contains=args.get("error") or None,
     )
     before = args.get("before")
-    page = admin.list_jobs(
-        settings.engine,
-        entry.model,
-        filters,
-        before=_job_id(entry, before) if before else None,
-        limit=settings.page_size,
-    )
+    # admin.list_jobs' statement, reading only what the page shows.
+    stmt = q.list_jobs(
+        entry.model, **filters.builder_kwargs(), before=_job_id(entry, before) if before else None,
+        limit=settings.page_size + 1,
+    ).with_only_columns(*_list_columns(entry))
+    with settings.engine.connect() as conn:
+        rows = list(conn.execute(stmt).all())
     pk = entry.qt.pk.name
+    more = len(rows) > settings.page_size
+    rows = rows[: settings.page_size]
+    page = admin.JobPage(rows, rows[-1]._mapping[pk] if more else None)
     query = {"queue": ",".join(filters.queues), "task": ",".join(filters.tasks), "error": filters.error_contains or ""}
     if not dead:
         query["status"] = ",".join(filters.statuses)
@@ -367,6 +590,16 @@ def _last_line(value: str | None, width: int = 100) -> str:
     return _short(lines[-1], width) if lines else ""
 
 
+def _size(stored: int | None) -> str:
+    """A stored size, for a value too big to preview in a list."""
+    value = float(stored or 0)
+    for unit in ("bytes", "kB", "MB"):
+        if value < 1024 or unit == "MB":
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return ""
+
+
 def _when(value: datetime | None) -> str:
     return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
 
@@ -407,15 +640,20 @@ def create_app(
     auth: Auth | None = None,
     secret_key: str | None = None,
     page_size: int = 50,
+    trusted_hosts: Sequence[str] = LOOPBACK_HOSTS,
 ) -> Flask:
     """A Flask app serving only the dashboard, at ``/``: what ``sqla-queue dashboard``
     runs. A random ``secret_key`` unless given (sessions, hence CSRF tokens, last as long
-    as the process)."""
+    as the process). Only requests naming one of ``trusted_hosts`` are answered (by
+    default this machine's loopback names: see the module's docstring)."""
     app = Flask("sqla_queue.dashboard")
     app.secret_key = secret_key or secrets.token_hex(32)
     app.config["SESSION_COOKIE_SAMESITE"] = "Strict"
     app.register_blueprint(
-        dashboard_blueprint(engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size)
+        dashboard_blueprint(
+            engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size,
+            trusted_hosts=trusted_hosts,
+        )
     )
     return app
 
@@ -429,12 +667,19 @@ def serve(
     read_only: bool = False,
     lease: float | None = None,
     ready: Callable[[str], None] | None = None,
+    trusted_hosts: Sequence[str] | None = None,
 ) -> None:
     """Serve :func:`create_app` with Werkzeug's threaded server until interrupted; prints
-    (or passes to ``ready``) the address once it listens (``port=0``: a free port)."""
+    (or passes to ``ready``) the address once it listens (``port=0``: a free port).
+
+    ``trusted_hosts``: the names browsers reach it by; by default the loopback names on
+    a loopback address, else ``host`` itself. On every address (``0.0.0.0``, ``::``)
+    they must be given: ValueError otherwise."""
     from werkzeug.serving import make_server
 
-    app = create_app(engine, models, read_only=read_only, lease=lease)
+    app = create_app(
+        engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts)
+    )
     server = make_server(host, port, app, threaded=True)
     shown = f"[{host}]" if ":" in host else host
     address = f"http://{shown}:{server.server_port}/"
@@ -448,3 +693,24 @@ def serve(
         pass
     finally:
         server.server_close()
+
+
+def served_hosts(host: str, trusted_hosts: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The names a dashboard bound to ``host`` answers to: ``trusted_hosts`` when given,
+    else this machine's loopback names for a loopback address, else ``host`` itself.
+    ValueError for a wildcard address without ``trusted_hosts`` (no name to trust)."""
+    if trusted_hosts is not None:
+        names = _trusted_hosts(trusted_hosts)
+        assert names is not None
+        return names
+    bare = host.strip("[]").lower()
+    if bare in ("", "0.0.0.0", "::"):
+        raise ValueError(
+            f"the dashboard listens on every address ({host or '*'}): name the hosts it is reached by "
+            "(trusted_hosts, --trusted-host)"
+        )
+    if bare in LOOPBACK_HOSTS or bare.startswith("127."):
+        return LOOPBACK_HOSTS if bare in LOOPBACK_HOSTS else (*LOOPBACK_HOSTS, bare)
+    names = _trusted_hosts([bare])
+    assert names is not None
+    return names

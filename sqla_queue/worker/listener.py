@@ -79,6 +79,7 @@ class Listener(Service):
             if held:  # the row has the last word
                 with self.driver.deadline(conn, CANCEL_CHECK_SECONDS):
                     stop_cancelled(self.ops, conn, held)
+                    self.driver.listen(conn, self.channel)  # the last statement names the channel again
         return 0.0
 
     def request_stop(self) -> None:
