@@ -349,7 +349,7 @@ unmigrated_worker = lambda: worker(Unmigrated)
 unmigrated_async_worker = lambda: async_worker(Unmigrated)
 """
 
-ADMIN_COMMANDS = [["stats"], ["sweep"], ["requeue"], ["prune", "--older-than", "7d"]]
+ADMIN_COMMANDS = [["stats"], ["sweep"], ["requeue", "--status", "failed"], ["prune", "--older-than", "7d"]]
 PROBLEMS = {
     "missing": "table 'never_created_jobs' does not exist in that database: create it (metadata.create_all",
     "unmigrated": "table 'cli_unmigrated_jobs' lacks the queue columns attempts, created_at, finished_at, "
