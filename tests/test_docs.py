@@ -320,3 +320,44 @@ def test_every_public_name_is_on_the_api_page() -> None:
     missing = [name for name in sqla_queue.__all__ if not name.startswith("_")
                and f"::: sqla_queue.{name}\n" not in page]
     assert not missing, missing
+
+
+def test_the_sqlmodel_column_table_lists_every_column_of_the_mixin() -> None:
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_queue.model import JobMixin
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Probe(Base, JobMixin):
+        __tablename__ = "docs_probe_jobs"
+
+    rows = _table_rows("guides/sqlmodel.md", "The table gets:")
+    rows.pop("field", None)
+    assert set(rows) == {column.name for column in Probe.__table__.columns}
+
+
+def test_the_pages_count_the_mixin_s_partial_indexes_right() -> None:
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_queue.model import JobMixin, queue_table
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Counted(Base, JobMixin):
+        __tablename__ = "docs_counted_jobs"
+
+    words = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+    table = queue_table(Counted).table
+    partial = [index for index in table.indexes if index.dialect_options["postgresql"]["where"] is not None]
+    counts = [
+        (page.name, match.group(1))
+        for page in PAGES
+        for match in re.finditer(r"\b(\w+) partial indexes", page.read_text().replace("\n", " "))
+        if match.group(1).lower() in words
+    ]
+    assert counts, "the pages say how many partial indexes a queue table has"
+    for page_name, word in counts:
+        assert words[word.lower()] == len(partial), (page_name, word, len(partial))
