@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, func, select, text
+from sqlalchemy import BigInteger, Connection, Engine, Row, SmallInteger, func, select, text
 
 from . import sql as q
 from .cancel import cancel as _cancel
@@ -156,9 +156,15 @@ def parse_job_id(model: Any, value: str) -> Any:
         return value
     if kind is int:
         try:
-            return int(value)
+            number = int(value)
         except ValueError:
             raise ValueError(f"not a job id (a whole number): {value!r}") from None
+        # Beyond the column's integer type the server answers with a DataError (and
+        # aborts the transaction) instead of finding no job: refuse it here.
+        bits = 64 if isinstance(column.type, BigInteger) else 16 if isinstance(column.type, SmallInteger) else 32
+        if not -(2 ** (bits - 1)) <= number < 2 ** (bits - 1):
+            raise ValueError(f"not a job id (out of range of the {bits}-bit key): {value!r}")
+        return number
     if kind is uuid.UUID:
         try:
             return uuid.UUID(value)
@@ -258,11 +264,20 @@ def format_stats(engine: Engine, model: Any) -> str:
 
 
 def format_schedules(
-    engine: Engine, model: Any, schedules: Sequence[Schedule], *, now: datetime | None = None
+    engine: Engine,
+    model: Any,
+    schedules: Sequence[Schedule],
+    *,
+    now: datetime | None = None,
+    code_known: bool = True,
 ) -> str:
     """Each schedule of the code (``schedules``) and of the table's watermark rows, with
     its last tick enqueued and its next tick, as a text table. A row whose schedule is no
-    longer in the code shows ``(not in code)``: it is harmless, and ticks no more."""
+    longer in the code shows ``(not in code)``: it is harmless, and ticks no more.
+
+    ``code_known=False`` when the code's schedules could not be read (a queue model was
+    given, not its worker): the rows then show their last tick only, and a closing line
+    says how to see the rest, rather than calling live schedules ``(not in code)``."""
     now = now or datetime.now(UTC)
     table = schedules_table(model)
     with engine.connect() as conn:
@@ -281,10 +296,12 @@ def format_schedules(
     known = {s.name for s in schedules}
     for name, row in rows.items():
         if name not in known:
-            lines.append((name, "(not in code)", "-", _moment(row.last_tick), "-"))
+            lines.append((name, "(not in code)" if code_known else "?", "-", _moment(row.last_tick), "-"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text_lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     text_lines.insert(1, "  ".join("-" * w for w in widths))
+    if not code_known:
+        text_lines.append("(the schedules in code are unknown: give the worker, not the model, to see them)")
     return "\n".join(text_lines)
 
 

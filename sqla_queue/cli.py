@@ -213,6 +213,26 @@ def parse_duration(text: str | timedelta) -> timedelta:
         raise DurationError(f"duration too long: {text!r} (at most {timedelta.max.days} days)") from None
 
 
+#: The longest age ``--older-than`` and ``--retention`` take: a cutoff further back is
+#: out of PostgreSQL's timestamp range (the server would answer with a DataError).
+MAX_AGE = timedelta(days=365_000)
+
+
+def parse_age(text: str | timedelta) -> timedelta:
+    """A retention age, ``7d``, ``12h``, ``2w``: a duration with its unit, at most
+    :data:`MAX_AGE`. A bare number is refused: ``7`` meant seven seconds, never the
+    seven days its writer had in mind."""
+    if isinstance(text, timedelta):
+        return text
+    match = _DURATION.match(text)
+    if match and not match.group(2):
+        raise DurationError(f"give the unit of {text!r}: s, m, h, d or w (e.g. {text.strip()}d)")
+    age = parse_duration(text)
+    if age > MAX_AGE:
+        raise DurationError(f"age too long: {text!r} (at most {MAX_AGE.days} days)")
+    return age
+
+
 def _seconds(*, positive: bool) -> Callable[[str], float]:
     def seconds(text: str) -> float:
         value = parse_duration(text).total_seconds()
@@ -231,7 +251,7 @@ def retention_age(text: str) -> tuple[str | None, float]:
     status, sep, age = text.rpartition("=")
     if sep and status not in _FINISHED:
         raise argparse.ArgumentTypeError(f"not a finished status: {status!r} (one of {', '.join(_FINISHED)})")
-    seconds = parse_duration(age).total_seconds()
+    seconds = parse_age(age).total_seconds()
     if seconds <= 0:
         raise DurationError(f"a retention must be longer than 0, got {text!r}")
     return (status or None), seconds
@@ -479,8 +499,17 @@ def _with_filters(
     return run
 
 
+#: As ``delete`` and ``cancel``: requeueing every dead letter is asked for, not a default.
+REQUEUE_NEEDS_A_SELECTION = (
+    "name the jobs to requeue: --id, or at least one of --queue, --task, --error, --status "
+    "(--status failed: every dead letter)"
+)
+
+
 def cmd_requeue(args: argparse.Namespace) -> int:
     statuses = args.status or ["failed"]
+    if not (args.id or args.queue or args.task or args.error or args.status):
+        raise CommandError(REQUEUE_NEEDS_A_SELECTION)
 
     def requeue(engine: Engine, model: Any, filters: admin.JobFilters) -> int:
         kwargs = filters.builder_kwargs()
@@ -602,9 +631,13 @@ def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], flo
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:
-    print(_on_admin_target(
-        args, lambda engine, model: admin.format_schedules(engine, model, getattr(args, "schedules_found", ()))
-    ))
+    def schedules(engine: Engine, model: Any) -> str:
+        # Set once the target turned out to be a worker: a model alone does not say
+        # which schedules its code declares.
+        found = getattr(args, "schedules_found", None)
+        return admin.format_schedules(engine, model, found or (), code_known=found is not None)
+
+    print(_on_admin_target(args, schedules))
     return 0
 
 
@@ -645,9 +678,16 @@ def _subcommand(
 _LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)"
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sqla-queue", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", type=log_level, default=logging.INFO, metavar="LEVEL", help=_LOG_LEVEL_HELP)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     seconds, positive_seconds = _seconds(positive=False), _seconds(positive=True)
 
@@ -656,7 +696,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--concurrency", type=positive_int, help="handler threads (tasks, for an AsyncWorker)")
     worker.add_argument("--batch-size", type=positive_int, help="most jobs per claim")
     worker.add_argument("--lease", type=positive_seconds, help="lease length (e.g. 60s)")
-    worker.add_argument("--heartbeat", type=positive_seconds, help="heartbeat interval (default lease/3)")
+    worker.add_argument(
+        "--heartbeat-interval", "--heartbeat", dest="heartbeat", type=positive_seconds,
+        help="heartbeat interval, the worker's heartbeat_interval (default lease/3)",
+    )
     worker.add_argument("--queue", type=queue_name, action="append", help="claim from this queue (repeatable)")
     worker.add_argument("--poll-interval", type=positive_seconds, help="poll at least this often")
     worker.add_argument("--sweep-interval", type=seconds, help="sweep expired leases this often (0: never)")
@@ -753,7 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.set_defaults(func=cmd_dashboard)
 
     prune = admin("prune", "delete finished jobs older than a cutoff")
-    prune.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+    prune.add_argument(
+        "--older-than", type=parse_age, required=True, metavar="AGE", help="with its unit: 12h, 7d, 2w"
+    )
     prune.add_argument(
         "--status",
         action="append",

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import click
 from flask import Flask, current_app
@@ -41,7 +41,16 @@ from typing_extensions import Unpack
 from . import admin
 from ._rules import check_queue
 from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
-from .cli import LOG_FORMAT, check_database, parse_duration, retention_age, worker_overrides
+from .cli import (
+    LOG_FORMAT,
+    REQUEUE_NEEDS_A_SELECTION,
+    DurationError,
+    check_database,
+    parse_age,
+    parse_duration,
+    retention_age,
+    worker_overrides,
+)
 from .driver import WorkerStartError
 from .model import JobStatus, queue_table
 from .options import EnqueueKwargs
@@ -220,7 +229,41 @@ def _retention(
         raise click.BadParameter(str(exc)) from None
 
 
+if TYPE_CHECKING:  # generic in recent click releases only: subscripted for the type checker alone
+    _ParamType = click.ParamType[timedelta, str]
+else:
+    _ParamType = click.ParamType
+
+
+class _Duration(_ParamType):
+    """``90s``, ``15m``, ``7d`` (:func:`~sqla_queue.cli.parse_duration`, or with ``age``
+    :func:`~sqla_queue.cli.parse_age`), shown as DURATION or AGE in ``--help``, not as the
+    parsing function's name."""
+
+    def __init__(self, *, age: bool = False) -> None:
+        self.name = "age" if age else "duration"
+        self._parse = parse_age if age else parse_duration
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> timedelta:
+        try:
+            return self._parse(value)
+        except DurationError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+_DURATION, _AGE = _Duration(), _Duration(age=True)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 _queue_commands = AppGroup("queue", help="Run and inspect sqla_queue workers.")
+_queue_commands = click.version_option(_version(), "--version", prog_name="sqla_queue", message="%(prog)s %(version)s")(
+    _queue_commands
+)
 _name = click.argument("name", required=False)
 
 
@@ -228,14 +271,15 @@ _name = click.argument("name", required=False)
 @_name
 @click.option("--concurrency", type=click.IntRange(min=1), help="handler threads")
 @click.option("--batch-size", type=click.IntRange(min=1), help="most jobs per claim")
-@click.option("--lease", type=parse_duration, help="lease length (e.g. 60s)")
-@click.option("--heartbeat", type=parse_duration, help="heartbeat interval (default lease/3)")
+@click.option("--lease", type=_DURATION, help="lease length (e.g. 60s)")
+@click.option("--heartbeat-interval", "--heartbeat", "heartbeat", type=_DURATION,
+              help="heartbeat interval, the worker's heartbeat_interval (default lease/3)")
 @click.option("--queue", multiple=True, callback=_queue_names, help="claim from this queue (repeatable)")
-@click.option("--poll-interval", type=parse_duration, help="poll at least this often")
-@click.option("--sweep-interval", type=parse_duration, help="sweep expired leases this often (0: never)")
-@click.option("--shutdown-grace", type=parse_duration, help="time running jobs get on SIGTERM")
+@click.option("--poll-interval", type=_DURATION, help="poll at least this often")
+@click.option("--sweep-interval", type=_DURATION, help="sweep expired leases this often (0: never)")
+@click.option("--shutdown-grace", type=_DURATION, help="time running jobs get on SIGTERM")
 @click.option("--no-listen", is_flag=True, help="poll only (PgBouncer transaction pooling)")
-@click.option("--timeout", type=parse_duration, help="how long one attempt may run (default: no limit)")
+@click.option("--timeout", type=_DURATION, help="how long one attempt may run (default: no limit)")
 @click.option("--retention", multiple=True, callback=_retention, metavar="[STATUS=]AGE",
               help="prune finished jobs this old: 7d (done and cancelled) or failed=30d (repeatable)")
 @click.option("--no-periodic", is_flag=True, help="enqueue no periodic jobs from this worker")
@@ -346,6 +390,8 @@ def _requeue_command(
     statuses: tuple[str, ...],
 ) -> None:
     """Give dead-lettered (or cancelled) jobs a fresh set of attempts."""
+    if not (ids or queues or tasks or error or statuses):
+        raise click.UsageError(REQUEUE_NEEDS_A_SELECTION)
     engine, model = _engine_and_model(name)
     filters = _filters(model, ids=ids, queues=queues, tasks=tasks, error=error).builder_kwargs()
     count = _usage(lambda: admin.requeue(
@@ -391,10 +437,18 @@ def _jobs_command(name: str | None, limit: int, before: str | None, **options: A
 
 
 @_queue_commands.command("show")
-@click.argument("job_id", metavar="ID")
-@click.option("--table", "name", help="the registered worker (table) the job is in, if there are several")
-def _show_command(job_id: str, name: str | None) -> None:
-    """Every column of one job, and its full last_error."""
+@click.argument("names", nargs=-1, metavar="[NAME] ID")
+@click.option("--table", "table", hidden=True, help="the registered worker: give it as NAME, before ID")
+def _show_command(names: tuple[str, ...], table: str | None) -> None:
+    """Every column of one job, and its full last_error.
+
+    NAME first, then ID, as every other command takes NAME (--table NAME still works).
+    """
+    if len(names) not in (1, 2):
+        raise click.UsageError("give [NAME] ID: the registered worker (if there are several), then the job's id")
+    if len(names) == 2 and table is not None:
+        raise click.UsageError("give the worker either as NAME or as --table, not both")
+    name, job_id = (names[0], names[1]) if len(names) == 2 else (table, names[0])
     engine, model = _engine_and_model(name)
     try:
         key = admin.parse_job_id(model, job_id)
@@ -422,7 +476,7 @@ def _delete_command(name: str | None, limit: int, **options: Any) -> None:
 
 @_queue_commands.command("prune")
 @_name
-@click.option("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+@click.option("--older-than", type=_AGE, required=True, help="with its unit: 12h, 7d, 2w")
 @click.option("--status", "statuses", multiple=True, type=click.Choice(["done", "failed", "cancelled"]))
 def _prune_command(name: str | None, older_than: timedelta, statuses: tuple[str, ...]) -> None:
     """Delete finished jobs older than a cutoff (dead letters kept unless --status failed)."""

@@ -807,7 +807,8 @@ def requeue_failed(
 def cancel_jobs(
     model: QueueModel, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
 ) -> ReturningUpdate[Any]:
-    """Cancel pending **and running** jobs: ``cancelled``, finished now, lease cleared.
+    """Cancel pending **and running** jobs: ``cancelled``, finished now, no lease expiry
+    (``lease_owner`` is kept: the worker that held it).
 
     A fenced transition: a running attempt of a cancelled job can no longer complete,
     retry or fail (every later statement of its worker is fenced by ``status =

@@ -19,8 +19,9 @@ import pytest
 from sqlalchemy import Engine, func, insert, select, text, update
 from sqlalchemy.orm import sessionmaker
 
+import sqla_queue
 from sqla_queue import QueueSession, WorkerStartError, admin
-from sqla_queue.cli import build_parser, main, parse_duration
+from sqla_queue.cli import build_parser, main, parse_duration, worker_overrides
 
 from .helpers import Server, table_of, wait_for
 from .models import Effect, EmailJob, Task
@@ -183,7 +184,59 @@ MODEL = "tests.models:EmailJob"
     ],
 )
 def test_mistakes_are_one_line_usage_errors(url: str, args: list[str], env: dict[str, str], problem: str) -> None:
-    result = run_cli(*(a.replace("{url}", url) for a in args), env=env)
+    _check_one_line_usage_error(run_cli(*(a.replace("{url}", url) for a in args), env=env), problem)
+
+
+BEYOND_BIGINT = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["show", MODEL, "--url", "{url}", BEYOND_BIGINT], "argument ID: not a job id (out of range"),
+        (["show", MODEL, "--url", "{url}", "-9223372036854775809"], "argument ID: not a job id (out of range"),
+        (["cancel", MODEL, "--url", "{url}", "--id", BEYOND_BIGINT], "argument --id: not a job id (out of range"),
+        (["requeue", MODEL, "--url", "{url}", "--id", BEYOND_BIGINT], "argument --id: not a job id (out of range"),
+        (["delete", MODEL, "--url", "{url}", "--id", BEYOND_BIGINT], "argument --id: not a job id (out of range"),
+        (["jobs", MODEL, "--url", "{url}", "--before", BEYOND_BIGINT], "argument --before: not a job id (out of"),
+        (["prune", MODEL, "--url", "{url}", "--older-than", "99999999d"], "argument --older-than: age too long"),
+        (["prune", MODEL, "--url", "{url}", "--older-than", "7"], "argument --older-than: give the unit of '7'"),
+        (["worker", WORKER, "--retention", "99999999d"], "argument --retention: age too long"),
+        (["worker", WORKER, "--retention", "failed=30"], "argument --retention: give the unit of '30'"),
+        (["requeue", MODEL, "--url", "{url}"], "name the jobs to requeue"),
+    ],
+)
+def test_values_the_server_would_refuse_are_one_line_usage_errors(
+    engine: Engine, url: str, args: list[str], problem: str
+) -> None:
+    """Refused before any statement: the server's DataError would be a traceback."""
+    with engine.begin() as conn:
+        conn.execute(insert(JOBS).values(queue="q", status="failed"))
+        conn.execute(insert(JOBS).values(queue="q", status="done", finished_at=func.now() - timedelta(days=9)))
+    _check_one_line_usage_error(run_cli(*(a.replace("{url}", url) for a in args)), problem)
+    with engine.connect() as conn:  # nothing changed
+        assert sorted(conn.execute(select(JOBS.c.status)).scalars()) == ["done", "failed"]
+
+
+def test_largest_bigint_id_is_a_job_id_not_found(engine: Engine, url: str, capsys: Any) -> None:
+    assert main(["show", MODEL, "--url", url, "9223372036854775807"]) == 1
+    assert "no job 9223372036854775807" in capsys.readouterr().err
+
+
+def test_version(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"sqla-queue {sqla_queue.__version__}\n"
+
+
+def test_heartbeat_interval_is_the_worker_options_name() -> None:
+    assert build_parser().parse_args(["worker", WORKER, "--heartbeat-interval", "5s"]).heartbeat == 5.0
+    assert build_parser().parse_args(["worker", WORKER, "--heartbeat", "5s"]).heartbeat == 5.0  # the short alias
+    assert worker_overrides(heartbeat=5.0) == {"heartbeat_interval": 5.0}
+
+
+def _check_one_line_usage_error(result: subprocess.CompletedProcess[str], problem: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -297,7 +350,7 @@ unmigrated_worker = lambda: worker(Unmigrated)
 unmigrated_async_worker = lambda: async_worker(Unmigrated)
 """
 
-ADMIN_COMMANDS = [["stats"], ["sweep"], ["requeue"], ["prune", "--older-than", "7d"]]
+ADMIN_COMMANDS = [["stats"], ["sweep"], ["requeue", "--status", "failed"], ["prune", "--older-than", "7d"]]
 PROBLEMS = {
     "missing": "table 'never_created_jobs' does not exist in that database: create it (metadata.create_all",
     "unmigrated": "table 'cli_unmigrated_jobs' lacks the queue columns attempts, created_at, finished_at, "

@@ -72,6 +72,82 @@ def test_every_python_block_is_included_from_a_file_the_suite_runs(page: Path) -
                     assert source.count(f"# --8<-- [{mark}:{include['section']}]") == 1, (page.name, line)
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_snippet_include_is_inside_a_code_block(page: Path) -> None:
+    """An include outside a fence renders the file's code as one paragraph of prose
+    (Markdown included as Markdown, the changelog, is the exception)."""
+    source = page.read_text()
+    fenced = [(m.start(), m.end()) for m in FENCE.finditer(source)]
+    for include in INCLUDE.finditer(source):
+        if include["file"].endswith(".md"):
+            continue
+        assert any(start <= include.start() < end for start, end in fenced), (
+            f"{page.name}: {include.group(0).strip()} is not inside a ``` block"
+        )
+
+
+#: Code blocks that are not included from a file under examples/docs/, each with why it
+#: need not be: (page, how the block's first line starts) -> reason. Anything else must be
+#: a file that a script of the suite runs.
+NOT_FROM_A_FILE: dict[tuple[str, str], str] = {
+    ("guides/periodic.md", "INSERT INTO tasks_schedules"):
+        "the statement claim_schedule_tick() renders, shown to explain it; tests/test_periodic.py runs the builder",
+    ("reference/sql.md", "UPDATE email_jobs SET status='running'"):
+        "the claim statement as compiled, shown to explain it; tests/test_sql.py runs the builder",
+    ("internals/job-life.md", "enqueue / enqueue_many"):
+        "a drawing of the job's states, not code",
+    ("operations/failover.md", "postgresql+psycopg://app@/shop?host=db1.internal"):
+        "a URL naming the reader's hosts; tests/test_standby_failover.py connects with such a URL",
+    ("operations/failover.md", "# postgresql.conf of the primary"):
+        "settings of the reader's PostgreSQL server, not code of this project",
+    ("operations/monitoring.md", "# the one to alert on"):
+        "PromQL for the reader's Prometheus; the metric names are the exporter's (tests/test_prometheus.py)",
+}
+#: Shell blocks hold commands a reader types, not programs: sqla-queue lines run the real
+#: parser (test_every_sqla_queue_command_shown_is_accepted_by_the_parser); the others
+#: install, run a file of this repository, or start a server of the reader's.
+SHELL_COMMANDS = ("sqla-queue ", "pip install ", "python ", "flask ", "uvicorn ", "export ", "DATABASE_URL=")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_code_block_is_a_tested_file_or_says_why_not(page: Path) -> None:
+    name = str(page.relative_to(DOCS))
+    for match in FENCE.finditer(page.read_text()):
+        lines = [line.strip() for line in match.group("body").splitlines() if line.strip()]
+        if match.group("lang") == "python" or all(INCLUDE.fullmatch(line) for line in lines):
+            for line in lines:  # Python blocks: test_every_python_block_is_included_from_a_file_...
+                include = INCLUDE.fullmatch(line)
+                if include and not include["file"].endswith(".py"):
+                    target = SNIPPETS / include["file"]
+                    assert target.is_file(), f"{name}: {include['file']} is not under examples/docs/"
+                    runners = [s.name for s in SCRIPTS if include["file"] in s.read_text()]
+                    assert runners, f"{name}: no script of examples/docs/ reads {include['file']}"
+            continue
+        if match.group("lang") == "sh":
+            for line in lines:
+                assert line.startswith("#") or line.startswith(SHELL_COMMANDS), f"{name}: {line!r}"
+            continue
+        assert any(page_ == name and lines[0].startswith(start) for page_, start in NOT_FROM_A_FILE), (
+            f"{name}: a {match.group('lang') or 'plain'} block written inline: make it a file under "
+            f"examples/docs/ that a script runs, or say why not in NOT_FROM_A_FILE: {lines[0]!r}"
+        )
+
+
+def test_no_snippet_shows_the_test_harness() -> None:
+    """_db (where the snippets find a database) is the suite's, not something to copy."""
+    for page, body in blocks("python"):
+        for include in INCLUDE.finditer(body):
+            target = SNIPPETS / include["file"]
+            source = target.read_text() if target.is_file() else ""
+            if include["section"]:
+                section = re.search(
+                    rf"# --8<-- \[start:{include['section']}\]\n(.*?)# --8<-- \[end:{include['section']}\]",
+                    source, re.S,
+                )
+                source = section.group(1) if section else ""
+            assert "_db" not in source, f"{page.name}: {include.group(0).strip()} shows _db"
+
+
 @pytest.fixture
 def scratch_database(server: Server) -> Iterator[str]:
     """An empty database: autogenerate compares the models with everything in view."""
@@ -244,3 +320,44 @@ def test_every_public_name_is_on_the_api_page() -> None:
     missing = [name for name in sqla_queue.__all__ if not name.startswith("_")
                and f"::: sqla_queue.{name}\n" not in page]
     assert not missing, missing
+
+
+def test_the_sqlmodel_column_table_lists_every_column_of_the_mixin() -> None:
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_queue.model import JobMixin
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Probe(Base, JobMixin):
+        __tablename__ = "docs_probe_jobs"
+
+    rows = _table_rows("guides/sqlmodel.md", "The table gets:")
+    rows.pop("field", None)
+    assert set(rows) == {column.name for column in Probe.__table__.columns}
+
+
+def test_the_pages_count_the_mixin_s_partial_indexes_right() -> None:
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_queue.model import JobMixin, queue_table
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Counted(Base, JobMixin):
+        __tablename__ = "docs_counted_jobs"
+
+    words = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+    table = queue_table(Counted).table
+    partial = [index for index in table.indexes if index.dialect_options["postgresql"]["where"] is not None]
+    counts = [
+        (page.name, match.group(1))
+        for page in PAGES
+        for match in re.finditer(r"\b(\w+) partial indexes", page.read_text().replace("\n", " "))
+        if match.group(1).lower() in words
+    ]
+    assert counts, "the pages say how many partial indexes a queue table has"
+    for page_name, word in counts:
+        assert words[word.lower()] == len(partial), (page_name, word, len(partial))

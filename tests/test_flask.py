@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+import sqla_queue
+
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 
 pytest.importorskip("flask_sqlalchemy")
@@ -143,7 +145,9 @@ def test_flask_queue_commands(app: Any, tmp_path: Path) -> None:
     # the handler ran in its thread inside an app context: it used db.session and current_app
     assert (tmp_path / "order-1.eml").read_text().startswith("To: a@example.com")
 
-    requeue = runner.invoke(args=["queue", "requeue", "confirmation_email"])
+    everything = runner.invoke(args=["queue", "requeue", "confirmation_email"])
+    assert everything.exit_code == 2 and "name the jobs to requeue" in everything.output  # asked for, as delete
+    requeue = runner.invoke(args=["queue", "requeue", "confirmation_email", "--status", "failed"])
     assert requeue.exit_code == 0 and "requeued 1" in requeue.output
     assert runner.invoke(args=["queue", "sweep"]).output.startswith("swept 0 expired")
     unknown = runner.invoke(args=["queue", "stats", "nope"])
@@ -232,6 +236,50 @@ def test_flask_queue_worker_logs(app: Any, server: Server, tmp_path: Path) -> No
     loud = _flask("worker", "--until-idle", env=env)  # default INFO
     assert loud.returncode == 0, loud.stderr
     assert re.search(r"^\S+ \S+ INFO sqla_queue\.\S+ \[\d+\] ", loud.stderr, re.M), loud.stderr
+
+
+BEYOND_BIGINT = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["show", BEYOND_BIGINT], "not a job id (out of range"),
+        (["cancel", "--id", BEYOND_BIGINT], "not a job id (out of range"),
+        (["requeue", "--id", BEYOND_BIGINT], "not a job id (out of range"),
+        (["delete", "--id", BEYOND_BIGINT], "not a job id (out of range"),
+        (["jobs", "--before", BEYOND_BIGINT], "not a job id (out of range"),
+        (["prune", "--older-than", "99999999d"], "age too long"),
+        (["prune", "--older-than", "7"], "give the unit of '7'"),
+        (["worker", "--retention", "99999999d"], "age too long"),
+        (["requeue"], "name the jobs to requeue"),
+    ],
+)
+def test_flask_queue_refuses_what_the_server_would(app: Any, args: list[str], problem: str) -> None:
+    """A usage error (exit 2, no traceback) before any statement, and nothing changed."""
+    client = app.test_client()
+    assert client.post("/orders", json={"product_id": 1, "quantity": 1, "email": "a@example.com"}).status_code == 201
+    result = app.test_cli_runner().invoke(args=["queue", *args])
+    assert result.exit_code == 2, result.output
+    assert problem in result.output and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)  # click's usage error, not a DataError
+    assert counts(app) == (1, 1)
+    with app.app_context():
+        assert shop.db.session.scalars(select(shop.ConfirmationEmail.status)).all() == ["pending"]
+
+
+def test_flask_queue_help_version_and_option_names(app: Any) -> None:
+    runner = app.test_cli_runner()
+    version = runner.invoke(args=["queue", "--version"])
+    assert version.exit_code == 0 and version.output == f"sqla_queue {sqla_queue.__version__}\n"
+    for command in ("worker", "prune"):
+        shown = runner.invoke(args=["queue", command, "--help"]).output
+        assert "PARSE_" not in shown and "parse_" not in shown, shown
+    shown = runner.invoke(args=["queue", "worker", "--help"]).output
+    assert "--lease DURATION" in shown and "--heartbeat-interval, --heartbeat DURATION" in shown
+    assert "--older-than AGE" in runner.invoke(args=["queue", "prune", "--help"]).output
+    refused = runner.invoke(args=["queue", "worker", "--lease", "1s", "--heartbeat-interval", "2s"])
+    assert refused.exit_code == 2 and "must be shorter than the lease" in refused.output
 
 
 def test_flask_queue_worker_refuses_bad_options(app: Any, server: Server) -> None:
@@ -324,6 +372,12 @@ def test_flask_queue_inspection_commands(app: Any) -> None:
     assert "Undeliverable: mail server refused b@undeliverable.example" in show.output
     assert runner.invoke(args=["queue", "show", "424242"]).exit_code != 0
     assert "not a job id" in runner.invoke(args=["queue", "show", "x"]).output
+    named = runner.invoke(args=["queue", "show", "confirmation_email", str(b)])  # NAME ID, as other commands
+    assert named.exit_code == 0 and named.output == show.output
+    assert runner.invoke(args=["queue", "show", "--table", "confirmation_email", str(b)]).output == show.output
+    assert "no worker named 'nope'" in runner.invoke(args=["queue", "show", "nope", str(b)]).output
+    assert runner.invoke(args=["queue", "show"]).exit_code == 2
+    assert runner.invoke(args=["queue", "show", "confirmation_email", str(b), "1"]).exit_code == 2
 
     requeue = runner.invoke(args=["queue", "requeue", "--error", "c@undeliverable"])
     assert requeue.exit_code == 0 and "requeued 1" in requeue.output

@@ -7,11 +7,14 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_queue import Backoff, QueueSession, Tasks, enqueue_values
+from sqla_queue import AsyncQueueSession, Backoff, QueueSession, Tasks, enqueue_values
 from sqla_queue.testing import (
+    aassert_enqueued,
+    aassert_not_enqueued,
+    aenqueued,
     arun_until_idle,
     assert_enqueued,
     assert_not_enqueued,
@@ -181,3 +184,81 @@ def test_arun_until_idle_runs_async_handlers(server: Any, engine: Engine) -> Non
     stats = asyncio.run(main())
     assert stats.done == 2
     assert sorted(seen) == ["ada", "bob"]
+
+
+# -- async apps: AsyncEngine, AsyncSession, AsyncConnection ---------------------------------
+
+
+def _async_engine(server: Any) -> AsyncEngine:
+    return create_async_engine(server.url)
+
+
+def test_the_sync_helpers_read_an_async_engine_and_its_sync_engine(server: Any, engine: Engine) -> None:
+    """A test driving an async app with a synchronous client holds its AsyncEngine."""
+    with _sessions(engine)() as session:
+        session.enqueue(EmailJob(recipient="ada@example.com"), queue="mail")
+        session.commit()
+    aengine = _async_engine(server)
+    try:
+        for source in (aengine, aengine.sync_engine):
+            (job,) = assert_enqueued(source, EmailJob, recipient="ada@example.com", queue="mail")
+            assert job.recipient == "ada@example.com"
+            assert [j.queue for j in enqueued(source, EmailJob)] == ["mail"]
+            assert_not_enqueued(source, EmailJob, recipient="bob@example.com")
+            with pytest.raises(AssertionError, match=r"expected a job .* recipient='bob@example.com'"):
+                assert_enqueued(source, EmailJob, recipient="bob@example.com")
+    finally:
+        asyncio.run(aengine.dispose())
+
+
+def test_the_awaited_helpers_read_an_async_session_s_uncommitted_jobs(server: Any, engine: Engine) -> None:
+    async def main() -> None:
+        aengine = _async_engine(server)
+        try:
+            Sessions = async_sessionmaker(aengine, class_=AsyncQueueSession, expire_on_commit=False)
+            async with Sessions() as session:
+                session.enqueue(EmailJob(recipient="ada@example.com"), queue="mail")
+                # Seen before the commit, on the session's own connection; not elsewhere.
+                (job,) = await aassert_enqueued(session, EmailJob, recipient="ada@example.com", count=1)
+                assert (job.recipient, job.queue) == ("ada@example.com", "mail")
+                await aassert_not_enqueued(aengine, EmailJob)
+                with pytest.raises(AssertionError, match="found 0; the table holds 1 pending job"):
+                    await aassert_enqueued(session, EmailJob, queue="other")
+                await session.commit()
+            assert [j.recipient for j in await aenqueued(aengine, EmailJob)] == ["ada@example.com"]
+            async with aengine.connect() as conn:
+                assert len(await aenqueued(conn, EmailJob, queue="mail")) == 1
+                await aassert_not_enqueued(conn, EmailJob, status="done")
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert_enqueued(engine, EmailJob, recipient="ada@example.com")
+
+
+def test_async_sources_given_to_the_wrong_helper_say_which_to_use(server: Any, engine: Engine) -> None:
+    async def main() -> None:
+        aengine = _async_engine(server)
+        try:
+            async with AsyncSession(aengine) as session:
+                with pytest.raises(TypeError, match=r"await sqla_queue.testing.aassert_enqueued\(\.\.\.\)"):
+                    assert_enqueued(session, EmailJob)  # type: ignore[arg-type]
+                with pytest.raises(TypeError, match=r"sync_session of an AsyncSession.*aenqueued"):
+                    enqueued(session.sync_session, EmailJob)
+            async with aengine.connect() as conn:
+                with pytest.raises(TypeError, match=r"AsyncConnection.*aassert_not_enqueued"):
+                    assert_not_enqueued(conn, EmailJob)  # type: ignore[arg-type]
+                with pytest.raises(TypeError, match=r"sync_connection of an AsyncConnection"):
+                    enqueued(conn.sync_connection, EmailJob)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"sqla_queue.testing.aenqueued\(\) reads an AsyncSession.*enqueued"):
+                await aenqueued(engine, EmailJob)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"arun_until_idle\(async_engine"):
+                run_until_idle(aengine, EmailJob, lambda job: None)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"arun_until_idle\(async_engine"):
+                run_until_idle(aengine.sync_engine, EmailJob, lambda job: None)
+            with pytest.raises(TypeError, match=r"arun_until_idle\(\) runs an AsyncWorker, which needs an AsyncEngine"):
+                await arun_until_idle(engine, EmailJob, lambda job: None)  # type: ignore[arg-type]
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(main())

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import threading
 
-from sqlalchemy import create_engine, func, select
-from sqlalchemy.orm import Session, sessionmaker
-
-from sqla_queue import QueueSession
+from sqlalchemy import func, select
 
 from _db import database_url
-from shop_models import Base, Charge, Order, Task
 
-started = threading.Event()
-
+# isort: split
 # --8<-- [start:timeouts]
-from sqla_queue import Tasks, Worker, current_job
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from sqla_queue import QueueSession, Tasks, Worker, current_job
+
+from shop_models import Base, Charge, Order, Task  # the guides' models: Task is a TaskMixin table
 
 tasks = Tasks()
 
@@ -33,32 +33,36 @@ def export_report(job: Task) -> None:
 @tasks.task
 def charge(job: Task, session: Session) -> None:  # transactional
     session.add(Charge(order_id=job.payload["order_id"]))
-    started.set()
     current_job().wait(60)  # ignores the flag: its writes still never commit if cancelled
 # --8<-- [end:timeouts]
 
 
 def main(url: str) -> None:
-    engine = create_engine(url)
-    Base.metadata.create_all(engine)
+    # --8<-- [start:enqueue]
+    engine = create_engine(url)  # postgresql+psycopg://...
+    Base.metadata.create_all(engine)  # a real app migrates (see Alembic)
     Sessions = sessionmaker(engine, class_=QueueSession)
+    with Sessions() as session:
+        order = Order(customer="ada")
+        session.add(order)
+        session.flush()
+        session.enqueue(Task(task="export_report", payload={}), timeout=5)  # this job: 5 s
+        job = session.enqueue(Task(task="charge", payload={"order_id": order.id}))
+        session.commit()
+        job_id = job.id
+    # --8<-- [end:enqueue]
     try:
-        with Sessions() as session:
-            order = Order(customer="ada")
-            session.add(order)
-            session.flush()
-            # --8<-- [start:enqueue]
-            session.enqueue(Task(task="export_report", payload={}), timeout=5)  # this job: 5 s
-            job = session.enqueue(Task(task="charge", payload={"order_id": order.id}))
-            session.commit()
-            # --8<-- [end:enqueue]
-            job_id = job.id
         # --8<-- [start:worker]
         worker = Worker(engine, Task, tasks, timeout=600)  # jobs and tasks without one: 10 min
         # --8<-- [end:worker]
         worker.start()
         try:
-            assert started.wait(30)
+            pause = threading.Event()
+            for _ in range(600):  # until the charge runs
+                with engine.connect() as conn:
+                    if conn.scalar(select(Task.status).where(Task.id == job_id)) == "running":
+                        break
+                pause.wait(0.05)
             # --8<-- [start:cancel]
             from sqla_queue import cancel
 
@@ -67,19 +71,20 @@ def main(url: str) -> None:
                 session.commit()  # the running job's worker hears of it now
             # --8<-- [end:cancel]
             assert cancelled == [job_id]
-            deadline = threading.Event()
             for _ in range(600):
                 if worker.stats.cancelled == 1 and worker.stats.done == 1:
                     break
-                deadline.wait(0.05)
+                pause.wait(0.05)
         finally:
             worker.stop()
         with engine.connect() as conn:
             statuses = dict(conn.execute(select(Task.task, Task.status)).all())
             charges = conn.scalar(select(func.count()).select_from(Charge))
-        print(f"statuses: {statuses}; charges committed: {charges}")
+            owner = conn.scalar(select(Task.lease_owner).where(Task.id == job_id))
+        print(f"statuses: {statuses}; charges committed: {charges}; cancelled job's lease_owner: {owner}")
         assert statuses == {"export_report": "done", "charge": "cancelled"}, statuses
         assert charges == 0
+        assert owner is not None  # kept: the worker that ran the cancelled attempt
     finally:
         Base.metadata.drop_all(engine)
         engine.dispose()

@@ -6,12 +6,18 @@ request's transaction; ``flask queue worker`` runs the jobs.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from sqlalchemy import select
 
 from _db import database_url
 
 # isort: split
 # --8<-- [start:app]
+import os
+
 from flask import Blueprint, Flask
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import ForeignKey
@@ -59,9 +65,10 @@ def place_order() -> tuple[dict[str, int], int]:
     return {"order_id": order.id}, 201
 
 
-def create_app(url: str) -> Flask:  # url: "postgresql+psycopg://shop@localhost/shop"
+def create_app(url: str | None = None) -> Flask:  # `flask --app` calls it without arguments
     app = Flask(__name__)
-    app.config["SQLALCHEMY_DATABASE_URI"] = url
+    # "postgresql+psycopg://shop@localhost/shop": psycopg 3
+    app.config["SQLALCHEMY_DATABASE_URI"] = url or os.environ["DATABASE_URL"]
     db.init_app(app)
     queue.init_app(app, db)  # adds `flask queue worker|sweep|stats|requeue|prune`
     queue.add_worker(ConfirmationEmail, send_confirmation, concurrency=4)
@@ -77,9 +84,14 @@ def tour(url: str) -> None:
     try:
         response = app.test_client().post("/orders")
         assert response.status_code == 201, response.text
-        # What `flask --app yourapp queue worker --until-idle` runs:
-        result = app.test_cli_runner().invoke(args=["queue", "worker", "--until-idle", "--log-level", "WARNING"])
-        assert result.exit_code == 0, result.output
+        # The command the page shows, as a user runs it (this module is `yourapp`).
+        result = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", "flask_app", "queue", "worker", "--until-idle",
+             "--log-level", "WARNING"],
+            cwd=Path(__file__).parent, env={**os.environ, "DATABASE_URL": url},
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
         with app.app_context():
             confirmed = db.session.scalar(select(ShopOrder.confirmed))
             status = db.session.scalar(select(ConfirmationEmail.status))

@@ -9,9 +9,10 @@ import logging
 import threading
 import urllib.request
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, insert, text
 from sqlalchemy.orm import sessionmaker
 
 from sqla_queue import QueueSession
@@ -201,6 +202,15 @@ def depth(engine: Any) -> None:
         assert conn.scalar(text("SELECT count(*) FROM tasks WHERE status = 'done'")) == 2
     assert reading.table == "tasks" and reading.dead_tuples >= 0
     print(f"depth: {reading.as_dict()}; {len(rows)} row(s) from the builder")
+    # The page's SQL for Grafana, grafana_queries.sql, as written there.
+    queries = Path(__file__).with_name("grafana_queries.sql").read_text()
+    with engine.connect() as conn:  # one pending job, rolled back afterwards
+        conn.execute(insert(Task).values(task="charge", payload={}, queue="grafana"))
+        pending, vacuum = (conn.exec_driver_sql(q).all() for q in queries.split(";") if q.strip(" \n"))
+        conn.rollback()
+    assert [(row.queue, row.pending) for row in pending] == [("grafana", 1)], pending
+    assert pending[0].oldest_runnable_seconds >= 0 and len(vacuum) == 1, (pending, vacuum)
+    print(f"grafana queries: {[tuple(row) for row in pending]}, {vacuum[0].n_dead_tup} dead tuples")
 
 
 def autovacuum(engine: Any) -> None:

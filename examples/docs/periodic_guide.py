@@ -10,10 +10,11 @@ from typing import Any
 from sqlalchemy import DateTime, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from _db import database_url
+
+# isort: split
 # --8<-- [start:models]
 from sqla_queue import JobMixin, TaskMixin, schedules_table
-
-from _db import database_url
 
 
 class Base(DeclarativeBase):
