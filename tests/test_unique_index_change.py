@@ -13,7 +13,16 @@ from sqlalchemy import Engine, Table, func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.schema import CreateIndex
 
-from sqla_queue import UNIQUE_EVER, EnqueueError, JobMixin, QueueSession, UniqueJobs, WorkerStartError, enqueue_many
+from sqla_queue import (
+    UNIQUE_EVER,
+    EnqueueError,
+    JobMixin,
+    QueueSession,
+    UniqueJobs,
+    WorkerStartError,
+    enqueue_many,
+    unique_index,
+)
 from sqla_queue.model import constraint_name
 
 TABLE = "unique_change_jobs"
@@ -43,6 +52,7 @@ class JobAfter(_After, JobMixin):  # the model now: "at most once, ever"
 
 @pytest.fixture
 def before(engine: Engine) -> Iterator[None]:
+    unique_index._checked.clear()  # each test's tables are new: forget what matched before
     _Before.metadata.create_all(engine)
     yield
     _Before.metadata.drop_all(engine)
@@ -97,6 +107,43 @@ def test_a_worker_refuses_to_start_on_both_runtimes(engine: Engine, before: None
     worker = make_worker(engine, JobAfter, lambda job: None)
     worker.start()
     worker.stop(grace=1)
+
+
+def test_drop_and_create_queue_indexes_replace_the_unique_index(engine: Engine, before: None) -> None:
+    """The Alembic guide's hand-written migration: drop the queue's indexes with the old
+    declaration, create them with the new one; and back, for the downgrade. Without a
+    declaration the unique index is left alone, as before."""
+    from alembic.migration import MigrationContext
+    from alembic.operations import Operations
+
+    import sqla_queue.alembic  # noqa: F401  (registers the operations)
+
+    def indexes(conn: Any = None) -> dict[str, str]:
+        if conn is None:
+            with engine.connect() as own:
+                return indexes(own)
+        rows = conn.execute(text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = :t"), {"t": TABLE})
+        return {str(name): str(definition) for name, definition in rows}
+
+    old = indexes()
+    with engine.begin() as conn:
+        op: Any = Operations(MigrationContext.configure(conn))
+        op.drop_queue_indexes(TABLE)
+        assert set(indexes(conn)) == {f"{TABLE}_pkey", f"{TABLE}_unique_idx"}
+        op.create_queue_indexes(TABLE)
+        op.drop_queue_indexes(TABLE, unique=UniqueJobs())
+        assert set(indexes(conn)) == {f"{TABLE}_pkey"}
+        op.create_queue_indexes(TABLE, unique=JobAfter.__queue_unique__)
+    new = indexes()
+    assert set(new) == set(old) and "'done'" in new[f"{TABLE}_unique_idx"]
+    with sessionmaker(engine, class_=QueueSession)() as session:
+        assert session.enqueue(JobAfter(), unique_key="k").inserted
+        session.commit()
+    with engine.begin() as conn:
+        op = Operations(MigrationContext.configure(conn))
+        op.drop_queue_indexes(TABLE, unique=JobAfter.__queue_unique__)
+        op.create_queue_indexes(TABLE, unique=UniqueJobs())
+    assert indexes() == old
 
 
 def test_a_missing_unique_index_is_named_too(engine: Engine, before: None) -> None:
