@@ -27,16 +27,18 @@ from sqlalchemy.orm import Mapper
 
 from .cache import plans
 from .errors import EnqueueError, InvalidPayload
-from .model import JobStatus
+from .model import JobStatus, unique_jobs
 
 __all__ = [
     "MAX_DELAY_SECONDS",
     "MAX_JSONB_BYTES",
     "MAX_ROW_BYTES",
+    "MAX_KEY_BYTES",
     "Check",
     "Polymorphic",
     "TableRules",
     "check_json",
+    "check_key_size",
     "check_max_attempts",
     "check_priority",
     "RESERVED_QUEUE_PREFIX",
@@ -133,6 +135,26 @@ def check_text(value: str, name: str, length: int | None) -> None:
             f"{name} contains a NUL character or a lone surrogate, which PostgreSQL "
             f"text cannot store: {value[:60]!r}"
         )
+
+
+#: The longest unique key, in UTF-8 bytes. A B-tree entry holds at most 2704 bytes (8 kB
+#: pages), 12 of them headers: a longer key makes the server refuse the INSERT
+#: (``ProgramLimitExceeded``), aborting the caller's transaction. PostgreSQL may compress
+#: a longer one enough to fit, but that depends on its content: the limit does not.
+MAX_KEY_BYTES: Final = 2692
+
+
+def check_key_size(value: Any, name: str) -> None:
+    """A unique key whose index entry fits: the mixin's ``unique_key`` is short by its
+    length, a key column of the user's own (``Text``, ``String()``) may have none."""
+    # At most 4 bytes a character: short strings need no encoding to know they fit.
+    if isinstance(value, str) and len(value) * 4 > MAX_KEY_BYTES:
+        size = text_bytes(value)
+        if size > MAX_KEY_BYTES:
+            raise EnqueueError(
+                f"{name} is a unique key of {size} bytes, more than its index can hold ({MAX_KEY_BYTES}): "
+                "keep keys short (an id, or a hash of a long value)"
+            )
 
 
 def delay_seconds(delay: Any) -> float:
@@ -557,6 +579,15 @@ def _text_check(length: int | None, first: Check | None = None) -> Check:
     return check
 
 
+def _key_check(then: Check | None) -> Check:
+    def check(value: Any, name: str) -> None:
+        if then is not None:
+            then(value, name)
+        check_key_size(value, name)
+
+    return check
+
+
 #: The queue's own columns: their type rules, before the generic text rule.
 _QUEUE_CHECKS: Final[dict[str, Check]] = {
     "queue": check_queue,
@@ -605,6 +636,10 @@ class TableRules:
                 self.checks[column.key] = _text_check(text_type.length, first)
             elif first is not None:
                 self.checks[column.key] = first
+        unique = unique_jobs(table)
+        if unique is not None:
+            key = table.c[unique.column].key
+            self.checks[key] = _key_check(self.checks.get(key))
 
     def check(self, key: str, value: Any) -> None:
         """Raise :class:`EnqueueError` if column ``key`` cannot hold ``value``."""

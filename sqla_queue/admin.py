@@ -38,6 +38,7 @@ __all__ = [
     "format_schedules",
     "format_stats",
     "get_job",
+    "key_holders",
     "lease_owners",
     "list_jobs",
     "parse_job_id",
@@ -216,18 +217,38 @@ def cancel_jobs(engine: Engine, model: Any, *, ids: Sequence[Any]) -> int:
     return len(cancel(engine, model, ids=ids))
 
 
-def delete_jobs(engine: Engine, model: Any, filters: JobFilters, *, limit: int = 10_000) -> int:
+def delete_jobs(
+    engine: Engine, model: Any, filters: JobFilters, *, limit: int = 10_000, free_keys: bool = False
+) -> int:
     """Delete the jobs matching ``filters`` (never running ones), ``limit`` per
-    transaction; returns how many. Empty filters are refused: that would be every job."""
+    transaction; returns how many. Empty filters are refused: that would be every job.
+
+    Finished jobs still holding a unique key (``done`` under ``UNIQUE_EVER``) are kept
+    unless ``free_keys=True`` (see :func:`key_holders`): deleting one lets the same work
+    be enqueued, and run, again."""
     if filters.empty:
         raise ValueError("name the jobs to delete: ids, or at least one filter")
     total = 0
     while True:
+        stmt = q.delete_jobs(model, **filters.builder_kwargs(), limit=limit, free_keys=free_keys)
         with engine.begin() as conn:
-            deleted = len(conn.scalars(q.delete_jobs(model, **filters.builder_kwargs(), limit=limit)).all())
+            deleted = len(conn.scalars(stmt).all())
         total += deleted
         if deleted < limit:
             return total
+
+
+def key_holders(engine: Engine, model: Any, filters: JobFilters) -> int:
+    """How many jobs matching ``filters`` finished but still hold their unique key: what
+    :func:`delete_jobs` keeps unless told ``free_keys=True`` (0 when the model's
+    :class:`~sqla_queue.UniqueJobs` keeps no key past running)."""
+    kept = q.keeps_unique_key(model)
+    if kept is None:
+        return 0
+    qt = queue_table(model)
+    stmt = select(func.count()).select_from(qt.table).where(*q.job_filter(model, **filters.builder_kwargs()), kept)
+    with engine.connect() as conn:
+        return int(conn.scalar(stmt) or 0)
 
 
 def prune(
@@ -238,7 +259,8 @@ def prune(
     statuses: Sequence[str] = ("done", "cancelled"),
     limit: int = 10_000,
 ) -> int:
-    """Delete finished jobs older than ``older_than``, ``limit`` per transaction."""
+    """Delete finished jobs older than ``older_than``, ``limit`` per transaction (never
+    one still holding a unique key: :func:`sqla_queue.sql.keeps_unique_key`)."""
     total = 0
     while True:
         stmt = q.prune_finished(model, older_than=older_than, statuses=statuses, limit=limit)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from alembic import command
-from alembic.autogenerate import renderers
+from alembic.autogenerate import comparators, renderers
 from alembic.autogenerate.api import AutogenContext
 from alembic.config import Config
 from alembic.operations import MigrateOperation, Operations
@@ -48,10 +48,21 @@ from alembic.operations.ops import (
     OpContainer,
 )
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import BigInteger, CheckConstraint, Column, Index, MetaData, Table
+from sqlalchemy import BigInteger, CheckConstraint, Column, Connection, Index, MetaData, Table, text
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement, TextClause
 
-from .model import _INFO_KEY, REQUIRED_COLUMNS, JobMixin, _attach_schema_objects, constraint_name
+from .model import (
+    _INFO_KEY,
+    _UNIQUE_INFO_KEY,
+    REQUIRED_COLUMNS,
+    UNIQUE_KEY_COLUMN,
+    JobMixin,
+    UniqueJobs,
+    _attach_schema_objects,
+    constraint_name,
+)
 
 __all__ = [
     "TEMPLATE_NAME",
@@ -251,9 +262,10 @@ def _render_drop_index_concurrently(
 
 
 def queue_schema_table(
-    table_name: str, *, schema: str | None = None, primary_key: str = "id"
+    table_name: str, *, schema: str | None = None, primary_key: str = "id", unique: UniqueJobs | None = None
 ) -> Table:
-    """A stand-in ``Table`` carrying exactly the CHECK and indexes the mixin attaches.
+    """A stand-in ``Table`` carrying exactly the CHECK and indexes the mixin attaches
+    (with ``unique``, the unique index of that declaration too).
 
     Built by the mixin's own code, so migrations and ``create_all()`` never disagree;
     only the columns those objects name are present.
@@ -263,7 +275,11 @@ def queue_schema_table(
     columns += [
         Column(name, declared[name].column.type) for name in REQUIRED_COLUMNS if name != primary_key
     ]
+    if unique is not None and unique.column not in {column.name for column in columns}:
+        columns.append(Column(unique.column, declared[UNIQUE_KEY_COLUMN].column.type))
     table = Table(table_name, MetaData(), *columns, schema=schema)
+    if unique is not None:
+        table.info[_UNIQUE_INFO_KEY] = unique
     _attach_schema_objects(table)
     return table
 
@@ -285,12 +301,14 @@ class _QueueIndexesOp(MigrateOperation):
         primary_key: str = "id",
         concurrently: bool = False,
         check: bool = False,
+        unique: UniqueJobs | None = None,
     ) -> None:
         self.table_name = table_name
         self.schema = schema
         self.primary_key = primary_key
         self.concurrently = concurrently
         self.check = check
+        self.unique = unique
 
     def _args(self) -> dict[str, Any]:
         return {
@@ -298,11 +316,12 @@ class _QueueIndexesOp(MigrateOperation):
             "primary_key": self.primary_key,
             "concurrently": self.concurrently,
             "check": self.check,
+            "unique": self.unique,
         }
 
     def _schema_objects(self) -> tuple[list[Index], CheckConstraint]:
         table = queue_schema_table(
-            self.table_name, schema=self.schema, primary_key=self.primary_key
+            self.table_name, schema=self.schema, primary_key=self.primary_key, unique=self.unique
         )
         check = _status_check(table)
         assert check is not None
@@ -323,6 +342,7 @@ class CreateQueueIndexesOp(_QueueIndexesOp):
         primary_key: str = "id",
         concurrently: bool = False,
         check: bool = False,
+        unique: UniqueJobs | None = None,
     ) -> None:
         """Create the indexes ``JobMixin`` gives ``table_name``, with the same names.
 
@@ -330,6 +350,8 @@ class CreateQueueIndexesOp(_QueueIndexesOp):
         ``concurrently=True`` builds them without blocking writes (PostgreSQL; outside the
         migration's transaction); ``check=True`` adds the status CHECK first, in the
         transaction. ``primary_key`` names the column the claim orders ties by.
+        ``unique``: the model's ``__queue_unique__`` (a ``UniqueJobs``), to create its
+        unique index too.
         """
         operations.invoke(
             cls(
@@ -338,6 +360,7 @@ class CreateQueueIndexesOp(_QueueIndexesOp):
                 primary_key=primary_key,
                 concurrently=concurrently,
                 check=check,
+                unique=unique,
             )
         )
 
@@ -359,9 +382,14 @@ class DropQueueIndexesOp(_QueueIndexesOp):
         primary_key: str = "id",
         concurrently: bool = False,
         check: bool = False,
+        unique: UniqueJobs | None = None,
     ) -> None:
         """Drop the indexes ``JobMixin`` gives ``table_name`` (and its status CHECK with
-        ``check=True``), e.g. before recreating them with a changed definition."""
+        ``check=True``), e.g. before recreating them with a changed definition. The unique
+        index belongs to the model's declaration and stays, unless ``unique`` (the
+        declaration it was made for) says to drop it too: changing ``__queue_unique__``
+        is ``drop_queue_indexes(t, unique=old)`` then ``create_queue_indexes(t,
+        unique=new)``, which a downgrade reverses."""
         operations.invoke(
             cls(
                 table_name,
@@ -369,6 +397,7 @@ class DropQueueIndexesOp(_QueueIndexesOp):
                 primary_key=primary_key,
                 concurrently=concurrently,
                 check=check,
+                unique=unique,
             )
         )
 
@@ -407,9 +436,19 @@ def _drop_queue_indexes(operations: Operations, operation: DropQueueIndexesOp) -
 def _render_queue_indexes(autogen_context: AutogenContext, op: _QueueIndexesOp, name: str) -> str:
     defaults = _QueueIndexesOp("")._args()
     args = [repr(op.table_name)]
-    args += [f"{key}={value!r}" for key, value in op._args().items() if value != defaults[key]]
+    args += [
+        f"{key}={_render_unique(autogen_context, value) if key == 'unique' else repr(value)}"
+        for key, value in op._args().items()
+        if value != defaults[key]
+    ]
     autogen_context.imports.add(IMPORT_LINE)
     return f"{OPS_PREFIX}{name}({', '.join(args)})"
+
+
+def _render_unique(autogen_context: AutogenContext, unique: UniqueJobs) -> str:
+    autogen_context.imports.add("from sqla_queue import UniqueJobs")
+    statuses = ", ".join(repr(s.value) for s in unique.statuses)
+    return f"UniqueJobs(column={unique.column!r}, statuses=({statuses},))"
 
 
 @renderers.dispatch_for(CreateQueueIndexesOp)
@@ -420,6 +459,98 @@ def _render_create_queue_indexes(autogen_context: AutogenContext, op: CreateQueu
 @renderers.dispatch_for(DropQueueIndexesOp)
 def _render_drop_queue_indexes(autogen_context: AutogenContext, op: DropQueueIndexesOp) -> str:
     return _render_queue_indexes(autogen_context, op, "drop_queue_indexes")
+
+
+# --- changed index definitions --------------------------------------------------------
+
+#: ``(unique, definition from USING on)`` of each index of a table, by name.
+_INDEX_DEFINITIONS: Final = text(
+    "SELECT c.relname, i.indisunique, pg_get_indexdef(i.indexrelid) "
+    "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass(:table)"
+)
+_PROBE: Final = "sqla_queue_index_probe"
+
+
+def _definitions(conn: Connection, qualified: str) -> dict[str, tuple[bool, str]]:
+    return {
+        name: (unique, definition.partition(" USING ")[2])
+        for name, unique, definition in conn.execute(_INDEX_DEFINITIONS, {"table": qualified})
+    }
+
+
+def _model_definitions(conn: Connection, table: Table, qualified: str, names: set[str]) -> dict[str, tuple[bool, str]]:
+    """The model's indexes ``names`` in PostgreSQL's own words: built on an empty
+    temporary copy of the table in a savepoint that is rolled back (PostgreSQL rewrites a
+    predicate, casts and all, so only it can say whether two read the same). An index it
+    cannot build there (a column the migration has yet to add) is left out."""
+    copy = table.to_metadata(MetaData(), name=_PROBE)
+    copy.schema = None  # the temporary schema, first on the search path
+    found: dict[str, tuple[bool, str]] = {}
+    with conn.begin_nested() as probe:
+        conn.execute(text(f"CREATE TEMPORARY TABLE {_PROBE} (LIKE {qualified})"))
+        for index in copy.indexes:
+            if index.name not in names:
+                continue
+            try:
+                with conn.begin_nested():
+                    conn.execute(CreateIndex(index))
+            except sa_exc.DBAPIError:
+                continue
+        found = _definitions(conn, f"pg_temp.{_PROBE}")
+        probe.rollback()
+    return found
+
+
+def _compare_queue_indexes(
+    autogen_context: AutogenContext,
+    modify_ops: ModifyTableOps,
+    schema: str | None,
+    tname: str,
+    conn_table: Table | None,
+    metadata_table: Table | None,
+) -> Any:
+    """Autogenerate sees an index's columns, not its ``WHERE``: a queue index whose
+    predicate changed (``__queue_unique__``'s statuses, an upgrade of the mixin) is
+    dropped and created again, as the model now says (concurrently, through the hook)."""
+    conn = autogen_context.connection
+    if (
+        conn is None or conn_table is None or metadata_table is None
+        or conn.dialect.name != "postgresql" or not metadata_table.info.get(_INFO_KEY)
+    ):
+        return _CONTINUE
+    quote = conn.dialect.identifier_preparer.quote
+    qualified = f"{quote(schema)}.{quote(tname)}" if schema else quote(tname)
+    existing = _definitions(conn, qualified)
+    touched = {
+        str(item.index_name)
+        for item in modify_ops.ops
+        if isinstance(item, (CreateIndexOp, DropIndexOp))
+    }
+    wanted = {str(index.name) for index in metadata_table.indexes} & set(existing) - touched
+    if not wanted:
+        return _CONTINUE
+    model = _model_definitions(conn, metadata_table, qualified, wanted)
+    reflected = {str(index.name): index for index in conn_table.indexes}
+    for index in sorted(metadata_table.indexes, key=lambda index: str(index.name)):
+        name = str(index.name)
+        if name not in model or model[name] == existing[name]:
+            continue
+        old = reflected.get(name)
+        drop = DropIndexOp.from_index(old) if old is not None else DropIndexOp(name, table_name=tname, schema=schema)
+        modify_ops.ops.extend([drop, CreateIndexOp.from_index(index)])
+    return _CONTINUE
+
+
+try:  # Alembic 1.18+: comparators by priority; run after Alembic's own index comparison
+    from alembic.util import DispatchPriority, PriorityDispatchResult
+
+    _CONTINUE: Any = PriorityDispatchResult.CONTINUE
+    comparators.dispatch_for("table", priority=DispatchPriority.LAST, subgroup="sqla_queue.indexes")(
+        _compare_queue_indexes
+    )
+except ImportError:  # pragma: no cover - older Alembic
+    _CONTINUE = None
+    comparators.dispatch_for("table")(_compare_queue_indexes)
 
 
 # --- the revision hook -----------------------------------------------------------------

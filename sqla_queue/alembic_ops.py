@@ -28,6 +28,7 @@ from .alembic import (
     DropIndexConcurrentlyOp,
     DropQueueIndexesOp,
 )
+from .model import UniqueJobs
 
 __all__ = [
     "create_index_concurrently",
@@ -88,6 +89,7 @@ def create_queue_indexes(
     primary_key: str = "id",
     concurrently: bool = False,
     check: bool = False,
+    unique: UniqueJobs | None = None,
 ) -> None:
     """The partial indexes ``JobMixin`` gives ``table_name`` (and its status CHECK)."""
     op.invoke(
@@ -97,6 +99,7 @@ def create_queue_indexes(
             primary_key=primary_key,
             concurrently=concurrently,
             check=check,
+            unique=unique,
         )
     )
 
@@ -108,6 +111,7 @@ def drop_queue_indexes(
     primary_key: str = "id",
     concurrently: bool = False,
     check: bool = False,
+    unique: UniqueJobs | None = None,
 ) -> None:
     """Drop what :func:`create_queue_indexes` creates."""
     op.invoke(
@@ -117,5 +121,6 @@ def drop_queue_indexes(
             primary_key=primary_key,
             concurrently=concurrently,
             check=check,
+            unique=unique,
         )
     )

@@ -53,6 +53,7 @@ from .outbox import notify_on_commit
 from .rows import RowWriter, TablePlan, table_plan
 from .sql import delay_from_insert, insert_unique
 from .unique import EnqueuedMany
+from .unique_index import check_unique_index
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
@@ -428,6 +429,7 @@ def _insert_keyed(conn: Connection, plan: TablePlan, batch: list[tuple[tuple[str
     there, or of an earlier row of the batch, is skipped."""
     # RETURNING counts the rows that went in (an executemany's rowcount does not, on every
     # driver), and makes SQLAlchemy send the rows as multi-row VALUES ("insertmanyvalues").
+    check_unique_index(conn, plan.table)
     statement = insert_unique(plan.table).returning(plan.qt.pk)
     # In key order: two loads of the same keys then wait for each other in one order, never
     # in a cycle (a deadlock would abort one caller's transaction), within a batch.

@@ -569,13 +569,20 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    def delete(engine: Engine, model: Any, filters: admin.JobFilters) -> int:
+    def delete(engine: Engine, model: Any, filters: admin.JobFilters) -> tuple[int, int]:
         if filters.empty:
             raise CommandError("name the jobs to delete: --id, or at least one of --queue, --status, --task, --error")
-        return admin.delete_jobs(engine, model, filters, limit=args.limit)
+        deleted = admin.delete_jobs(engine, model, filters, limit=args.limit, free_keys=args.free_keys)
+        return deleted, 0 if args.free_keys else admin.key_holders(engine, model, filters)
 
-    count = _on_admin_target(args, _with_filters(args, delete))
+    count, kept = _on_admin_target(args, _with_filters(args, delete))
     print(f"deleted {count} job(s)")
+    if kept:
+        print(
+            f"sqla-queue: kept {kept} finished job(s) that still hold their unique key: deleting one frees "
+            "its key, so the same work could be enqueued and run again; add --free-keys to delete them anyway",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -771,6 +778,10 @@ def build_parser() -> argparse.ArgumentParser:
     delete = admin("delete", "delete jobs by id or filter (never running ones)")
     filters(delete, statuses=[s.value for s in JobStatus if s is not JobStatus.RUNNING])
     delete.add_argument("--limit", type=positive_int, default=10_000, help="rows per statement")
+    delete.add_argument(
+        "--free-keys", action="store_true",
+        help="also delete finished jobs that hold a unique key (UNIQUE_EVER): their work may then run again",
+    )
     delete.set_defaults(func=cmd_delete)
 
     dashboard = _subcommand(subparsers, "dashboard", "serve the web dashboard (127.0.0.1 unless --host)")

@@ -35,8 +35,9 @@ from sqlalchemy.util.concurrency import await_only
 
 from .dbapi import CompileOnceError, SchemaMapKey, Statement, compile_statement, reraise_as_sqlalchemy, schema_map_key
 from .errors import SqlaQueueError
-from .model import REQUIRED_COLUMNS, notify_channel, table_problem, translated_schema
+from .model import REQUIRED_COLUMNS, constraint_name, notify_channel, table_problem, translated_schema, unique_jobs
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
+from .unique_index import INDEX_SQL, unique_index_problem
 
 __all__ = [
     "AsyncDbConnection", "AsyncDriver", "CompileOnceError", "DbConnection", "Driver", "RowError",
@@ -572,10 +573,16 @@ class Driver:
                         pgsql.SQL(", ").join(map(pgsql.Identifier, wanted)), qualified
                     )
                 ) if wanted and set(REQUIRED_COLUMNS) <= present else {}
+                index = conn.query(
+                    INDEX_SQL, (qualified.as_string(None), constraint_name(table.name, "unique_idx"))
+                ) if present and unique_jobs(table) is not None else None
             name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
         problem = table_problem(name, [r[0] for r in rows])
+        if problem is None and index is not None:
+            # A unique index the model no longer describes would skip or refuse keyed jobs.
+            problem = unique_index_problem(table, index[0] if index else None, name)
         if problem is not None:
             raise WorkerStartError(problem)
         return types

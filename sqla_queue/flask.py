@@ -464,14 +464,23 @@ def _show_command(names: tuple[str, ...], table: str | None) -> None:
 @_name
 @_filter_options(statuses=[s for s in _STATUSES if s != JobStatus.RUNNING.value])
 @click.option("--limit", type=click.IntRange(min=1), default=10_000, show_default=True, help="rows per statement")
-def _delete_command(name: str | None, limit: int, **options: Any) -> None:
+@click.option("--free-keys", is_flag=True,
+              help="also delete finished jobs that hold a unique key (UNIQUE_EVER): their work may then run again")
+def _delete_command(name: str | None, limit: int, free_keys: bool, **options: Any) -> None:
     """Delete jobs by id or filter (never running ones)."""
     engine, model = _engine_and_model(name)
     filters = _filters(model, **options)
     if filters.empty:
         raise click.UsageError("name the jobs to delete: --id, or at least one of --queue, --status, --task, --error")
-    count = _usage(lambda: admin.delete_jobs(engine, model, filters, limit=limit))
+    count = _usage(lambda: admin.delete_jobs(engine, model, filters, limit=limit, free_keys=free_keys))
     click.echo(f"deleted {count} job(s)")
+    kept = 0 if free_keys else admin.key_holders(engine, model, filters)
+    if kept:
+        click.echo(
+            f"kept {kept} finished job(s) that still hold their unique key: deleting one frees its key, so the "
+            "same work could be enqueued and run again; add --free-keys to delete them anyway",
+            err=True,
+        )
 
 
 @_queue_commands.command("prune")

@@ -28,14 +28,24 @@ from sqlalchemy.orm import attributes as orm_attributes
 
 from .binds import sync_session
 from .cache import plans
+from .errors import EnqueueError
 from .model import WAKE_AFTER_COMMIT, WAKE_NONE, notify_channel, queue_table, wake_mode
 from .rows import default_queue, queue_table_of
 from .waker import wake_after_commit
 
-__all__ = ["hook_session_class", "install_hooks", "notify_on_commit", "notify_with_commit", "wake_after"]
+__all__ = [
+    "awaited",
+    "expect_await",
+    "hook_session_class",
+    "install_hooks",
+    "notify_on_commit",
+    "notify_with_commit",
+    "wake_after",
+]
 
 _NOTIFY_KEY: Final = "sqla_queue.notify"
 _HOOKED_KEY: Final = "sqla_queue.hooked"
+_UNAWAITED_KEY: Final = "sqla_queue.unawaited"
 #: Keys of the outbox's statements in the shared cache.
 _NOTIFY_SELECT: Final = "sqla_queue.outbox.select"
 _NOTIFY_AND_COMMIT: Final = "sqla_queue.outbox.commit"
@@ -98,7 +108,35 @@ def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
     _record_new_jobs(session)
 
 
+def expect_await(session: Session, call: Any, what: str) -> None:
+    """Record ``call``, a coroutine of writes ``session``'s transaction must not commit
+    without: until :func:`awaited` says it ran, a commit raises
+    :class:`~sqla_queue.EnqueueError` naming ``what``."""
+    install_hooks(session)
+    session.info.setdefault(_UNAWAITED_KEY, {})[call] = what
+
+
+def awaited(session: Session, call: Any) -> None:
+    """``call`` (of :func:`expect_await`) runs, or was closed on purpose."""
+    waiting = session.info.get(_UNAWAITED_KEY)
+    if waiting:
+        waiting.pop(call, None)
+
+
+def _refuse_unawaited(session: Session) -> None:
+    waiting = session.info.get(_UNAWAITED_KEY)
+    if waiting:
+        calls = "; ".join(list(waiting.values())[:3]) + ("; …" if len(waiting) > 3 else "")
+        raise EnqueueError(
+            f"{len(waiting)} enqueue(..., unique_key=...) call(s) of this AsyncSession were never awaited, so "
+            f"their jobs were never inserted ({calls}): await them before the commit, or roll back"
+        )
+
+
 def _before_commit(session: Session) -> None:
+    # A keyed enqueue of an AsyncSession that was never awaited wrote nothing: committing
+    # the rest would lose its job silently.
+    _refuse_unawaited(session)
     # before_commit runs before commit's final flush: record the jobs about to flush.
     _record_new_jobs(session)
     # It also runs when a SAVEPOINT commits (begin_nested()), and a NOTIFY sent there is
@@ -168,6 +206,7 @@ def _notify_statement(count: int) -> Select[Any]:
 def _after_transaction_end(session: Session, transaction: Any) -> None:
     if transaction.parent is None:
         session.info.pop(_NOTIFY_KEY, None)
+        session.info.pop(_UNAWAITED_KEY, None)  # rolled back: nothing of it is kept anyway
 
 
 # -- NOTIFY in the COMMIT's round trip ----------------------------------------------------

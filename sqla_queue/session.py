@@ -10,7 +10,7 @@ classes that carry it and ``enqueue_many()`` as methods.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, Callable, Coroutine, Generator, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from sqlalchemy import exc as sa_exc
@@ -24,7 +24,7 @@ from .binds import resolve_session, sync_session
 from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
 from .errors import EnqueueError, NotAQueueModel
 from .options import EnqueueKwargs, enqueue_options
-from .outbox import hook_session_class, install_hooks, notify_on_commit
+from .outbox import awaited, expect_await, hook_session_class, install_hooks, notify_on_commit
 from .rows import queue_table_of, table_plan
 from .sql import delay_from_insert
 from .tracing import current_trace_context
@@ -87,9 +87,48 @@ def enqueue(session: Any, job: J, *, unique_key: Any = None, **options: Unpack[E
     if unique_key is not None:
         resolved = resolve_session(session)
         if isinstance(resolved, AsyncSession):
-            return resolved.run_sync(_enqueue, job, unique_key, options)
+            return _KeyedEnqueue(resolved, job, unique_key, options)
         return _enqueue(sync_session(resolved), job, unique_key, options)
     return _enqueue(sync_session(session), job, None, options)
+
+
+class _KeyedEnqueue(Coroutine[Any, Any, "Enqueued[Any]"]):
+    """The coroutine of a keyed ``enqueue()`` on an ``AsyncSession``, which inserts the
+    job when awaited. Forgetting the ``await`` would lose the job with nothing but a
+    warning at garbage collection, so until it starts, the session's commit raises
+    :class:`~sqla_queue.EnqueueError` (``close()`` without awaiting gives it up on
+    purpose)."""
+
+    __slots__ = ("_args", "_coro", "_session", "_sync")
+
+    def __init__(self, session: AsyncSession, job: Any, unique_key: Any, options: EnqueueKwargs) -> None:
+        self._session = session
+        self._sync = session.sync_session
+        self._args = (job, unique_key, options)
+        self._coro: Coroutine[Any, Any, Enqueued[Any]] | None = None
+        expect_await(self._sync, self, f"{type(job).__qualname__} unique_key={unique_key!r}")
+
+    def _started(self) -> Coroutine[Any, Any, Enqueued[Any]]:
+        if self._coro is None:
+            awaited(self._sync, self)
+            job, unique_key, options = self._args
+            self._coro = self._session.run_sync(_enqueue, job, unique_key, options)
+        return self._coro
+
+    def __await__(self) -> Generator[Any, None, Enqueued[Any]]:
+        return self._started().__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._started().send(value)
+
+    def throw(self, *args: Any) -> Any:
+        return self._started().throw(*args)
+
+    def close(self) -> None:
+        if self._coro is None:
+            awaited(self._sync, self)
+        else:
+            self._coro.close()
 
 
 def _enqueue(sync: Session, job: J, unique_key: Any, options: EnqueueKwargs) -> Any:

@@ -112,6 +112,7 @@ __all__ = [
     "is_solitary",
     "isolated_waiting",
     "job_filter",
+    "keeps_unique_key",
     "lease_owners",
     "list_jobs",
     "listening_workers",
@@ -964,6 +965,29 @@ def get_job(model: QueueModel, job_id: Any) -> Select[Any]:
     return select(qt.table).where(qt.pk == bindparam("job_id", job_id, type_=qt.pk.type))
 
 
+def keeps_unique_key(model: QueueModel) -> ColumnElement[bool] | None:
+    """The condition of finished jobs that still hold their unique key (a key, in a
+    finished status of the model's :class:`~sqla_queue.UniqueJobs`: ``done`` under
+    :data:`~sqla_queue.UNIQUE_EVER`); None when no finished status holds keys.
+
+    Such a row is what makes "at most once, ever" true: deleting it frees its key, and
+    the same work can then be enqueued and run again. So :func:`prune_finished` and
+    :func:`archive_finished` never remove one, and :func:`delete_jobs` only with
+    ``free_keys=True``.
+    """
+    qt = queue_table(model)
+    unique = unique_jobs(qt.table)
+    if unique is None:
+        return None
+    kept = [s for s in unique.statuses if s in FINISHED_STATUSES]
+    if not kept:
+        return None
+    statuses: ColumnElement[bool] = (
+        _status(qt, kept[0]) if len(kept) == 1 else qt.c.status.in_([status_literal(s) for s in kept])
+    )
+    return and_(qt.c[unique.column].isnot(None), statuses)
+
+
 #: The statuses :func:`delete_jobs` may delete: all but ``running``.
 DELETABLE_STATUSES: Final = (PENDING, DONE, FAILED, CANCELLED)
 
@@ -977,11 +1001,16 @@ def delete_jobs(
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
     limit: int = 10_000,
+    free_keys: bool = False,
 ) -> ReturningDelete[Any]:
     """Delete up to ``limit`` jobs matching the filters of :func:`job_filter`; returns
     their keys. Never a ``running`` job (its worker holds it: cancel it, or let it end),
     and rows another transaction holds are skipped, not waited for; run it until it
     returns fewer than ``limit`` rows. ``statuses=None`` means every deletable status.
+
+    Finished jobs that still hold a unique key (:func:`keeps_unique_key`: ``done``
+    under :data:`~sqla_queue.UNIQUE_EVER`) are kept unless ``free_keys=True``: deleting
+    one frees its key, so the same work could be enqueued and run again.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
@@ -991,11 +1020,13 @@ def delete_jobs(
     if RUNNING in wanted:
         raise ValueError("running jobs cannot be deleted: their worker holds them (cancel them first)")
     qt = queue_table(model)
+    conditions = _job_filter(qt, ids=ids, queues=queues, statuses=wanted, tasks=tasks, error_contains=error_contains)
+    kept = None if free_keys else keeps_unique_key(qt.table)
+    if kept is not None:
+        conditions.append(~kept)
     doomed = (
         select(qt.pk)
-        .where(
-            *_job_filter(qt, ids=ids, queues=queues, statuses=wanted, tasks=tasks, error_contains=error_contains)
-        )
+        .where(*conditions)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
@@ -1128,6 +1159,9 @@ def _finished_before(
         )
         conditions.append(and_(qt.c.status.in_([status_literal(s) for s in group]), qt.c.finished_at < cutoff))
     where = [or_(*conditions) if len(conditions) > 1 else conditions[0]]
+    kept = keeps_unique_key(qt.table)
+    if kept is not None:
+        where.append(~kept)  # "at most once, ever": a key's holder outlives any retention
     if exclusive:
         where.insert(0, select(func.pg_try_advisory_xact_lock(prune_lock_key(qt.table))).scalar_subquery())
     return select(qt.pk).where(*where).limit(limit).with_for_update(skip_locked=True)
@@ -1160,6 +1194,9 @@ def prune_finished(
     ``exclusive=True``: the statement first takes a transaction-level advisory lock of
     the table's (:func:`prune_lock_key`, tried, never waited for) and deletes nothing when
     another pruner holds it: many workers, at most one pruning a table at a time.
+
+    Finished jobs that still hold a unique key (:func:`keeps_unique_key`: ``done``
+    under :data:`~sqla_queue.UNIQUE_EVER`) are never pruned, whatever their age.
     """
     qt = queue_table(model)
     doomed = _finished_before(qt, older_than, statuses, (DONE, CANCELLED), limit, exclusive)
@@ -1182,7 +1219,9 @@ def archive_finished(
     :func:`sqla_queue.archive_table` for a ready-made archive table. ``statuses``
     default to every finished one; ``older_than`` and ``exclusive`` are those of
     :func:`prune_finished`. Returns the ids it moved; bounded by ``limit``, so run it
-    until it returns fewer.
+    until it returns fewer. Finished jobs that still hold a unique key stay in the queue
+    table (:func:`keeps_unique_key`): only there does the key keep the work from running
+    again.
     """
     qt = queue_table(model)
     target: Table = archive if isinstance(archive, Table) else archive.__table__

@@ -33,6 +33,7 @@ from .errors import EnqueueError
 from .outbox import install_hooks, notify_on_commit
 from .rows import TablePlan
 from .sql import insert_unique, unique_holder
+from .unique_index import check_unique_index
 
 __all__ = ["Enqueued", "EnqueuedMany", "UniqueKey", "enqueue_keyed", "holder_of"]
 
@@ -126,6 +127,7 @@ def enqueue_keyed(
     if sync.autoflush:
         sync.flush()  # the job may reference pending business rows by foreign key
     conn = sync.connection(bind_arguments=plan.bind_arguments)
+    check_unique_index(conn, table)
     for _ in range(MAX_TRIES):
         inserted = conn.execute(statement).first()
         if inserted is not None:

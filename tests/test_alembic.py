@@ -48,6 +48,7 @@ from .helpers import Server, table_of
 from .models import EmailJob, UuidJob
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
 NewDatabase = Callable[[], URL]
 
 
@@ -79,7 +80,9 @@ def run(command: list[str | Path], cwd: Path, *, ok: bool = True, **env: str) ->
         [str(part) for part in command],
         check=False,
         cwd=cwd,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **env},
+        # this checkout's sqla_queue, whatever the environment has installed
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env},
         capture_output=True,
         text=True,
         timeout=90,
@@ -792,3 +795,29 @@ def test_autogenerate_adds_the_schedules_table_to_an_existing_queue(
     project.alembic("check")
     project.alembic("downgrade", "-1")
     assert "tasks_schedules" not in schema(project.url)
+
+
+def test_a_changed_unique_declaration_is_migrated_by_autogenerate(project: Project, new_database: NewDatabase) -> None:
+    """``__queue_unique__`` changed on an existing table: the index's columns stay, its
+    ``WHERE`` changes, which Alembic's own comparison does not see. The migration drops
+    and recreates it (concurrently), and its downgrade brings the old one back."""
+    project.models(models(more=ONE_JOB_PER_ORDER.replace("column=\"order_id\", statuses=UNIQUE_EVER",
+                                                         "column=\"order_id\"")))
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    before = schema(project.url)
+    assert "'done'" not in before["pg_indexes"]["order_jobs_unique_idx"][0]
+    project.models(models(more=ONE_JOB_PER_ORDER))
+    migration = project.autogenerate("unique ever")
+    upgrade = project.upgrade_body(migration)
+    assert "sq_ops.drop_index_concurrently(op.f('order_jobs_unique_idx'), table_name='order_jobs'" in upgrade, upgrade
+    create = "sq_ops.create_index_concurrently(op.f('order_jobs_unique_idx'), 'order_jobs', ['order_id'], unique=True"
+    assert create in upgrade
+    assert "done" in upgrade and "email_jobs" not in upgrade  # only the changed index
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    assert schema(project.url) == schema(reference)
+    project.alembic("check")  # and a second autogenerate finds nothing
+    project.alembic("downgrade", "-1")
+    assert schema(project.url) == before

@@ -317,8 +317,17 @@ def dashboard_blueprint(
                 count = admin.cancel_jobs(engine, entry.model, ids=ids)
                 flash(f"cancelled {count} of {len(ids)} job(s) (finished ones stay as they are)", "ok")
             else:
-                count = admin.delete_jobs(engine, entry.model, admin.JobFilters(ids=tuple(ids)))
+                chosen = admin.JobFilters(ids=tuple(ids))
+                free_keys = request.form.get("free_keys") == "1"
+                count = admin.delete_jobs(engine, entry.model, chosen, free_keys=free_keys)
                 flash(f"deleted {count} of {len(ids)} job(s) (running jobs are never deleted)", "ok")
+                kept = 0 if free_keys else admin.key_holders(engine, entry.model, chosen)
+                if kept:
+                    # Deleting these frees their keys, so the work could run again: ask first.
+                    return render_template(
+                        "sqla_queue_dashboard/confirm_free_keys.html",
+                        table=entry, ids=request.form.getlist("id"), kept=kept, back=_back(entry),
+                    )
         return redirect(_back(entry))
 
     return bp
