@@ -23,6 +23,8 @@ from .models import Base, Effect, EmailJob, OnceJob
 ONCE = table_of(OnceJob)
 EMAIL = table_of(EmailJob)
 DAY = 86400.0
+#: A form posted from the dashboard's own page (every POST must come from its own origin).
+SAME_ORIGIN = {"Origin": "http://localhost"}
 
 
 def _add(engine: Engine, table: Any = ONCE, *, status: str = "done", key: str | None = None) -> int:
@@ -160,13 +162,13 @@ def test_the_dashboard_asks_before_freeing_a_key(engine: Engine) -> None:
         token = re.search(r'name="csrf_token" value="([^"]+)"', page)
         assert token
         form = {"csrf_token": token.group(1), "action": "delete", "id": [str(held), str(keyless)]}
-        asked = client.post("/once_jobs/action", data=form)
+        asked = client.post("/once_jobs/action", data=form, headers=SAME_ORIGIN)
         assert asked.status_code == 200
         text = asked.get_data(as_text=True)
         assert "1 of the selected job(s) finished but still hold their unique key" in text
         assert 'name="free_keys" value="1"' in text and "run, again" in text
         assert _left(engine) == {held}
-        confirmed = client.post("/once_jobs/action", data={**form, "free_keys": "1"})
+        confirmed = client.post("/once_jobs/action", data={**form, "free_keys": "1"}, headers=SAME_ORIGIN)
         assert confirmed.status_code == 302
     assert _left(engine) == set()
 
