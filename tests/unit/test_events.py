@@ -97,7 +97,7 @@ class Exiting(WorkerObserver):
     """Raises what would end a thread: ``SystemExit``, ``KeyboardInterrupt``,
     ``CancelledError``, in turn, on every event and at the close."""
 
-    RAISES = (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
+    RAISES: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
 
     def __init__(self) -> None:
         self.calls = 0
