@@ -176,8 +176,8 @@ def _feed(engine: Engine, stop: Event, made: list[int]) -> None:
 def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
     engine: Engine, app_processes: Callable[..., AppProcess], fault: signal.Signals
 ) -> None:
-    """Every job the victim held (two batches of four) runs again within lease + sweep
-    interval + its own run time + 0.5 s of the fault (plus the rescuers' slowest pickup of
+    """Every job the victim held (one on each of its eight executors) runs again within
+    lease + sweep interval + its own run time + 0.5 s of the fault (plus the rescuers' slowest pickup of
     an ordinary job meanwhile: how loaded the machine was), while the rescuers' other
     threads keep running a stream of ordinary jobs.
 
@@ -186,8 +186,9 @@ def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
     series. The rescuers have more executors than the victim had jobs.
     """
     victim_app, rescuer_app = unique_app_name("victim"), unique_app_name("rescuer")
-    victim = app_processes("--concurrency", "4", "--batch-size", "4", *TIMING, app_name=victim_app)
-    # Quick jobs first: the victim's threads measure fast handlers, then claim batches.
+    victim = app_processes("--concurrency", str(VICTIM_JOBS), "--batch-size", "4", *TIMING, app_name=victim_app)
+    # Quick jobs first: the victim's threads measure fast handlers; back from idle, each
+    # still claims one job first, so the slow ones spread over all eight.
     warm_up = enqueue(engine, "quick", 40)
     wait_for(all_done(engine, warm_up), timeout=30, what="the victim's warm-up jobs")
     ids = enqueue(engine, "slow_first", VICTIM_JOBS, first=120, sleep=RUN)

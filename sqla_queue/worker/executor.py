@@ -7,8 +7,8 @@ costs one statement however many jobs it holds: the completion of the batch befo
 the claim of the next, together. The batch is sized by the handlers' measured
 speed: up to ``batch_size`` jobs for fast handlers, one at a time for slow ones, so a job
 never waits long behind its batch-mates; until a thread has measured its handlers, and after it found nothing
-to claim, it claims one job at a time, so slow jobs arriving at idle threads spread over
-all of them, whatever the thread ran before.
+to claim (when it has peers), it claims one job at a time, so slow jobs arriving at idle
+threads spread over all of them, whatever the thread ran before.
 Every claim and completion runs under a deadline (``statement_deadline``): a connection
 that stops answering is dropped and the call made again on a new one.
 
@@ -442,7 +442,9 @@ class ExecutorPool(Service):
                             # slow jobs after a thousand fast ones), and a batch of them
                             # would run in series while its idle peers look on. The
                             # measure is kept: one fast job brings the batch size back.
-                            limit = 1
+                            # (A lone executor has no peer to share with: it keeps its size.)
+                            if self.config.concurrency > 1:
+                                limit = 1
                             failures = 0
                             continue
                     except Exception as exc:  # noqa: BLE001 - the database went away: back off
