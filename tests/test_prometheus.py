@@ -104,6 +104,9 @@ def test_the_gauges_cost_one_query_per_interval(
         conn.execute(insert(TASKS).values(task="work", queue="b", status="running", lease_owner="w", attempts=1,
                                           lease_expires_at=text("now() + interval '1 minute'")))
         conn.execute(insert(TASKS).values(task="work", queue="b", run_after=text("now() + interval '1 hour'")))
+        # Queues no one declared: one label for them all, whatever their number.
+        conn.execute(insert(TASKS), [{"task": "work", "queue": f"x{n}"} for n in range(300)])
+        conn.execute(text("UPDATE tasks SET run_after = now() - interval '30 seconds' WHERE queue = 'x7'"))
     readings: list[str] = []
 
     def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -114,6 +117,7 @@ def test_the_gauges_cost_one_query_per_interval(
     try:
         registry = CollectorRegistry()
         m = Metrics(registry, interval=60)
+        m.declare(queues=["a", "b"])
         m.watch(engine, Task)
         port = served(registry)
         samples = [scrape(port) for _ in range(3)]
@@ -127,6 +131,10 @@ def test_the_gauges_cost_one_query_per_interval(
         later = sample(s, "sqla_queue_oldest_runnable_seconds", table="tasks", queue="b")
         assert later is not None and 0 <= later < 60  # the delayed job is not runnable
         assert sample(s, "sqla_queue_dead_tuples", table="tasks") is not None
+        assert sample(s, "sqla_queue_queue_jobs", table="tasks", queue="unregistered", status="pending") == 300.0
+        unregistered_age = sample(s, "sqla_queue_oldest_runnable_seconds", table="tasks", queue="unregistered")
+        assert unregistered_age is not None and 29 < unregistered_age < 90  # the oldest of them
+        assert not [k for k in s if dict(k[1]).get("queue", "").startswith("x")]
         m.collector.interval = 0.0  # the interval is over: the next scrape reads again
         scrape(port)
         assert len(readings) == 2
@@ -158,6 +166,7 @@ def test_the_command_line_flag_starts_the_exporter_of_a_worker_process(
     scraped from here, it counts the jobs it ran."""
     queue = f"q{uuid.uuid4().hex[:8]}"
     add(Sessions, "work", 3, queue=queue)
+    _add_unknown(Sessions, 40, queue)
     port = free_port()
     worker = worker_processes("--metrics-port", str(port), "--queue", queue, "--poll-interval", "0.5s")
 
@@ -167,7 +176,50 @@ def test_the_command_line_flag_starts_the_exporter_of_a_worker_process(
         except OSError:
             return None  # not listening yet
         done = sample(samples, "sqla_queue_jobs_total", table="tasks", queue=queue, task="work", outcome="done")
-        return samples if done == 3.0 else None
+        failed = sample(samples, "sqla_queue_jobs_total", table="tasks", queue=queue, task="unregistered",
+                        outcome="failed")
+        return samples if done == 3.0 and failed == 40.0 else None
 
     samples = wait_for(counted, timeout=30, what=f"3 done jobs on the exporter\n{worker.log_path}")
     assert sample(samples, "sqla_queue_depth_up", table="tasks") == 1.0
+    assert not _labelled_by_rows(samples)
+
+
+def _add_unknown(Sessions: sessionmaker[QueueSession], n: int, queue: str) -> None:
+    """``n`` jobs of as many task names no worker registered (they fail: unknown task)."""
+    with Sessions() as session:
+        for i in range(n):
+            session.enqueue(Task(task=f"ghost{i}", payload={}), queue=queue, max_attempts=1)
+        session.commit()
+
+
+def _labelled_by_rows(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> list[Any]:
+    return [key for key in samples if dict(key[1]).get("task", "").startswith("ghost")]
+
+
+def test_task_names_no_worker_registered_are_one_label(
+    engine: Engine, Sessions: sessionmaker[QueueSession], start_worker: Callable[..., Any],
+    served: Callable[[CollectorRegistry], int],
+) -> None:
+    """Jobs of 60 task names the worker does not know, and of its own ``work``: the
+    scrape shows ``work`` and ``unregistered``, not one series per name read."""
+    queue = f"q{uuid.uuid4().hex[:8]}"
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    port = served(registry)
+    add(Sessions, "work", 2, queue=queue)
+    _add_unknown(Sessions, 60, queue)
+    start_worker(queues=[queue], observers=[m.observer])
+
+    def counted() -> Any:
+        samples = scrape(port)
+        done = sample(samples, "sqla_queue_jobs_total", table="tasks", queue=queue, task="work", outcome="done")
+        failed = sample(samples, "sqla_queue_jobs_total", table="tasks", queue=queue, task="unregistered",
+                        outcome="failed")
+        return samples if done == 2.0 and failed == 60.0 else None
+
+    samples = wait_for(counted, what="the counters of the known and unknown tasks")
+    assert sample(samples, "sqla_queue_jobs_claimed_total", table="tasks", queue=queue, task="unregistered") == 60.0
+    assert sample(samples, "sqla_queue_job_run_seconds_count", table="tasks", queue=queue,
+                  task="unregistered") == 60.0
+    assert not _labelled_by_rows(samples)

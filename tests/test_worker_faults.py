@@ -320,21 +320,21 @@ RUN = 1.0
 SPREAD_BOUND = 1.6 * RUN
 
 
-def _meeting(runtime: Runtimes, n: int) -> Tasks:
-    """``meet``: a job that waits until ``n`` of them run at once. One that waits 20 s in
-    vain raises, so its attempt fails: the jobs ran side by side or not, whatever the
-    machine's load makes of their timing."""
+def _meeting(runtime: Runtimes, n: int, within: float = 20.0) -> Tasks:
+    """``meet``: a job that waits until ``n`` of them run at once. One that waits
+    ``within`` seconds in vain raises, so its attempt fails: the jobs ran side by side or
+    not, whatever the machine's load makes of their timing."""
     tasks = Tasks()
     if runtime.name == "asyncio":
         gathering = asyncio.Barrier(n)
 
         @tasks.task(name="meet")
         async def meet_async(job: Any) -> None:
-            async with asyncio.timeout(20):
+            async with asyncio.timeout(within):
                 await gathering.wait()
 
     else:
-        meeting = threading.Barrier(n, timeout=20)
+        meeting = threading.Barrier(n, timeout=within)
 
         @tasks.task(name="meet")
         def meet(job: Any) -> None:
@@ -358,6 +358,30 @@ def test_slow_jobs_at_a_cold_start_run_side_by_side(
         attempts = list(conn.scalars(select(TASKS.c.attempts).where(TASKS.c.id.in_(ids))))
     assert attempts == [1] * 8, "a job waited for the others in vain and ran again"
     wait_for_counts(worker, done=8)
+
+
+def test_slow_jobs_after_many_fast_ones_run_side_by_side(
+    engine: Engine, Sessions: Any, start_worker: Any, runtime: Runtimes
+) -> None:
+    """The same on a worker whose executors have just run 1,000 fast jobs, so each has
+    measured its handlers as fast and claims large batches: the first executor woken
+    must not take the eight slow jobs as one batch and run them one after another (the
+    first would wait for the others in vain). Each meets the others within 5 s."""
+    tasks = _meeting(runtime, 8, within=5.0)
+
+    @tasks.task
+    def fast(job: Any) -> None:
+        pass
+
+    worker = start_worker(tasks, concurrency=8)
+    fast_ids = add(Sessions, "fast", 1000)
+    wait_for(all_status(engine, fast_ids, "done"), timeout=60, what="the fast jobs done")
+    wait_for(worker.idle, what="the worker idle")
+    ids = add(Sessions, "meet", 8, max_attempts=1)
+    wait_for(all_status(engine, ids, "done", "failed"), timeout=60, what="the eight jobs over")
+    with engine.connect() as conn:
+        rows = conn.execute(select(TASKS.c.status, TASKS.c.lease_owner).where(TASKS.c.id.in_(ids))).all()
+    assert [r.status for r in rows] == ["done"] * 8, f"the slow jobs did not run side by side: {rows}"
 
 
 def test_slow_jobs_at_a_cold_start_spread_over_worker_processes(

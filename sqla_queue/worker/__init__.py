@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -143,6 +144,7 @@ class Worker:
 
             self._metrics = worker_metrics(cfg.metrics_port, engine, self.model)
             every.append(self._metrics.observer)
+        self._declare_labels(every, resolved)
         self.hooks = Hooks(
             self.stats, every, cfg.observer_queue_size, driver.table_name(table),
             has_task=self._qt.is_task_table, has_trace="trace_context" in table.c,
@@ -193,6 +195,25 @@ class Worker:
                 "job_context makes an async context manager: the thread Worker cannot enter it; "
                 "run on sqla_queue.AsyncWorker, or pass a plain context manager factory"
             )
+
+    def _declare_labels(self, observers: Sequence[WorkerObserver], resolved: Any) -> None:
+        """Tell the Prometheus metrics among ``observers`` the task and queue names this
+        worker registered or declared: the only ones they take as label values (a row's
+        names alone would grow the series without bound). Only when that optional module
+        was imported: otherwise none of its observers can be here."""
+        prometheus = sys.modules.get("sqla_queue.prometheus")
+        if prometheus is None:
+            return
+        found = [o for o in observers if isinstance(o, prometheus.PrometheusObserver)]
+        if not found:
+            return
+        tasks = list(resolved) if isinstance(resolved, Tasks) else []
+        queues = [*(self.config.queues or ()), *(s.queue for s in self.schedules if s.queue is not None)]
+        default = getattr(self._qt.c.queue.default, "arg", None) if "queue" in self._qt.c else None
+        if isinstance(default, str):
+            queues.append(default)
+        for observer in found:
+            observer.metrics.declare(tasks=tasks, queues=queues)
 
     @staticmethod
     def _check_observers(observers: Sequence[WorkerObserver]) -> tuple[WorkerObserver, ...]:

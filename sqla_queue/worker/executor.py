@@ -6,8 +6,9 @@ on the same connection. No job crosses a thread, and while work keeps coming a b
 costs one statement however many jobs it holds: the completion of the batch before and
 the claim of the next, together. The batch is sized by the handlers' measured
 speed: up to ``batch_size`` jobs for fast handlers, one at a time for slow ones, so a job
-never waits long behind its batch-mates; until a thread has measured its handlers it
-claims one job at a time, so slow jobs at a cold start spread over every idle thread.
+never waits long behind its batch-mates; until a thread has measured its handlers, and after it found nothing
+to claim (when it has peers), it claims one job at a time, so slow jobs arriving at idle
+threads spread over all of them, whatever the thread ran before.
 Every claim and completion runs under a deadline (``statement_deadline``): a connection
 that stops answering is dropped and the call made again on a new one.
 
@@ -436,6 +437,14 @@ class ExecutorPool(Service):
                         if not held:
                             if not self.stopping:
                                 self.producer.wait_for_work(conn)
+                            # Back from idle, one job first, as at a start: what arrives
+                            # now may be slower than what this thread measured (eight
+                            # slow jobs after a thousand fast ones), and a batch of them
+                            # would run in series while its idle peers look on. The
+                            # measure is kept: one fast job brings the batch size back.
+                            # (A lone executor has no peer to share with: it keeps its size.)
+                            if self.config.concurrency > 1:
+                                limit = 1
                             failures = 0
                             continue
                     except Exception as exc:  # noqa: BLE001 - the database went away: back off

@@ -6,8 +6,11 @@ its own cheap code: the counters of :class:`~sqla_queue.WorkerStats` and the log
 The user's observers (:class:`WorkerObserver`: metrics, tracing, anything) run on a
 thread of their own, fed by a bounded queue: a slow observer never slows the executors
 (events beyond ``observer_queue_size`` waiting are dropped, and counted in
-``WorkerStats.hook_dropped``), and one that raises is logged and counted
-(``WorkerStats.hook_errors``), never seen by job processing. Events are built only when
+``WorkerStats.hook_dropped``), and one that raises is counted
+(``WorkerStats.hook_errors``) and logged (once a minute per method and exception class),
+never seen by job processing. That holds for any exception, ``SystemExit``,
+``KeyboardInterrupt`` and ``CancelledError`` included: one observer must not end the
+thread that feeds all of them, Prometheus and OpenTelemetry included. Events are built only when
 something wants them: a worker without observers pays for none.
 """
 
@@ -22,7 +25,6 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from ..ratelimit import PerMinute
 from .ledger import Held
 from .stats import WorkerStats
 
@@ -208,8 +210,11 @@ DRAIN_SECONDS = 2.0
 #: then wakes at most this often, not once per batch or per job, and the interpreter lock
 #: is handed to it that much less. Observers see an event this much later, at most.
 GATHER_SECONDS = 0.01
-#: Most errors of observers logged per minute (the rest are counted only).
-_ERROR_LOGS_PER_MINUTE = 5
+#: Seconds between two logs of the same observer method raising the same exception class
+#: (every error is counted; a broken observer would otherwise log once per event).
+_ERROR_LOG_SECONDS = 60.0
+#: Distinct (method, exception class) pairs remembered for that, at most.
+_MAX_ERROR_KEYS = 256
 
 
 def _overrides(observer: WorkerObserver, name: str) -> bool:
@@ -246,7 +251,8 @@ class Hooks:
         self._ready = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._error_logs = PerMinute(_ERROR_LOGS_PER_MINUTE)
+        #: (observer method, exception class) -> monotonic time it was last logged.
+        self._error_logs: dict[tuple[str, str], float] = {}
 
     # -- the producers' side (executors, completer, heartbeat, sweeper) -------------------
 
@@ -344,20 +350,34 @@ class Hooks:
             for event in events:
                 try:
                     method(event)
-                except Exception as exc:  # noqa: BLE001 - an observer's error is never the worker's
+                except BaseException as exc:  # noqa: BLE001 - an observer's error is never the worker's
                     self._failed(method, exc)
 
     def _call(self, method: Any) -> None:
         try:
             method()
-        except Exception as exc:  # noqa: BLE001 - an observer's error is never the worker's
+        except BaseException as exc:  # noqa: BLE001 - an observer's error is never the worker's
             self._failed(method, exc)
 
-    def _failed(self, method: Any, exc: Exception) -> None:
+    def _failed(self, method: Any, exc: BaseException) -> None:
+        """Count it; log it unless the same method raised the same class within a minute.
+        Any exception, ``SystemExit`` and ``KeyboardInterrupt`` included: raised on this
+        thread, they are the observer's own (a signal's ``KeyboardInterrupt`` goes to the
+        main thread), and letting them through would end the thread every observer needs."""
         self.stats.add("hook_errors")
-        if self._error_logs.allow():
-            log.warning("observer %s.%s raised %s: %s", type(getattr(method, "__self__", method)).__name__,
-                        getattr(method, "__name__", "?"), type(exc).__name__, exc, exc_info=True)
+        owner = type(getattr(method, "__self__", method)).__name__
+        name = getattr(method, "__name__", "?")
+        key = (f"{owner}.{name}", type(exc).__qualname__)
+        now = time.monotonic()
+        logs = self._error_logs
+        last = logs.get(key)
+        if last is not None and now - last < _ERROR_LOG_SECONDS:
+            return
+        if last is None and len(logs) >= _MAX_ERROR_KEYS:
+            logs.pop(next(iter(logs)))
+        logs[key] = now
+        log.warning("observer %s.%s raised %s: %s (logged once a minute; WorkerStats.hook_errors counts each)",
+                    owner, name, type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))
 
 
 # -- the logs: one line per finished job ---------------------------------------------------

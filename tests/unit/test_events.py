@@ -3,15 +3,21 @@ observers' bounded queue."""
 
 from __future__ import annotations
 
+import asyncio
+import builtins
 import gc
 import weakref
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
+
 from sqla_queue import JobOutcome, WorkerObserver, WorkerStats
 from sqla_queue.sql import ClaimToken
 from sqla_queue.worker.hooks import _CLAIMED, _ENDED, _STARTED, Hooks, JobEvent
 from sqla_queue.worker.ledger import Held
+
+from ..helpers import wait_for
 
 ENQUEUED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -85,3 +91,56 @@ def test_events_past_the_queue_size_are_dropped_and_counted_and_the_rest_deliver
     assert recorder.seen == [1, 2, 5]
     hooks.finished([_ended(6)])  # stopped: nothing more is queued
     assert stats.hook_dropped == 3
+
+
+class Exiting(WorkerObserver):
+    """Raises what would end a thread: ``SystemExit``, ``KeyboardInterrupt``,
+    ``CancelledError``, in turn, on every event and at the close."""
+
+    RAISES: tuple[type[BaseException], ...] = (SystemExit, KeyboardInterrupt, asyncio.CancelledError)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def finished(self, event: JobEvent) -> None:
+        self.calls += 1
+        raise self.RAISES[self.calls % 3]()
+
+    def close(self) -> None:
+        raise SystemExit(3)
+
+
+@pytest.mark.parametrize("raised", ["SystemExit", "KeyboardInterrupt", "CancelledError"])
+def test_an_observer_that_raises_what_ends_a_thread_ends_nothing(
+    raised: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each event is delivered to the next observer and counted as an error, the close
+    too; each kind of error is logged once, not once per event."""
+    stats = WorkerStats()
+    exiting, recorder = Exiting(), Recorder()
+    exiting.RAISES = (getattr(builtins, raised, None) or asyncio.CancelledError,) * 3
+    hooks = Hooks(stats, [exiting, recorder], table="jobs")
+    hooks.start()
+    for n in range(1, 31):
+        hooks.finished([_ended(n)])
+    hooks.stop(timeout=30)
+    assert recorder.seen == list(range(1, 31))
+    assert stats.hook_errors == 31  # 30 events and the close
+    lines = [r.getMessage() for r in caplog.records if "observer Exiting" in r.getMessage()]
+    assert len(lines) == 2, lines  # finished (its class once a minute) and close
+    assert all(raised in line for line in lines[:1]) and "SystemExit" in lines[1]
+
+
+def test_the_observer_thread_outlives_a_system_exit_and_keeps_delivering() -> None:
+    """After a ``SystemExit`` (and the others), events still arrive: the thread lives."""
+    stats = WorkerStats()
+    exiting, recorder = Exiting(), Recorder()
+    hooks = Hooks(stats, [exiting, recorder], table="jobs")
+    hooks.start()
+    hooks.finished([_ended(1), _ended(2), _ended(3)])
+    wait_for(lambda: len(recorder.seen) == 3, timeout=30, what="the first events delivered")
+    assert hooks._thread is not None and hooks._thread.is_alive()
+    hooks.finished([_ended(4)])
+    hooks.stop(timeout=30)
+    assert recorder.seen == [1, 2, 3, 4]
+    assert stats.hook_errors == 5
