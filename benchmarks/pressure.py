@@ -711,7 +711,7 @@ def _enqueue_rate(engine: Engine, seconds: float) -> float:
 
 
 def bench_big(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
-    finished, pending, probes = (50_000, 5_000, 200) if args.quick else (args.finished, 100_000, 2000)
+    finished, pending, probes = (20_000, 5_000, 200) if args.quick else (args.finished, 100_000, 2000)
     results: dict[str, dict[str, float]] = {}
     for label, n_finished in (("empty", 0), ("big", finished)):
         with engine.begin() as conn:
@@ -790,7 +790,7 @@ def bench_big(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
 
 def bench_processes(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
     rows = []
-    jobs = 2_000 if args.quick else 40_000
+    jobs = 1_000 if args.quick else 40_000
     for processes in (1, 2) if args.quick else (1, 2, 3, 4):
         cfg = bench.Processing(processes, 4, 0, jobs)
         rates: dict[str, list[float]] = {"sqla_queue": [], "raw": []}
@@ -826,8 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
     args = parser.parse_args(argv)
     if args.quick:
-        args.minutes, args.seconds, args.rounds, args.rate = 0.1, 0.5, 1, 200.0
-        args.settings_minutes = 0.1
+        args.minutes, args.seconds, args.rounds, args.rate = 0.05, 0.5, 1, 200.0
+        args.settings_minutes = 0.05
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - BENCHES.keys())
     if unknown:

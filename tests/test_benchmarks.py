@@ -163,14 +163,14 @@ PRESSURE_ROWS = (
     "held snapshot: pickup p99 during the hold / clean run |",
     "held snapshot: claim's mean time, the hold's last minute / its first |",
     "held snapshot: claim's mean time during the hold / clean |",
-    "claim latency at 50,000 finished rows / empty table (p50) |",
-    "enqueue at 50,000 finished rows / empty table |",
+    "claim latency at 20,000 finished rows / empty table (p50) |",
+    "enqueue at 20,000 finished rows / empty table |",
     "prune in batches of 10,000 beside claims |",
     "processing on the production cluster, 1 process x 4 threads, batch default (baseline 32) |",
     "processing on the production cluster, 2 processes x 4 threads, batch default (baseline 32) |",
-    "churn at 200 jobs/s for 0.1 min beside 20,000 finished rows: server defaults |",
-    "churn at 200 jobs/s for 0.1 min beside 20,000 finished rows: recommended autovacuum |",
-    "churn at 200 jobs/s for 0.1 min beside 20,000 finished rows: recommended autovacuum, fillfactor 80 |",
+    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: server defaults |",
+    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: recommended autovacuum |",
+    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: recommended autovacuum, fillfactor 80 |",
 )
 
 
