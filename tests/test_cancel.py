@@ -227,7 +227,43 @@ def test_a_transactional_handler_that_ignores_the_cancel_commits_nothing(
     assert effects_of(engine, job_id) == 0
     row = job(engine, job_id)
     assert (row.status, row.attempts) == ("cancelled", 1)
-    assert worker.stats.done == 0
+    # Refused by the cancel, not by another worker: counted as the cancel guide says.
+    assert (worker.stats.done, worker.stats.cancelled, worker.stats.lost) == (0, 1, 0)
+
+
+def test_a_cancel_heard_after_the_handler_returned_counts_as_cancelled(
+    engine: Engine, start: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job A's handler has returned, its outcome waits for its batch-mate B; B cancels A
+    and returns once the worker's poll told A's attempt (after A's handler returned).
+    The row is cancelled, and the worker counts and logs a cancel, not a lost lease."""
+    workers: list[Any] = []
+    ran: list[str] = []
+
+    def handler(j: Any) -> None:
+        ran.append(j.payload.get("name", "warm"))
+        if j.payload.get("name") == "b":
+            (a,) = [h for h in workers[0].ledger.held() if h.token.job_id == j.payload["a"]]
+            assert cancel_now(engine, [a.token.job_id]) == [a.token.job_id]
+            wait_for(lambda: a.stopped == "cancelled", what="the poll told A's attempt")
+
+    # One executor and no LISTEN: the watchdog's poll is what hears the cancel.
+    worker = start(handler, concurrency=1, batch_size=2, listen=False, poll_interval=0.1, lease=60)
+    workers.append(worker)
+    enqueue(engine)  # measured fast: the next claim takes two jobs, one batch
+    wait_for(lambda: worker.stats.done == 1, what="the warm-up job")
+    with sessionmaker(engine, class_=QueueSession)() as session:
+        a = session.enqueue(Task(task="work", payload={"name": "a"}))
+        session.flush()
+        b = session.enqueue(Task(task="work", payload={"name": "b", "a": a.id}))
+        session.commit()
+        a_id, b_id = a.id, b.id
+    with caplog.at_level("INFO", logger="sqla_queue"):
+        wait_for(lambda: worker.stats.done + worker.stats.cancelled + worker.stats.lost == 3, what="both settled")
+    assert ran == ["warm", "a", "b"]
+    assert (job(engine, a_id).status, job(engine, b_id).status) == ("cancelled", "done")
+    assert (worker.stats.done, worker.stats.cancelled, worker.stats.lost) == (2, 1, 0)
+    assert "lease lost" not in caplog.text and f"job {a_id} attempt 1 cancelled" in caplog.text
 
 
 def test_a_cancel_racing_the_completion_has_one_winner(engine: Engine, start: Callable[..., Any]) -> None:
