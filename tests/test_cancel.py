@@ -313,3 +313,77 @@ def test_a_cancelled_job_is_requeued_by_requeue(engine: Engine, start: Callable[
     start(lambda j: ran.append(j.id))
     wait_for(lambda: job(engine, first).status == job(engine, second).status == "done")
     assert sorted(ran) == [first, second]
+
+
+def test_a_stopping_worker_tells_its_handlers_and_hands_back_one_that_gives_up(
+    engine: Engine, start: Callable[..., Any], runtime: Runtimes
+) -> None:
+    """On ``stop()`` a handler that checks its job learns the worker is stopping
+    (``check()`` raises ``JobCancelled("stopping")``); giving up hands the job back at
+    once, well within the grace, instead of at its end with the work lost. The attempt
+    counts: the handler ran."""
+    started = threading.Event()
+    seen: list[tuple[str, bool, bool]] = []
+
+    def note(context: Any, exc: JobCancelled) -> None:
+        seen.append((exc.reason, context.stopping, context.should_stop))
+
+    def handler(j: Any) -> None:
+        context = current_job()
+        started.set()
+        deadline = time.monotonic() + 15  # never told: it ends done, and the test fails
+        while time.monotonic() < deadline:
+            try:
+                context.check()
+            except JobCancelled as exc:
+                note(context, exc)
+                raise
+            time.sleep(0.01)
+
+    async def async_handler(j: Any) -> None:
+        context = current_job()
+        started.set()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                context.check()
+            except JobCancelled as exc:
+                note(context, exc)
+                raise
+            await asyncio.sleep(0.01)
+
+    worker = start(async_handler if runtime.name == "asyncio" else handler)
+    (job_id,) = enqueue(engine)
+    assert started.wait(20)
+    began = time.monotonic()
+    worker.stop(grace=30)
+    assert time.monotonic() - began < 10, "stop() waited out the grace"
+    assert seen == [("stopping", True, False)]
+    row = job(engine, job_id)
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
+    assert (worker.stats.released, worker.stats.retried, worker.stats.lost, worker.stats.done) == (1, 0, 0, 0)
+
+
+def test_a_handler_told_the_worker_stops_may_still_finish(engine: Engine, start: Callable[..., Any]) -> None:
+    """A stop does not void the attempt: a handler that sees ``stopping`` and finishes
+    within the grace completes its job. ``wait()`` is not woken by it (a handler that
+    breaks out of its sleep when told to stop would return, and be recorded done)."""
+    started = threading.Event()
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def handler(j: Any) -> None:  # plain: an AsyncWorker runs it in its thread pool
+        context = current_job()
+        started.set()
+        deadline = time.monotonic() + 15
+        while not context.stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append((context.stopping, context.should_stop, context.wait(0.05)))
+
+    worker = start(handler)
+    (job_id,) = enqueue(engine)
+    assert started.wait(20)
+    began = time.monotonic()
+    worker.stop(grace=30)
+    assert time.monotonic() - began < 10
+    assert seen == [(True, False, False)]
+    assert (job(engine, job_id).status, worker.stats.done, worker.stats.released) == ("done", 1, 0)

@@ -370,6 +370,8 @@ class Worker:
         waiting = self.ledger.take_unstarted()
         if waiting:
             self._hand_back(waiting, refund=True)
+        for running in self.ledger.held():  # a handler that cannot finish in the grace may give up
+            running.tell_stopping()
         self.ledger.wait_empty(grace, self._hard_stop)
         left = self.ledger.held()
         if left:

@@ -65,7 +65,7 @@ class Completer:
         unseen); if it fails the completions are recorded the usual way. Returns whether
         it ran and its answer was read."""
         done: list[Outcome] = []
-        by_kind: dict[Kind, list[Outcome]] = {}
+        by_kind: dict[tuple[Kind, bool], list[Outcome]] = {}
         committed: list[Outcome] = []
         lost: list[Held] = []
         cancelled: list[Outcome] = []
@@ -81,7 +81,7 @@ class Completer:
             elif kind is Kind.COMMITTED:
                 committed.append(outcome)
             else:
-                by_kind.setdefault(kind, []).append(outcome)
+                by_kind.setdefault((kind, outcome.refund), []).append(outcome)
         if committed:  # recorded by the handler's own transaction
             self.settle([Settled(o.held, "done", o) for o in committed])
         if cancelled:  # recorded by the cancel itself
@@ -89,13 +89,13 @@ class Completer:
         if lost:
             self._tell_cancelled(connect, [h for h in lost if not h.lost])  # refused by a cancel?
             self._lost(lost, "lease lost while running")
-        for kind, group in by_kind.items():
+        for (kind, refund), group in by_kind.items():
             sure = [o for o in group if not o.unsure]
             unsure = [o for o in group if o.unsure]
             if sure:
-                self._record_kind(connect, kind, sure)
+                self._record_kind(connect, kind, sure, refund=refund)
             if unsure:  # a transactional commit whose answer was lost: the row says
-                self._record_kind(connect, kind, unsure, maybe_landed=True)
+                self._record_kind(connect, kind, unsure, refund=refund, maybe_landed=True)
         if not done:
             return False
         if done_with is None:

@@ -29,9 +29,9 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from ..current import CANCELLED, bind, in_context, timeout_text, unbind
+from ..current import CANCELLED, STOPPING, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
-from ..errors import DeadLetter, LeaseLost, RetryLater, Snooze, UnknownTask
+from ..errors import DeadLetter, JobCancelled, LeaseLost, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Moved, Operations
 from ..runtime import Runtime
 from ..sql import ClaimToken
@@ -229,6 +229,10 @@ class Executor:
             return Outcome(held, Kind.LOST)
         if isinstance(exc, UnknownTask):
             return Outcome(held, Kind.FAIL, storable(str(exc), limit))
+        if isinstance(exc, JobCancelled) and exc.reason == STOPPING and held.stopped is None:
+            # The handler gave up because the worker stops: back to pending at once for
+            # another worker, no backoff. The attempt counts: the handler ran.
+            return Outcome(held, Kind.RELEASE, "the worker stopped; its handler gave up", refund=False)
         if isinstance(exc, DeadLetter):
             return Outcome(held, Kind.FAIL, storable(f"DeadLetter: {_reason(exc)}", limit))
         if isinstance(exc, Snooze):
