@@ -220,7 +220,8 @@ class Completer:
         if kind is Kind.FAIL:
             return self.ops.fail(conn, owner, tokens, [o.error for o in outcomes])
         if kind is Kind.RELEASE:
-            return self.ops.release(conn, owner, tokens, refund=refund)
+            errors = [o.error for o in outcomes] if refund and any(o.error for o in outcomes) else None
+            return self.ops.release(conn, owner, tokens, refund=refund, errors=errors)
         if kind is Kind.SNOOZE:
             return self.ops.snooze(conn, owner, tokens, [o.delay for o in outcomes])
         raise AssertionError(kind)
@@ -438,8 +439,8 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
         return "pending" if released and attempts == attempt and not isolated and last_error == outcome.error else None
     if kind is Kind.RELEASE or kind is Kind.SNOOZE:
         swept = (last_error or "").startswith(f"lease expired: worker {owner} did not finish attempt {attempt} ")
-        left = attempt - 1 if refund or kind is Kind.SNOOZE else attempt
-        return "pending" if released and attempts == left and not swept else None
+        # No attempt is ever given back (``max_attempts`` grows instead): the row keeps it.
+        return "pending" if released and attempts == attempt and not swept else None
     return None
 
 
