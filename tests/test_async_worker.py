@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 import sqla_queue.worker as worker_module
 from sqla_queue import AsyncWorker, Tasks, Worker, WorkerStartError
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 
 from .models import Effect, Task
 from .workers import FAST, TASKS, add, effects, job
@@ -284,9 +285,11 @@ def test_cancelling_run_hands_back_and_cancels_at_once(engine: Engine, Sessions:
 
     run(main, engine)
     assert len(cancelled) == 1
-    rows = sorted((job(engine, i) for i in ids), key=lambda r: r.attempts)
+    rows = sorted((job(engine, i) for i in ids), key=lambda r: -r.max_attempts)
     assert all(r.status == "pending" and r.lease_owner is None for r in rows)
-    assert [r.attempts for r in rows] == [0, 0, 1]  # the two never started get theirs back
+    # The two never started are not counted: max_attempts grew (attempts is never given back).
+    assert [(r.attempts, r.max_attempts) for r in rows] == [
+        (1, DEFAULT_MAX_ATTEMPTS + 1), (1, DEFAULT_MAX_ATTEMPTS + 1), (1, DEFAULT_MAX_ATTEMPTS)]
     assert effects(engine) == []
 
 
