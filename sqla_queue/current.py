@@ -26,7 +26,7 @@ from .errors import JobCancelled
 from .runtime import Event
 from .sql import ClaimToken
 
-__all__ = ["CANCELLED", "TIMED_OUT", "JobContext", "current_job"]
+__all__ = ["CANCELLED", "STOPPING", "TIMED_OUT", "JobContext", "current_job"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,10 @@ _MAKING: Final = threading.Lock()
 #: Why an attempt was told to stop.
 CANCELLED: Final = "cancelled"
 TIMED_OUT: Final = "timed out"
+#: The worker is stopping (SIGTERM, ``stop()``): the attempt may still complete within
+#: the grace; past it, the job is handed back. Unlike the two above, it does not void the
+#: attempt, and a cancel or a timeout can still follow it.
+STOPPING: Final = "stopping"
 
 
 def timeout_text(seconds: float) -> str:
@@ -69,7 +73,8 @@ class JobContext:
 
     @property
     def stop_reason(self) -> str | None:
-        """``"cancelled"``, ``"timed out"``, or None while the attempt may go on."""
+        """``"cancelled"``, ``"timed out"``, ``"stopping"`` (the worker is), or None while
+        nothing asks the handler to stop."""
         return self._reason
 
     @property
@@ -83,9 +88,22 @@ class JobContext:
         return self._reason == TIMED_OUT
 
     @property
+    def stopping(self) -> bool:
+        """The worker is stopping (SIGTERM, ``stop()``). The attempt can still complete
+        within the shutdown grace; past it, the job is handed back and the work of this
+        run is lost. A handler that cannot finish in time gives up at a safe point:
+        ``check()`` raises, and the job is handed back at once for another worker.
+
+        Unlike a cancel or a timeout, a stop does not wake :meth:`wait` and does not set
+        :attr:`should_stop`: both say the attempt is void, and a handler that returns
+        normally when told so would, on a stop, have its unfinished job recorded done."""
+        return self._reason == STOPPING
+
+    @property
     def should_stop(self) -> bool:
         """Cancelled or timed out: nothing this attempt does can complete it any more."""
-        return self._reason is not None
+        reason = self._reason
+        return reason is not None and reason != STOPPING
 
     @property
     def running(self) -> bool:
@@ -99,8 +117,9 @@ class JobContext:
         return max(self.deadline - time.monotonic(), 0.0)
 
     def check(self) -> None:
-        """Raise :class:`~sqla_queue.JobCancelled` if the attempt is over: call it at
-        the handler's safe points."""
+        """Raise :class:`~sqla_queue.JobCancelled` if the attempt is over, or if the
+        worker is stopping (its ``reason`` says which): call it at the handler's safe
+        points."""
         if self._reason is not None:
             raise JobCancelled(self._reason, self._message or self._reason)
 
@@ -116,7 +135,7 @@ class JobContext:
                 flag = self._flag
                 if flag is None:
                     flag = self._flag = Event()
-                    if self._reason is not None:
+                    if self._reason is not None and self._reason != STOPPING:
                         flag.set()
         return flag
 
@@ -127,12 +146,18 @@ class JobContext:
         return self
 
     def stop(self, reason: str, message: str = "") -> bool:
-        """Tell the handler its attempt is over; True the first time. Cancels the task
-        of an ``async def`` handler still running (from any thread)."""
-        if self._reason is not None:
+        """Tell the handler its attempt is over (or, :data:`STOPPING`, that the worker
+        is); True the first time. Cancels the task of an ``async def`` handler still
+        running (from any thread), except for a stopping worker: that one is cancelled
+        at the end of the grace, by the worker. A cancel or a timeout after
+        :data:`STOPPING` still tells (and cancels)."""
+        current = self._reason
+        if current is not None and not (current == STOPPING and reason != STOPPING):
             return False
         self._message = message
         self._reason = reason
+        if reason == STOPPING:
+            return True  # no wake-up, no cancel: see ``stopping``
         self._event().set()
         task = self._task
         if task is not None:
@@ -149,7 +174,7 @@ class JobContext:
         """The handler starts; ``task``: the one to cancel (an ``async def`` handler's)."""
         self._task = task
         self._active = True
-        if task is not None and self._reason is not None:
+        if task is not None and self._reason is not None and self._reason != STOPPING:
             self._cancel_task(task)
 
     def leave(self) -> None:

@@ -59,7 +59,8 @@ class LeaseLost(SqlaQueueError):
 class JobCancelled(SqlaQueueError):
     """Raised by :meth:`JobContext.check() <sqla_queue.JobContext.check>` in a handler
     whose job was cancelled or ran past its deadline: the attempt is over, and nothing
-    it does now can complete it. ``reason``: ``"cancelled"`` or ``"timed out"``."""
+    it does now can complete it. ``reason``: ``"cancelled"`` or ``"timed out"``; or
+    ``"stopping"``: the worker stops, and the job, left this way, is handed back at once."""
 
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(message or reason)

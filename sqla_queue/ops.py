@@ -164,7 +164,7 @@ class Operations(Protocol):
         """Dead-letter the pending job ``key`` no claim can update; whether it was."""
 
     def release_lost_claims(self, conn: DbConnection, owner: str, keep: Sequence[ClaimToken]) -> list[Any]:
-        """Back to pending, attempt refunded, every job running under ``owner`` but ``keep``."""
+        """Back to pending, attempt not counted, every job running under ``owner`` but ``keep``."""
 
     def next_due(self, conn: DbConnection) -> float | None:
         """Seconds until the next delayed job falls due (None: none waits)."""
@@ -185,10 +185,15 @@ class Operations(Protocol):
         """Dead-letter now."""
 
     def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
-        """Snoozed: ``pending`` after each delay (seconds), the attempt given back."""
+        """Snoozed: ``pending`` after each delay (seconds), the attempt not counted."""
 
-    def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
-        """Back to ``pending`` at once; ``refund`` gives the attempt back."""
+    def release(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool,
+        errors: Sequence[str] | None = None,
+    ) -> Moved:
+        """Back to ``pending`` at once; ``refund``: the attempt not counted (``max_attempts``
+        grows by one; ``attempts`` is never given back). ``errors``: each token's
+        ``last_error`` (empty: unchanged)."""
 
     def token_states(self, conn: DbConnection, job_ids: Sequence[Any]) -> list[TokenState]:
         """The rows of ``job_ids``, read without locking."""
@@ -464,6 +469,7 @@ class QueueOps:
         self._release = {
             refund: compile_(q.release_many_if_owner(table, refund_attempt=refund)) for refund in (True, False)
         }
+        self._release_noted = compile_(q.release_many_if_owner(table, refund_attempt=True, with_errors=True))
         self._states = compile_(q.token_states(table))
         # Every executor claims under a name of its own, each starting with the worker's.
         self._extend = compile_(q.extend_unlocked_leases_if_owner(table, owner_prefix=True))
@@ -650,7 +656,7 @@ class QueueOps:
         return bool(conn.execute(self._fail_unclaimable, {q.KEY_PARAM: key, q.ERROR_PARAM: error}))
 
     def release_lost_claims(self, conn: DbConnection, owner: str, keep: Sequence[ClaimToken]) -> list[Any]:
-        """Back to ``pending``, attempt refunded, every job running under ``owner`` except
+        """Back to ``pending``, attempt not counted, every job running under ``owner`` except
         the tokens ``keep`` (nothing once the statement is older than the deadline).
         Returns the keys given back."""
         values = token_values(owner, keep)
@@ -683,13 +689,20 @@ class QueueOps:
         return self._move(conn, self._fail, owner, tokens, "failed", {q.ERRORS_PARAM: errors})
 
     def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
-        """Each token back to ``pending`` after its delay (seconds), its attempt given back
-        (a snooze spends none)."""
+        """Each token back to ``pending`` after its delay (seconds), its attempt not
+        counted (a snooze spends none)."""
         return self._move(conn, self._snooze, owner, tokens, "pending", {q.DELAYS_PARAM: delays})
 
-    def release(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
-        """Back to ``pending`` at once; ``refund`` gives the attempt back (jobs never
-        started)."""
+    def release(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool,
+        errors: Sequence[str] | None = None,
+    ) -> Moved:
+        """Back to ``pending`` at once; ``refund``: the attempt not counted (jobs never
+        started, a connection the worker lost), ``max_attempts`` growing by one instead
+        of ``attempts`` going back, so no token is handed out twice. ``errors`` (with
+        ``refund`` only): each token's ``last_error``, empty for unchanged."""
+        if errors is not None and refund:
+            return self._move(conn, self._release_noted, owner, tokens, "pending", {q.ERRORS_PARAM: errors})
         return self._move(conn, self._release[refund], owner, tokens, "pending")
 
     def _move(

@@ -271,8 +271,11 @@ class Runtime(Protocol):
         naming it, where it cannot."""
         ...
 
-    def interrupt(self) -> None:
-        """Shutdown gave up waiting: cut short the handlers that can be."""
+    def interrupt(self, wait: float = 0.0) -> bool:
+        """Shutdown gave up waiting: cut short the handlers that can be, and wait up to
+        ``wait`` seconds for them to have ended (their ``except`` and ``finally`` clauses
+        run), so that a stop does not return while their clean-up is still to come.
+        False if one had not ended by then."""
         ...
 
     def cancelled(self) -> bool:
@@ -313,8 +316,9 @@ class ThreadRuntime:
             f"await it (sqla_queue.AsyncWorker can)"
         )
 
-    def interrupt(self) -> None:
+    def interrupt(self, wait: float = 0.0) -> bool:
         """A thread cannot be interrupted: a handler past the grace finishes alone."""
+        return True
 
     def cancelled(self) -> bool:
         return False
@@ -431,15 +435,26 @@ class AsyncRuntime:
             self._pool = _DaemonThreadPool(self._threads, "sqla_queue-sync")
         return self._pool
 
-    def interrupt(self) -> None:
+    def interrupt(self, wait: float = 0.0) -> bool:
         """Cancel the ``async def`` handlers still running (CancelledError at their await):
         their executors end with them, their jobs already handed back. A plain handler's
-        thread cannot be stopped: its executor stops waiting for it, and it ends alone."""
-        for task in list(self._in_handler):
-            task.get_loop().call_soon_threadsafe(self._interrupt, task)
+        thread cannot be stopped: its executor stops waiting for it, and it ends alone.
 
-    def _interrupt(self, task: asyncio.Task[Any]) -> None:
+        Waits up to ``wait`` seconds for those executors' tasks to end: a cancellation is
+        only delivered when the loop next runs the task, and the handler's ``except``
+        clause runs then; returning before would let the caller close the loop or the
+        engine under it."""
+        ended: list[Event] = []
+        for task in list(self._in_handler):
+            flag = Event()
+            ended.append(flag)
+            task.get_loop().call_soon_threadsafe(self._interrupt, task, flag)
+        deadline = time.monotonic() + wait
+        return all(flag.wait(max(deadline - time.monotonic(), 0.0)) for flag in ended)
+
+    def _interrupt(self, task: asyncio.Task[Any], ended: Event) -> None:
         self._interrupted.add(task)
+        task.add_done_callback(lambda _: ended.set())  # also called if it is done already
         task.cancel("sqla_queue: the worker is stopping")
 
     def cancelled(self) -> bool:

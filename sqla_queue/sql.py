@@ -654,9 +654,10 @@ def release_if_owner(
 ) -> ReturningUpdate[Any]:
     """Hand claimed jobs back to ``pending`` at once, e.g. on a worker's shutdown.
 
-    ``refund_attempt`` gives back the attempt of a job whose handler never started.
-    Only a worker that will not claim again may refund: the refunded attempt number is
-    handed out again by the next claim. Returns ``(pk, attempts)``. This is
+    ``refund_attempt`` does not count the attempt against ``max_attempts`` (a job whose
+    handler never started): ``max_attempts`` grows by one, and ``attempts`` keeps the
+    claim's number, so the next claim hands out a new one and a fencing token never
+    names two claims. Returns ``(pk, attempts)``. This is
     :func:`release_many_if_owner` with the values bound.
     """
     with _values(_token_values(owner, tokens)):
@@ -1703,11 +1704,12 @@ def snooze_if_owner(
 
 
 def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
-    """Snoozed attempts: back to ``pending`` after each token's delay (seconds) with the
-    attempt the claim counted given back, so snoozing never uses up ``max_attempts``;
-    ``last_error`` is left as it was (a snooze is no failure). ``{OWNER_PARAM,
-    IDS_PARAM, ATTEMPTS_PARAM, DELAYS_PARAM}``. Returns ``(pk, attempts)``: the token's
-    attempt, as the other transitions."""
+    """Snoozed attempts: back to ``pending`` after each token's delay (seconds), the
+    attempt not counted: ``max_attempts`` grows by one, so snoozing never uses up the
+    attempts it allows, while ``attempts`` keeps the claim's number (the next claim's
+    token is a new one); ``last_error`` is left as it was (a snooze is no failure).
+    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM, DELAYS_PARAM}``. Returns ``(pk,
+    attempts)``: the token's attempt, as the other transitions."""
     qt = queue_table(model)
     c = qt.c
     tokens = _token_table(qt, (DELAYS_PARAM, "float"))
@@ -1717,7 +1719,7 @@ def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
         .values(
             status=status_literal(PENDING),
             run_after=_clock() + seconds_interval(tokens.c[DELAYS_PARAM]),
-            attempts=c.attempts - 1,
+            max_attempts=c.max_attempts + 1,
             lease_owner=null(),
             lease_expires_at=null(),
             isolated=false(),
@@ -1762,21 +1764,29 @@ def unique_holder(model: QueueModel, *, key: Any) -> Select[Any]:
     )
 
 
-def release_many_if_owner(model: QueueModel, *, refund_attempt: bool) -> ReturningUpdate[Any]:
+def release_many_if_owner(
+    model: QueueModel, *, refund_attempt: bool, with_errors: bool = False
+) -> ReturningUpdate[Any]:
     """Back to ``pending`` at once (shutdown, a lost connection): ``{OWNER_PARAM,
-    IDS_PARAM, ATTEMPTS_PARAM}``. See :func:`release_if_owner` on ``refund_attempt``."""
+    IDS_PARAM, ATTEMPTS_PARAM}``. See :func:`release_if_owner` on ``refund_attempt``.
+    ``with_errors``: also ``ERRORS_PARAM``, each token's ``last_error`` (an empty text
+    leaves the one the row has)."""
     qt = queue_table(model)
     c = qt.c
-    tokens = _token_table(qt)
+    tokens = _token_table(qt, (ERRORS_PARAM, "text")) if with_errors else _token_table(qt)
+    values: dict[str, Any] = {
+        "status": status_literal(PENDING),
+        "lease_owner": null(),
+        "lease_expires_at": null(),
+    }
+    if refund_attempt:
+        values["max_attempts"] = c.max_attempts + 1
+    if with_errors:
+        values["last_error"] = func.coalesce(func.nullif(tokens.c[ERRORS_PARAM], ""), c.last_error)
     return (
         qt.table.update()
         .where(_token_fence(qt, tokens))
-        .values(
-            status=status_literal(PENDING),
-            lease_owner=null(),
-            lease_expires_at=null(),
-            attempts=c.attempts - 1 if refund_attempt else c.attempts,
-        )
+        .values(**values)
         .returning(qt.pk, tokens.c.attempt)
     )
 
@@ -1853,7 +1863,7 @@ def owned_tokens(model: QueueModel, *, owner_prefix: bool = False) -> Select[Any
 
 
 def release_lost_claims(model: QueueModel) -> ReturningUpdate[Any]:
-    """Back to ``pending``, attempt refunded, every job running under ``OWNER_PARAM``
+    """Back to ``pending``, attempt not counted, every job running under ``OWNER_PARAM``
     except the tokens ``IDS_PARAM``/``ATTEMPTS_PARAM``: ``{OWNER_PARAM, IDS_PARAM,
     ATTEMPTS_PARAM, FRESH_PARAM}`` (it releases nothing once :func:`still_fresh` is
     false). Returns ``(pk, attempts)``.
@@ -1863,9 +1873,9 @@ def release_lost_claims(model: QueueModel) -> ReturningUpdate[Any]:
     handlers never started and their attempts must not count. This is safe only for an
     owner name that exactly one claimer uses, one claim at a time, and that passes every
     token it did receive and may still hold: then every other row under that name is one
-    of the lost claims' (a row kept on another attempt was claimed again by them). The
-    refunded attempt number is handed out again by the next claim, which is harmless
-    because no one holds a token of it.
+    of the lost claims' (a row kept on another attempt was claimed again by them).
+    ``max_attempts`` grows by one and ``attempts`` keeps the lost claim's number, so no
+    later claim hands out that token again.
     """
     qt = queue_table(model)
     c = qt.c
@@ -1884,7 +1894,7 @@ def release_lost_claims(model: QueueModel) -> ReturningUpdate[Any]:
             status=status_literal(PENDING),
             lease_owner=null(),
             lease_expires_at=null(),
-            attempts=c.attempts - 1,
+            max_attempts=c.max_attempts + 1,
         )
         .returning(qt.pk, c.attempts)
     )

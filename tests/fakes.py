@@ -3,7 +3,7 @@ for unit tests of the services without a database.
 
 It keeps jobs as plain records and applies the same rules as the statements: every
 transition after a claim is fenced by status, owner and attempt, a retry dead-letters an
-exhausted job, a release may refund the attempt. Faults are injected per method: a call
+exhausted job, a release may leave the attempt uncounted. Faults are injected per method: a call
 may raise, after its effect landed (an answer lost with its connection) or before.
 """
 
@@ -178,7 +178,8 @@ class FakeOps:
         back = [j for j in self.jobs.values()
                 if j.status == "running" and j.lease_owner == owner and (j.id, j.attempts) not in kept]
         for job in back:
-            job.status, job.lease_owner, job.lease_expires_at, job.attempts = "pending", None, None, job.attempts - 1
+            job.status, job.lease_owner, job.lease_expires_at = "pending", None, None
+            job.max_attempts += 1
         return [j.id for j in back]
 
     def next_due(self, conn: Any) -> float | None:
@@ -244,7 +245,7 @@ class FakeOps:
                 job = self._held(owner, token)
                 if job is not None:
                     job.status, job.lease_owner, job.lease_expires_at, job.isolated = "pending", None, None, False
-                    job.attempts -= 1
+                    job.max_attempts += 1
                     job.run_after = time.monotonic() + delay
                     moved[token] = "pending"
             return moved
@@ -252,14 +253,19 @@ class FakeOps:
         result: Moved = self._call("snooze", apply)
         return result
 
-    def release(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], *, refund: bool) -> Moved:
+    def release(
+        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], *, refund: bool,
+        errors: Sequence[str] | None = None,
+    ) -> Moved:
         def apply() -> Moved:
             moved: Moved = {}
-            for token in tokens:
+            notes = list(errors) if errors is not None and refund else [""] * len(tokens)
+            for token, note in zip(tokens, notes, strict=True):
                 job = self._held(owner, token)
                 if job is not None:
                     job.status, job.lease_owner, job.lease_expires_at = "pending", None, None
-                    job.attempts -= 1 if refund else 0
+                    job.max_attempts += 1 if refund else 0
+                    job.last_error = note or job.last_error
                     moved[token] = "pending"
             return moved
 

@@ -19,7 +19,9 @@ from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
+import sqla_queue.worker as worker_module
 from sqla_queue import AsyncWorker, Tasks, Worker, WorkerStartError
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 
 from .models import Effect, Task
 from .workers import FAST, TASKS, add, effects, job
@@ -152,7 +154,7 @@ async def _until(predicate: Callable[[], bool], what: str, timeout: float = 20.0
         await asyncio.sleep(0.02)
 
 
-def _forever(cancelled: list[int], entered: asyncio.Event | None = None) -> Tasks:
+def _forever(cancelled: list[int], entered: asyncio.Event | None = None, clean_up: float = 0.0) -> Tasks:
     tasks = Tasks()
 
     @tasks.task
@@ -164,6 +166,8 @@ def _forever(cancelled: list[int], entered: asyncio.Event | None = None) -> Task
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
+            if clean_up:
+                await asyncio.shield(asyncio.sleep(clean_up))  # clean-up that awaits
             cancelled.append(job.id)
             raise
 
@@ -171,15 +175,21 @@ def _forever(cancelled: list[int], entered: asyncio.Event | None = None) -> Task
 
 
 def test_stop_cancels_the_handlers_still_running_after_the_grace(engine: Engine, Sessions: Any) -> None:
+    """stop() returns once the cancelled handler has run its ``except`` clause, an
+    awaiting one included. The test waits for the handler itself, not the row's
+    ``running`` (set by the claim: a stop before the handler starts hands the job back
+    unstarted, and nothing is cancelled)."""
     cancelled: list[int] = []
     (job_id,) = add(Sessions, "forever")
 
     async def main(async_engine: AsyncEngine) -> None:
-        worker = AsyncWorker(async_engine, Task, _forever(cancelled), **OPTIONS)
+        entered = asyncio.Event()
+        worker = AsyncWorker(async_engine, Task, _forever(cancelled, entered, clean_up=0.2), **OPTIONS)
         await worker.start()
-        await until(lambda: job(engine, job_id).status == "running", what="the job to start")
+        await asyncio.wait_for(entered.wait(), 20)
         began = time.monotonic()
         await worker.stop(grace=0.3)
+        assert cancelled == [job_id], "stop() returned before the handler's except clause ran"
         assert time.monotonic() - began < 3
         assert worker.stopped
 
@@ -188,6 +198,29 @@ def test_stop_cancels_the_handlers_still_running_after_the_grace(engine: Engine,
     row = job(engine, job_id)
     assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
     assert effects(engine) == []
+
+
+def test_stop_waits_for_the_cancelled_handlers_clean_up_apart_from_the_services(
+    engine: Engine, Sessions: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy machine the other services' joins can use up the time stop() gives them
+    all, leaving none to the cancelled handler's executor (as a join budget near zero
+    does here): its ``except`` clause still runs before stop() returns."""
+    monkeypatch.setattr(worker_module, "_JOIN_SECONDS", 0.01)
+    cancelled: list[int] = []
+    (job_id,) = add(Sessions, "forever")
+
+    async def main(async_engine: AsyncEngine) -> None:
+        entered = asyncio.Event()
+        worker = AsyncWorker(async_engine, Task, _forever(cancelled, entered, clean_up=0.2), **OPTIONS)
+        await worker.start()
+        await asyncio.wait_for(entered.wait(), 20)
+        await worker.stop(grace=0.1)
+        assert cancelled == [job_id], "stop() returned before the handler's except clause ran"
+
+    run(main, engine)
+    row = job(engine, job_id)
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
 
 
 def test_stop_does_not_wait_for_a_plain_handler_past_the_grace(engine: Engine, Sessions: Any) -> None:
@@ -252,9 +285,11 @@ def test_cancelling_run_hands_back_and_cancels_at_once(engine: Engine, Sessions:
 
     run(main, engine)
     assert len(cancelled) == 1
-    rows = sorted((job(engine, i) for i in ids), key=lambda r: r.attempts)
+    rows = sorted((job(engine, i) for i in ids), key=lambda r: -r.max_attempts)
     assert all(r.status == "pending" and r.lease_owner is None for r in rows)
-    assert [r.attempts for r in rows] == [0, 0, 1]  # the two never started get theirs back
+    # The two never started are not counted: max_attempts grew (attempts is never given back).
+    assert [(r.attempts, r.max_attempts) for r in rows] == [
+        (1, DEFAULT_MAX_ATTEMPTS + 1), (1, DEFAULT_MAX_ATTEMPTS + 1), (1, DEFAULT_MAX_ATTEMPTS)]
     assert effects(engine) == []
 
 

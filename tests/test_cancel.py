@@ -227,7 +227,43 @@ def test_a_transactional_handler_that_ignores_the_cancel_commits_nothing(
     assert effects_of(engine, job_id) == 0
     row = job(engine, job_id)
     assert (row.status, row.attempts) == ("cancelled", 1)
-    assert worker.stats.done == 0
+    # Refused by the cancel, not by another worker: counted as the cancel guide says.
+    assert (worker.stats.done, worker.stats.cancelled, worker.stats.lost) == (0, 1, 0)
+
+
+def test_a_cancel_heard_after_the_handler_returned_counts_as_cancelled(
+    engine: Engine, start: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Job A's handler has returned, its outcome waits for its batch-mate B; B cancels A
+    and returns once the worker's poll told A's attempt (after A's handler returned).
+    The row is cancelled, and the worker counts and logs a cancel, not a lost lease."""
+    workers: list[Any] = []
+    ran: list[str] = []
+
+    def handler(j: Any) -> None:
+        ran.append(j.payload.get("name", "warm"))
+        if j.payload.get("name") == "b":
+            (a,) = [h for h in workers[0].ledger.held() if h.token.job_id == j.payload["a"]]
+            assert cancel_now(engine, [a.token.job_id]) == [a.token.job_id]
+            wait_for(lambda: a.stopped == "cancelled", what="the poll told A's attempt")
+
+    # One executor and no LISTEN: the watchdog's poll is what hears the cancel.
+    worker = start(handler, concurrency=1, batch_size=2, listen=False, poll_interval=0.1, lease=60)
+    workers.append(worker)
+    enqueue(engine)  # measured fast: the next claim takes two jobs, one batch
+    wait_for(lambda: worker.stats.done == 1, what="the warm-up job")
+    with sessionmaker(engine, class_=QueueSession)() as session:
+        a = session.enqueue(Task(task="work", payload={"name": "a"}))
+        session.flush()
+        b = session.enqueue(Task(task="work", payload={"name": "b", "a": a.id}))
+        session.commit()
+        a_id, b_id = a.id, b.id
+    with caplog.at_level("INFO", logger="sqla_queue"):
+        wait_for(lambda: worker.stats.done + worker.stats.cancelled + worker.stats.lost == 3, what="both settled")
+    assert ran == ["warm", "a", "b"]
+    assert (job(engine, a_id).status, job(engine, b_id).status) == ("cancelled", "done")
+    assert (worker.stats.done, worker.stats.cancelled, worker.stats.lost) == (2, 1, 0)
+    assert "lease lost" not in caplog.text and f"job {a_id} attempt 1 cancelled" in caplog.text
 
 
 def test_a_cancel_racing_the_completion_has_one_winner(engine: Engine, start: Callable[..., Any]) -> None:
@@ -277,3 +313,77 @@ def test_a_cancelled_job_is_requeued_by_requeue(engine: Engine, start: Callable[
     start(lambda j: ran.append(j.id))
     wait_for(lambda: job(engine, first).status == job(engine, second).status == "done")
     assert sorted(ran) == [first, second]
+
+
+def test_a_stopping_worker_tells_its_handlers_and_hands_back_one_that_gives_up(
+    engine: Engine, start: Callable[..., Any], runtime: Runtimes
+) -> None:
+    """On ``stop()`` a handler that checks its job learns the worker is stopping
+    (``check()`` raises ``JobCancelled("stopping")``); giving up hands the job back at
+    once, well within the grace, instead of at its end with the work lost. The attempt
+    counts: the handler ran."""
+    started = threading.Event()
+    seen: list[tuple[str, bool, bool]] = []
+
+    def note(context: Any, exc: JobCancelled) -> None:
+        seen.append((exc.reason, context.stopping, context.should_stop))
+
+    def handler(j: Any) -> None:
+        context = current_job()
+        started.set()
+        deadline = time.monotonic() + 15  # never told: it ends done, and the test fails
+        while time.monotonic() < deadline:
+            try:
+                context.check()
+            except JobCancelled as exc:
+                note(context, exc)
+                raise
+            time.sleep(0.01)
+
+    async def async_handler(j: Any) -> None:
+        context = current_job()
+        started.set()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                context.check()
+            except JobCancelled as exc:
+                note(context, exc)
+                raise
+            await asyncio.sleep(0.01)
+
+    worker = start(async_handler if runtime.name == "asyncio" else handler)
+    (job_id,) = enqueue(engine)
+    assert started.wait(20)
+    began = time.monotonic()
+    worker.stop(grace=30)
+    assert time.monotonic() - began < 10, "stop() waited out the grace"
+    assert seen == [("stopping", True, False)]
+    row = job(engine, job_id)
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
+    assert (worker.stats.released, worker.stats.retried, worker.stats.lost, worker.stats.done) == (1, 0, 0, 0)
+
+
+def test_a_handler_told_the_worker_stops_may_still_finish(engine: Engine, start: Callable[..., Any]) -> None:
+    """A stop does not void the attempt: a handler that sees ``stopping`` and finishes
+    within the grace completes its job. ``wait()`` is not woken by it (a handler that
+    breaks out of its sleep when told to stop would return, and be recorded done)."""
+    started = threading.Event()
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def handler(j: Any) -> None:  # plain: an AsyncWorker runs it in its thread pool
+        context = current_job()
+        started.set()
+        deadline = time.monotonic() + 15
+        while not context.stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append((context.stopping, context.should_stop, context.wait(0.05)))
+
+    worker = start(handler)
+    (job_id,) = enqueue(engine)
+    assert started.wait(20)
+    began = time.monotonic()
+    worker.stop(grace=30)
+    assert time.monotonic() - began < 10
+    assert seen == [(True, False, False)]
+    assert (job(engine, job_id).status, worker.stats.done, worker.stats.released) == ("done", 1, 0)

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 
 from sqla_queue import Tasks
 from sqla_queue.driver import Driver
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 
 from .helpers import Server, wait_for
 from .models import Effect, Task
@@ -93,8 +94,8 @@ def test_a_commit_cut_before_it_landed_runs_the_job_again_at_once(
     engine: Engine, Sessions: Any, server: Server, make_worker: Any
 ) -> None:
     """The COMMIT of the handler's transaction never reaches the server (it died, or the
-    link did): nothing was recorded, so the job is handed back at once, attempt refunded,
-    and runs again, its effect written once."""
+    link did): nothing was recorded, so the job is handed back at once, its attempt not
+    counted, and runs again under a new attempt number, its effect written once."""
     effects = Effects()
     with proxied(server, _app("cut_commit")) as (proxy, worker_engine):
         worker = make_worker(worker_engine, Task, effects.tasks(), **_options())
@@ -107,8 +108,9 @@ def test_a_commit_cut_before_it_landed_runs_the_job_again_at_once(
             wait_for(lambda: job(engine, job_id).status == "done", timeout=SETTLED_WITHIN,
                      what="the job to run again and finish, before its lease ran out")
             row = job(engine, job_id)
-            assert (row.attempts, effects.runs) == (1, Counter({(job_id, 1): 2})), row.last_error
-            assert effects_of(engine, job_id) == ["attempt 1"]
+            assert (row.attempts, row.max_attempts) == (2, DEFAULT_MAX_ATTEMPTS + 1), row.last_error
+            assert effects.runs == Counter({(job_id, 1): 1, (job_id, 2): 1})
+            assert effects_of(engine, job_id) == ["attempt 2"]
             assert (worker.stats.swept, worker.stats.released, worker.stats.done) == (0, 1, 1)
         finally:
             worker.stop(grace=1)
@@ -206,7 +208,7 @@ def test_a_handlers_own_read_only_error_is_its_failure_with_the_backoff(
 ) -> None:
     """25006 raised by the handler, on the worker's healthy connection, is the job's
     failure: the attempt is spent and retried after the backoff (not handed back with it
-    refunded, as a lost connection is)."""
+    not counted, as a lost connection is)."""
     effects = Effects()
     start_worker(effects.tasks(), lease=LEASE)
     (job_id,) = add(Sessions, "read_only_once")
@@ -222,7 +224,7 @@ def test_a_job_whose_connection_cannot_be_had_goes_back_unspent(
 ) -> None:
     """A batch whose first transactional job loses the worker's connection, while the
     server refuses new ones for a moment (a failover): the next job of the batch, whose
-    handler never ran, goes back with its attempt refunded, not failed with one spent."""
+    handler never ran, goes back with its attempt not counted, not failed with one spent."""
     worker_engine = engine_with(server.url)
     runs: Counter[int] = Counter()
     refusals = {"left": 0}
@@ -258,8 +260,10 @@ def test_a_job_whose_connection_cannot_be_had_goes_back_unspent(
         wait_for(lambda: all(job(engine, i).status == "done" for i in ids), timeout=SETTLED_WITHIN,
                  what="the batch done")
         assert refusals["left"] == 0
-        assert {i: job(engine, i).attempts for i in ids} == dict.fromkeys(ids, 1)
-        assert all(effects_of(engine, i) == ["attempt 1"] for i in ids)
+        rows = {i: job(engine, i) for i in ids}
+        # No attempt counted but the run that committed (max_attempts grew with the others).
+        assert {i: r.max_attempts - r.attempts for i, r in rows.items()} == dict.fromkeys(ids, DEFAULT_MAX_ATTEMPTS - 1)
+        assert all(effects_of(engine, i) == [f"attempt {r.attempts}"] for i, r in rows.items())
         assert worker.stats.retried == 0
     finally:
         worker.stop(grace=1)

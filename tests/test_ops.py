@@ -19,6 +19,7 @@ from sqla_queue import TaskMixin
 from sqla_queue import ops as ops_module
 from sqla_queue import sql as q
 from sqla_queue.driver import AsyncDriver, DbConnection, Driver, WorkerStartError
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.ops import Claimed, ClaimRequest, QueueOps, Swept, TokenState
 from sqla_queue.runtime import run_in_greenlet
 from sqla_queue.sql import ClaimToken
@@ -339,9 +340,11 @@ def test_complete_fail_and_release_move_the_tokens_the_owner_holds(engine: Engin
     assert {found[t.job_id].status for t in done} == {"done"}
     assert [(found[t.job_id].status, found[t.job_id].last_error) for t in failed] == [
         ("failed", e) for e in errors]
-    assert {(found[t.job_id].status, found[t.job_id].attempts, found[t.job_id].lease_owner) for t in back} == {
-        ("pending", 0, None)}
-    assert {(found[t.job_id].status, found[t.job_id].attempts) for t in handed} == {("pending", 1)}
+    # Never given back (a token names one claim): a refund lets max_attempts grow instead.
+    assert {(found[t.job_id].status, found[t.job_id].attempts, found[t.job_id].max_attempts,
+             found[t.job_id].lease_owner) for t in back} == {("pending", 1, DEFAULT_MAX_ATTEMPTS + 1, None)}
+    assert {(found[t.job_id].status, found[t.job_id].attempts, found[t.job_id].max_attempts)
+            for t in handed} == {("pending", 1, DEFAULT_MAX_ATTEMPTS)}
 
 
 @pytest.mark.parametrize("held", [1, 3])
@@ -412,7 +415,8 @@ def test_release_lost_claims_gives_back_the_owner_s_rows_but_the_kept_tokens(
     released = on(lambda conn: ops.release_lost_claims(conn, "w/0.0", keep))
     assert sorted(released) == [t.job_id for t in mine[kept:]]
     found = rows(engine)
-    assert {(found[t.job_id].status, found[t.job_id].attempts) for t in mine[kept:]} == {("pending", 0)}
+    assert {(found[t.job_id].status, found[t.job_id].attempts, found[t.job_id].max_attempts)
+            for t in mine[kept:]} == {("pending", 1, DEFAULT_MAX_ATTEMPTS + 1)}
     assert {found[t.job_id].status for t in [*keep, *theirs]} == {"running"}
 
 
@@ -557,12 +561,17 @@ def test_every_token_call_covers_tokens_over_several_statements(engine: Engine, 
     retried = on(lambda conn: ops.retry(conn, "w/0.0", again, [f"err {t.job_id}" for t in again], [60.0] * 5))
     assert retried == dict.fromkeys(again, "pending")
     assert on(lambda conn: ops.snooze(conn, "w/0.0", snoozed, [60.0] * 5)) == dict.fromkeys(snoozed, "pending")
-    assert on(lambda conn: ops.release(conn, "w/0.0", back, refund=True)) == dict.fromkeys(back, "pending")
+    notes = [f"lost {t.job_id}" for t in back]
+    notes[0] = ""  # an empty note leaves last_error as it was
+    released = on(lambda conn: ops.release(conn, "w/0.0", back, refund=True, errors=notes))
+    assert released == dict.fromkeys(back, "pending")
     found = rows(engine)
     # Each part's values went with its own tokens.
     assert [found[t.job_id].last_error for t in failed] == errors
     assert [found[t.job_id].last_error for t in again] == [f"err {t.job_id}" for t in again]
-    assert {(found[t.job_id].status, found[t.job_id].attempts) for t in [*snoozed, *back]} == {("pending", 0)}
+    assert [found[t.job_id].last_error for t in back] == [None, *notes[1:]]
+    assert {(found[t.job_id].status, found[t.job_id].attempts, found[t.job_id].max_attempts)
+            for t in [*snoozed, *back]} == {("pending", 1, DEFAULT_MAX_ATTEMPTS + 1)}
     assert on(lambda conn: ops.owned_tokens(conn, "w/", tokens)) == set()
 
 

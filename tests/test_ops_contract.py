@@ -99,12 +99,12 @@ def test_retry_fail_and_release_leave_the_states_the_statements_do(backend: Back
     assert backend(lambda c: ops.release(c, "w", [token[handed]], refund=False)) == {token[handed]: "pending"}
     assert backend.states(ops, [again, exhausted, dead, back, handed]) == {
         again: ("pending", 1, None), exhausted: ("failed", 1, "w"), dead: ("failed", 1, "w"),
-        back: ("pending", 0, None), handed: ("pending", 1, None),
+        back: ("pending", 1, None), handed: ("pending", 1, None),
     }
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_snooze_gives_the_attempt_back_fenced_by_owner_and_attempt(backend: Backend, n: int) -> None:
+def test_snooze_does_not_count_the_attempt_fenced_by_owner_and_attempt(backend: Backend, n: int) -> None:
     ids = backend.add(n + 1, max_attempts=1)
     ops = backend.ops()
     claimed = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10)))
@@ -117,12 +117,13 @@ def test_snooze_gives_the_attempt_back_fenced_by_owner_and_attempt(backend: Back
     assert backend(lambda c: ops.snooze(c, "w", tokens, delays)) == dict.fromkeys(tokens, "pending")
     assert backend(lambda c: ops.snooze(c, "w", tokens, delays)) == {}  # once only
     states = backend.states(ops, ids)
-    # max_attempts=1 and yet pending: the snooze spent no attempt.
-    assert [states[i] for i in ids[:n]] == [("pending", 0, None)] * n
+    # max_attempts=1 and yet pending: the snooze spent no attempt (max_attempts grew).
+    assert [states[i] for i in ids[:n]] == [("pending", 1, None)] * n
     assert states[ids[n]] == ("running", 1, "w")
-    # The first is due at once and claimable again, on attempt 1 again; the others wait.
+    # The first is due at once and claimable again, under a new attempt number (a token
+    # names one claim); the others wait.
     again = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10)))
-    assert [c.token for c in again] == [ClaimToken(ids[0], 1)]
+    assert [c.token for c in again] == [ClaimToken(ids[0], 2)]
 
 
 @pytest.mark.parametrize("skipped", [1, 2])
@@ -151,7 +152,7 @@ def test_complete_then_claim_and_the_recovery_of_lost_claims(backend: Backend, h
     assert tokens == [ClaimToken(i, 1) for i in nxt]
     back = backend(lambda c: ops.release_lost_claims(c, "w/0.0", tokens[:1]))
     assert sorted(back) == nxt[1:]
-    assert backend.states(ops, nxt) == {nxt[0]: ("running", 1, "w/0.0"), **dict.fromkeys(nxt[1:], ("pending", 0, None))}
+    assert backend.states(ops, nxt) == {nxt[0]: ("running", 1, "w/0.0"), **dict.fromkeys(nxt[1:], ("pending", 1, None))}
 
 
 def test_the_heartbeat_extends_and_finds_the_tokens_of_an_owner_prefix(backend: Backend) -> None:

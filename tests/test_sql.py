@@ -446,10 +446,12 @@ def test_release_lost_claims_gives_back_the_unheld_rows_of_one_owner(engine: Eng
         keep = [(mine[0], 1), (mine[1], 0)]
         values = {**tokens_params("w/0.0", keep), q.FRESH_PARAM: 60.0}
         back = raw.execute(stmt.sql, stmt.params(values)).fetchall()
-        assert sorted(r[0] for r in back) == sorted(mine[1:]) and {r[1] for r in back} == {0}
+        assert sorted(r[0] for r in back) == sorted(mine[1:]) and {r[1] for r in back} == {1}
     with engine.connect() as conn:
-        found = {r.id: (r.status, r.attempts, r.lease_owner) for r in conn.execute(select(JOBS))}
-    assert {i: found[i] for i in mine[1:]} == dict.fromkeys(mine[1:], ("pending", 0, None))
+        found = {r.id: (r.status, r.attempts, r.max_attempts, r.lease_owner) for r in conn.execute(select(JOBS))}
+        default = found[mine[0]][2]
+    # Not counted, and never handed out again: max_attempts grows, attempts stays.
+    assert {i: found[i] for i in mine[1:]} == dict.fromkeys(mine[1:], ("pending", 1, default + 1, None))
     assert {i: found[i][0] for i in [mine[0], *theirs]} == dict.fromkeys([mine[0], *theirs], "running")
 
 
@@ -558,15 +560,19 @@ def test_concurrent_sweeps_move_each_job_once(engine: Engine) -> None:
     assert len(ids) == len(set(ids)) == 20
 
 
-def test_release_hands_jobs_back_and_refunds_the_attempt(engine: Engine) -> None:
+def test_release_hands_jobs_back_without_counting_the_attempt(engine: Engine) -> None:
+    """A refund never gives the attempt number back (the next claim's token is a new
+    one): ``max_attempts`` grows by one instead."""
     with engine.begin() as conn:
         add_jobs(conn, 2)
         rows = claim(conn, owner="leaving")
         tokens = [ClaimToken(r.id, r.attempts) for r in rows]
+        (default,) = conn.execute(select(JOBS.c.max_attempts).distinct()).scalars().all()
         released = conn.scalars(q.release_if_owner(EmailJob, owner="leaving", tokens=tokens)).all()
         assert sorted(released) == sorted(t.job_id for t in tokens)
-        assert conn.execute(select(JOBS.c.status, JOBS.c.attempts).distinct()).all() == [("pending", 0)]
-        assert len(claim(conn, owner="next")) == 2
+        assert conn.execute(select(JOBS.c.status, JOBS.c.attempts, JOBS.c.max_attempts).distinct()).all() == [
+            ("pending", 1, default + 1)]
+        assert {r.attempts for r in claim(conn, owner="next")} == {2}
 
 
 # -- requeue, cancel, prune, archive, stats ------------------------------------------------

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from sqla_queue import AsyncWorker, Tasks, Worker
 from sqla_queue import sql as q
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.runtime import Event
 
 from .helpers import wait_for, wait_for_counts
@@ -475,10 +476,12 @@ def test_stop_hands_back_running_and_waiting_jobs(engine: Engine, Sessions: Any,
     wait_for(lambda: worker.stats.claimed == len(warm_up) + 3)
     wait_for(lambda: sum(job(engine, i).status == "running" for i in ids) == 3)
     worker.stop(grace=0.2)
-    rows = sorted((job(engine, i) for i in ids), key=lambda r: r.attempts)
+    rows = sorted((job(engine, i) for i in ids), key=lambda r: -r.max_attempts)
     assert all(r.status == "pending" and r.lease_owner is None for r in rows)
-    # the one that had started keeps its attempt, the two that never started get theirs back
-    assert [r.attempts for r in rows] == [0, 0, 1]
+    # the one that had started has used its attempt; the two that never started have not
+    # (max_attempts grew by one: the attempt number itself is never handed out again)
+    assert [(r.attempts, r.max_attempts) for r in rows] == [
+        (1, DEFAULT_MAX_ATTEMPTS + 1), (1, DEFAULT_MAX_ATTEMPTS + 1), (1, DEFAULT_MAX_ATTEMPTS)]
     assert worker.stats.released == 3
     with engine.begin() as conn:  # claimable again at once, no lease to wait out
         assert len(conn.execute(q.claim(Task, owner="next", limit=3)).all()) == 3
@@ -490,7 +493,7 @@ def test_stop_lets_running_jobs_finish_within_the_grace(
     (job_id,) = add(Sessions, "record", sleep=0.5)
     worker = start_worker()
     # Started, not only claimed: stop() hands a claimed job whose handler has not started
-    # back at once, attempt refunded (another test checks that).
+    # back at once, attempt not counted (another test checks that).
     wait_for(lambda: any(h.started for h in worker.ledger.held()), what="the handler to start")
     worker.stop(grace=10)
     assert job(engine, job_id).status == "done" and len(effects(engine)) == 1

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import Engine, select, text
 
 from sqla_queue import Tasks
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.runtime import Event, sleep
 
 from .helpers import Server, wait_for, wait_for_counts
@@ -148,8 +149,9 @@ def test_a_claim_whose_answer_is_lost_gives_its_jobs_back_unspent(
     engine: Engine, Sessions: Any, server: Server, make_worker: Any, runs: Runs
 ) -> None:
     """The claim commits, then the connection drops before its rows reach the worker.
-    With ``max_attempts=1`` the job must still run, once, and end ``done``: attempts
-    spent equal attempts run. (Before: it waited a whole lease, was swept, and, its only
+    With ``max_attempts=1`` the job must still run, once, and end ``done``: the lost
+    claim is not counted (``max_attempts`` grows by one; its attempt number is never
+    handed out again). (Before: it waited a whole lease, was swept, and, its only
     attempt spent, dead-lettered without ever running.)"""
     with proxied(server, _app("lost_claim")) as (proxy, worker_engine):
         worker = make_worker(worker_engine, Task, runs.tasks(), **_options(concurrency=1))
@@ -162,7 +164,8 @@ def test_a_claim_whose_answer_is_lost_gives_its_jobs_back_unspent(
             wait_for(lambda: job(engine, job_id).status in ("done", "failed"), timeout=LEASE * 3 + 10,
                      what="the job to finish")
             row = job(engine, job_id)
-            assert (row.status, row.attempts, runs.of(job_id)) == ("done", 1, 1), (row.status, row.last_error)
+            assert (row.status, row.attempts, row.max_attempts, runs.of(job_id)) == ("done", 2, 2, 1), (
+                row.status, row.last_error)
             assert worker.stats.swept == 0
         finally:
             worker.stop(grace=1)
@@ -186,7 +189,10 @@ def test_a_completion_and_claim_whose_answer_is_lost_give_the_claimed_jobs_back_
             wait_for(all_status(engine, [first, second], "done", "failed"), timeout=LEASE * 3 + 10,
                      what="both jobs to finish")
             rows = {i: job(engine, i) for i in (first, second)}
-            assert {i: (r.status, r.attempts) for i, r in rows.items()} == {first: ("done", 1), second: ("done", 1)}
+            # second's lost claim is not counted: max_attempts grew by one.
+            assert {i: (r.status, r.attempts - r.max_attempts) for i, r in rows.items()} == {
+                first: ("done", 0), second: ("done", 0)}
+            assert (rows[first].attempts, rows[second].attempts) == (1, 2)
             assert (runs.of(first), runs.of(second)) == (1, 1)
         finally:
             runs.release.set()
@@ -418,7 +424,7 @@ def test_a_job_whose_lease_expired_twice_in_a_row_runs_alone_in_its_worker(
     """A job as the sweeper leaves it after its second expiry in a row, and ordinary jobs:
     while it runs, no other job of the worker runs or is even held (a poison job would
     take those down with it); the ordinary jobs handed back to make room run afterwards,
-    side by side, their attempts refunded."""
+    side by side, their attempts not counted."""
     spans: dict[int, tuple[float, float]] = {}
     tasks = Tasks()
 
@@ -457,5 +463,6 @@ def test_a_job_whose_lease_expired_twice_in_a_row_runs_alone_in_its_worker(
                                              for j in others if j != i)]
     assert side_by_side, "the ordinary jobs ran one after another"
     assert job(engine, alone).attempts == 3
-    assert all(job(engine, i).attempts == 1 for i in others)  # handed back unstarted: refunded
+    # Handed back unstarted: not counted (max_attempts grew with attempts), one run each.
+    assert all(job(engine, i).max_attempts - job(engine, i).attempts == DEFAULT_MAX_ATTEMPTS - 1 for i in others)
     wait_for_counts(worker, done=9)

@@ -24,11 +24,12 @@ from sqlalchemy import URL, Engine, text
 from sqlalchemy.orm import Session
 
 from sqla_queue import Backoff, Tasks
+from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.runtime import sleep
 
 from .helpers import Server, wait_for, wait_for_counts
 from .models import Effect, Task
-from .workers import add, effects, engine_with, job
+from .workers import FAST, TASKS, add, effects, engine_with, job
 
 #: A backoff whose lower bound a test can see: every retry waits at least LOW seconds.
 LOW = 0.5
@@ -140,7 +141,8 @@ def test_a_transactional_handler_whose_connection_is_terminated_is_handed_back_a
 ) -> None:
     """The backend under the handler's session is terminated from outside while the
     handler runs: not the job's fault. The job is handed back at once (the backoff is a
-    minute) with its attempt refunded, runs again, and commits its effect once."""
+    minute) without counting the attempt, runs again under a new attempt number (a
+    fencing token names one claim), and commits its effect once."""
     app = _unique("terminated")
     worker_engine = engine_with(server.url, application_name=app)
     runs = Runs()
@@ -166,9 +168,11 @@ def test_a_transactional_handler_whose_connection_is_terminated_is_handed_back_a
         cut.set()
         wait_for(lambda: job(engine, job_id).status == "done", timeout=30, what="the job done")
         seen = runs.of(job_id)
-        assert [a for a, _, _ in seen] == [1, 1], "the lost connection spent the attempt"
+        assert [a for a, _, _ in seen] == [1, 2], "a claim's attempt number was handed out again"
         assert seen[1][1] - seen[0][1] < 1.0 + 0.5, f"handed back after {seen[1][1] - seen[0][1]:.2f}s"
-        assert job(engine, job_id).attempts == 1
+        row = job(engine, job_id)
+        # Not counted: the attempts max_attempts allows grew by the one given back.
+        assert (row.attempts, row.max_attempts) == (2, DEFAULT_MAX_ATTEMPTS + 1)
         assert Counter(e.job_id for e in effects(engine)) == Counter({job_id: 1})
         assert (worker.stats.released, worker.stats.retried, worker.stats.failed, worker.stats.lost) == (1, 0, 0, 0)
     finally:
@@ -181,8 +185,9 @@ def test_a_handler_that_kills_its_own_connection_every_time_ends_dead_lettered_w
     engine: Engine, Sessions: Any, start_worker: Any
 ) -> None:
     """``pg_terminate_backend(pg_backend_pid())`` through its session, on every run: the
-    first FREE_HAND_BACKS losses in a row are handed back for free; from then on each
-    spends an attempt and waits the backoff, and the job ends ``failed``."""
+    first FREE_HAND_BACKS losses in a row are handed back without counting; from then on
+    each spends an attempt and waits the backoff, and the job ends ``failed``, saying
+    why. Every run has an attempt number of its own."""
     runs = Runs()
     tasks = Tasks()
 
@@ -195,13 +200,42 @@ def test_a_handler_that_kills_its_own_connection_every_time_ends_dead_lettered_w
     (job_id,) = add(Sessions, "suicide", max_attempts=3)
     wait_for(lambda: job(engine, job_id).status == "failed", timeout=30, what="the dead letter")
     seen = runs.of(job_id)
-    assert [a for a, _, _ in seen] == [1] * (FREE_HAND_BACKS + 1) + [2, 3]
+    total = FREE_HAND_BACKS + 3
+    assert [a for a, _, _ in seen] == list(range(1, total + 1))
     spent = seen[FREE_HAND_BACKS:]
     for (_, began, _), (_, next_began, _) in itertools.pairwise(spent):
         assert next_began - began >= LOW - 0.01, f"retried {next_began - began:.3f}s later, backoff {LOW}s"
     row = job(engine, job_id)
-    assert row.attempts == 3 and row.last_error.startswith("connection lost"), row.last_error
+    assert (row.attempts, row.max_attempts) == (total, total)
+    assert row.last_error.startswith(f"connection lost ({total} in a row under this job; attempt counted)"), (
+        row.last_error)
     assert (worker.stats.released, worker.stats.retried, worker.stats.failed) == (FREE_HAND_BACKS, 2, 1)
+
+
+def test_the_losses_in_a_row_are_read_from_the_row_so_they_hold_across_workers(
+    engine: Engine, Sessions: Any, start_worker: Any
+) -> None:
+    """The row says its job's runs already lost their connection FREE_HAND_BACKS times in
+    a row (under other workers, or before a restart): a fresh worker counts on from
+    there, so the next loss spends an attempt instead of starting a new free streak."""
+    runs = Runs()
+    tasks = Tasks()
+
+    @tasks.task
+    def cut_once(job: Any, session: Session) -> None:
+        if runs(job) == 1:
+            session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+
+    (job_id,) = add(Sessions, "cut_once", max_attempts=3)
+    earlier = f"connection lost ({FREE_HAND_BACKS} in a row under this job; handed back, attempt not counted): x"
+    with engine.begin() as conn:
+        conn.execute(TASKS.update().where(TASKS.c.id == job_id).values(last_error=earlier))
+    worker = start_worker(tasks, backoff=FAST)
+    wait_for(lambda: job(engine, job_id).status == "done", timeout=30, what="the job done")
+    assert [a for a, _, _ in runs.of(job_id)] == [1, 2]
+    row = job(engine, job_id)
+    assert (row.attempts, row.max_attempts) == (2, 3), "the loss was not counted"
+    assert (worker.stats.released, worker.stats.retried, worker.stats.done) == (0, 1, 1)
 
 
 # -- a completion whose answer was lost ------------------------------------------------------

@@ -191,6 +191,23 @@ def test_sigterm_hands_back_a_job_that_outlives_the_grace(
     assert not effect_counts(engine)
 
 
+def test_sigterm_tells_a_handler_that_checks_and_hands_its_job_back_at_once(
+    engine: Engine, worker_processes: Start, tmp_path: Any
+) -> None:
+    """The handler checks ``current_job()`` between steps: on SIGTERM it is told that the
+    worker stops, gives up, and its job is handed back at once; the process exits long
+    before the grace (a minute) is out."""
+    started, told = tmp_path / "started", tmp_path / "told"
+    (job_id,) = add(engine, "careful", started=str(started), told=str(told))
+    worker = worker_processes("--shutdown-grace", "60s", *FAST, target="tests.stopping_app:make_worker")
+    wait_for(started.exists)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    assert told.read_text() == "stopping"
+    (row,) = rows(engine, [job_id])
+    assert (row.status, row.lease_owner, row.attempts) == ("pending", None, 1)
+
+
 def test_second_signal_stops_at_once(engine: Engine, worker_processes: Start, tmp_path: Any) -> None:
     started = tmp_path / "started"
     (job_id,) = add(engine, "record", sleep=60, started=str(started))

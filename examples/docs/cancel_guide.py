@@ -37,6 +37,22 @@ def charge(job: Task, session: Session) -> None:  # transactional
 # --8<-- [end:timeouts]
 
 
+def import_batch(job: Task, batch: int) -> None:
+    """One batch of an import, saved on its own (a stand-in here)."""
+
+
+# --8<-- [start:stopping]
+@tasks.task
+def import_rows(job: Task) -> None:
+    context = current_job()
+    for batch in range(job.payload.get("batches", 10)):
+        # Between two batches: once the worker stops, raises JobCancelled("stopping"),
+        # and the job is handed back now rather than at the end of the grace.
+        context.check()
+        import_batch(job, batch)  # saved on its own: a later run skips what is done
+# --8<-- [end:stopping]
+
+
 def main(url: str) -> None:
     # --8<-- [start:enqueue]
     engine = create_engine(url)  # postgresql+psycopg://...

@@ -79,6 +79,9 @@ _HAND_BACK_SECONDS = 1.0
 _HAND_BACK_CHUNK = 1000
 _HAND_BACK_PER_JOB = 0.0005
 _JOIN_SECONDS = 1.0
+#: How long stop() waits for the handlers it cancelled after the grace to end (their
+#: ``except`` and ``finally`` clauses), apart from the services' joins.
+_CLEAN_UP_SECONDS = 1.0
 #: How long stop() waits for claims already sent (a claim takes milliseconds; one that
 #: hangs is cut by its deadline, and its executor gives back what it took).
 _CLAIMS_IN_FLIGHT_SECONDS = 1.0
@@ -388,13 +391,17 @@ class Worker:
         waiting = self.ledger.take_unstarted()
         if waiting:
             self._hand_back(waiting, refund=True)
+        for running in self.ledger.held():  # a handler that cannot finish in the grace may give up
+            running.tell_stopping()
         self.ledger.wait_empty(grace, self._hard_stop)
         left = self.ledger.held()
         if left:
             log.warning("worker %s: %d job(s) still running after the grace period; handing them back",
                         self.owner, len(left))
             self._hand_back(left, refund=False)
-            self._driver.runtime.interrupt()
+            # Cancelled handlers run their clean-up before stop() returns (a budget of
+            # its own: on a busy machine the services' joins below may eat theirs).
+            self._driver.runtime.interrupt(_CLEAN_UP_SECONDS)
         # Every service is asked at once, then all are joined against one deadline; an
         # executor still inside a handler that outlived the grace is left to finish alone.
         others: list[Service] = [

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from ..current import CANCELLED
 from ..driver import DbConnection
 from ..ops import Moved, TokenState
 from ..runtime import sleep
@@ -64,13 +65,14 @@ class Completer:
         unseen); if it fails the completions are recorded the usual way. Returns whether
         it ran and its answer was read."""
         done: list[Outcome] = []
-        by_kind: dict[Kind, list[Outcome]] = {}
+        by_kind: dict[tuple[Kind, bool], list[Outcome]] = {}
         committed: list[Outcome] = []
         lost: list[Held] = []
         cancelled: list[Outcome] = []
         for outcome in outcomes:
             kind = outcome.kind
-            if kind is Kind.CANCELLED:
+            if kind is Kind.CANCELLED or outcome.held.stopped == CANCELLED:
+                # Told after its handler returned: the row says cancelled all the same.
                 cancelled.append(outcome)
             elif outcome.held.lost or kind is Kind.LOST:
                 lost.append(outcome.held)
@@ -79,20 +81,21 @@ class Completer:
             elif kind is Kind.COMMITTED:
                 committed.append(outcome)
             else:
-                by_kind.setdefault(kind, []).append(outcome)
+                by_kind.setdefault((kind, outcome.refund), []).append(outcome)
         if committed:  # recorded by the handler's own transaction
             self.settle([Settled(o.held, "done", o) for o in committed])
         if cancelled:  # recorded by the cancel itself
             self.settle([Settled(o.held, "cancelled", o) for o in cancelled])
         if lost:
+            self._tell_cancelled(connect, [h for h in lost if not h.lost])  # refused by a cancel?
             self._lost(lost, "lease lost while running")
-        for kind, group in by_kind.items():
+        for (kind, refund), group in by_kind.items():
             sure = [o for o in group if not o.unsure]
             unsure = [o for o in group if o.unsure]
             if sure:
-                self._record_kind(connect, kind, sure)
+                self._record_kind(connect, kind, sure, refund=refund)
             if unsure:  # a transactional commit whose answer was lost: the row says
-                self._record_kind(connect, kind, unsure, maybe_landed=True)
+                self._record_kind(connect, kind, unsure, refund=refund, maybe_landed=True)
         if not done:
             return False
         if done_with is None:
@@ -121,6 +124,7 @@ class Completer:
             # the repeat does not move before calling any of it lost.
             self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=self.driver.is_connection_error(exc))
             return False
+        self._tell_cancelled(connect, [o.held for o in outcomes if o.held.token not in moved])
         self._settle(Kind.DONE, outcomes, moved, sent)
         return True
 
@@ -178,6 +182,7 @@ class Completer:
             return
         if retried or maybe_landed:
             moved = self._landed(connect, kind, outcomes, moved, refund)
+        self._tell_cancelled(connect, [o.held for o in outcomes if o.held.token not in moved])
         self._settle(kind, outcomes, moved, sent)
 
     def _record_alone(
@@ -199,6 +204,7 @@ class Completer:
                 continue
             if retried or maybe_landed:
                 moved = self._landed(connect, candidate.kind, [candidate], moved, refund)
+            self._tell_cancelled(connect, [candidate.held] if candidate.held.token not in moved else [])
             self._settle(candidate.kind, [candidate], moved, sent)
             return
         log.error("job %s: no outcome could be recorded; its lease will expire", outcome.held.token.job_id)
@@ -214,7 +220,8 @@ class Completer:
         if kind is Kind.FAIL:
             return self.ops.fail(conn, owner, tokens, [o.error for o in outcomes])
         if kind is Kind.RELEASE:
-            return self.ops.release(conn, owner, tokens, refund=refund)
+            errors = [o.error for o in outcomes] if refund and any(o.error for o in outcomes) else None
+            return self.ops.release(conn, owner, tokens, refund=refund, errors=errors)
         if kind is Kind.SNOOZE:
             return self.ops.snooze(conn, owner, tokens, [o.delay for o in outcomes])
         raise AssertionError(kind)
@@ -316,9 +323,37 @@ class Completer:
     def _lost(self, held: list[Held], why: str, *, settled: bool = False) -> None:
         """Jobs whose lease is gone: settled as lost, those not already known lost
         counted and logged. ``settled``: a fenced statement matched none of their rows
-        (see Ledger.lose)."""
+        (see Ledger.lose). A job whose row was found cancelled on its attempt (told after
+        its handler returned, see :meth:`_tell_cancelled`) is not lost but cancelled: the
+        cancel is what refused its outcome."""
+        cancelled = [h for h in held if h.stopped == CANCELLED]
+        if cancelled:
+            held = [h for h in held if h.stopped != CANCELLED]
+            newly = self.ledger.lose(cancelled, settled=True)  # no longer running under its owner
+            self.settle([Settled(h, "cancelled", None) for h in newly], forgotten=True)
         newly = self.ledger.lose(held, settled=settled)
         self.settle([Settled(h, "lost", None, why=why) for h in newly], forgotten=True)
+
+    def _tell_cancelled(self, connect: Callable[[], DbConnection], held: list[Held]) -> None:
+        """Of jobs whose outcome the database refused, mark those whose row reads
+        ``cancelled`` on their attempt (a cancel that committed after their handler
+        returned, before anyone told the worker), so they are counted as cancelled, not
+        lost. One read, only when something was refused; if it fails they count as lost."""
+        held = [h for h in held if h.stopped is None]
+        if not held:
+            return
+        try:
+            conn = connect()
+            with self.driver.deadline(conn, self._deadline):
+                states = self.ops.token_states(conn, [h.token.job_id for h in held])
+        except Exception as exc:  # noqa: BLE001 - they count as lost, as the fence said
+            log.debug("could not read back %d refused outcome(s) (%s)", len(held), exc)
+            return
+        by_pk = {state.job_id: state for state in states}
+        for h in held:
+            state = by_pk.get(h.token.job_id)
+            if state is not None and state.status == CANCELLED and state.attempt == h.token.attempt:
+                h.tell(CANCELLED)
 
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's
@@ -404,8 +439,8 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
         return "pending" if released and attempts == attempt and not isolated and last_error == outcome.error else None
     if kind is Kind.RELEASE or kind is Kind.SNOOZE:
         swept = (last_error or "").startswith(f"lease expired: worker {owner} did not finish attempt {attempt} ")
-        left = attempt - 1 if refund or kind is Kind.SNOOZE else attempt
-        return "pending" if released and attempts == left and not swept else None
+        # No attempt is ever given back (``max_attempts`` grows instead): the row keeps it.
+        return "pending" if released and attempts == attempt and not swept else None
     return None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, suppress
@@ -30,9 +31,9 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from ..current import CANCELLED, bind, in_context, timeout_text, unbind
+from ..current import CANCELLED, STOPPING, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
-from ..errors import DeadLetter, LeaseLost, RetryLater, Snooze, UnknownTask
+from ..errors import DeadLetter, JobCancelled, LeaseLost, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Moved, Operations
 from ..runtime import Runtime
 from ..sql import ClaimToken
@@ -55,12 +56,25 @@ BATCH_TARGET_SECONDS = 0.05
 #: The longest delay a retry can ask for (about ten years).
 MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 #: Losses of the worker's own connection in a row, under the same job's handler, that hand
-#: the job back at once with its attempt refunded; past them, each loss is the job's own
-#: failure (an attempt and the backoff): a handler that kills its connection every time
-#: must not run forever.
+#: the job back at once without counting the attempt; past them, each loss is the job's
+#: own failure (an attempt and the backoff): a handler that kills its connection every
+#: time must not run forever. The count lives in the row (its ``last_error``, see
+#: :func:`losses_in_a_row`), so it holds across workers and restarts: a job runs at most
+#: ``(FREE_HAND_BACKS + 1) * max_attempts`` times, then goes to the dead letter saying so.
 FREE_HAND_BACKS = 2
-#: Jobs whose losses in a row are remembered at most (the oldest are forgotten first).
-MAX_REMEMBERED_LOSSES = 10_000
+#: How ``last_error`` begins after a loss of the worker's connection under a handler.
+LOSS_PREFIX = "connection lost ("
+_LOSSES = re.compile(r"connection lost \((\d{1,9}) in a row")
+
+
+def losses_in_a_row(last_error: object) -> int:
+    """Losses of a worker's connection in a row under the job's handlers, as its row's
+    ``last_error`` says (written by the hand-back or the retry that followed the last
+    one; any other outcome since overwrote it, or left it, like a snooze)."""
+    if not isinstance(last_error, str):
+        return 0
+    found = _LOSSES.match(last_error)
+    return int(found.group(1)) if found else 0
 
 
 def batch_size(per_job: float | None, took: float, max_batch: int) -> tuple[float, int]:
@@ -103,8 +117,6 @@ class Executor:
         self.job_context = job_context
         self.runtime = ctx.driver.runtime
         self.ops = ctx.ops
-        #: Job id -> losses of the worker's connection in a row under its handler.
-        self._losses: dict[Any, int] = {}
         #: Tells handlers past their deadline (set by the worker).
         self.watchdog: Watchdog | None = None
 
@@ -113,8 +125,6 @@ class Executor:
             return Outcome(held, Kind.FAIL, held.load_error)
         if held.stopped == CANCELLED:  # cancelled before it started
             return Outcome(held, Kind.CANCELLED)
-        if self._losses:  # a run that ends any other way ends the streak
-            held.losses = self._losses.pop(held.token.job_id, 0)
         bound = bind(held)  # its context is made when the handler first asks for it
         try:
             handler = self._resolve(held.job)
@@ -230,6 +240,10 @@ class Executor:
             return Outcome(held, Kind.LOST)
         if isinstance(exc, UnknownTask):
             return Outcome(held, Kind.FAIL, storable(str(exc), limit))
+        if isinstance(exc, JobCancelled) and exc.reason == STOPPING and held.stopped is None:
+            # The handler gave up because the worker stops: back to pending at once for
+            # another worker, no backoff. The attempt counts: the handler ran.
+            return Outcome(held, Kind.RELEASE, "the worker stopped; its handler gave up", refund=False)
         if isinstance(exc, DeadLetter):
             return Outcome(held, Kind.FAIL, storable(f"DeadLetter: {_reason(exc)}", limit))
         if isinstance(exc, Snooze):
@@ -244,23 +258,20 @@ class Executor:
                       held.token.job_id, type(exc).__name__)
         error = describe_error(exc, limit)
         if conn is not None and (conn.broken or conn.sa.invalidated):
-            losses = held.losses + 1
-            self._remember_loss(held.token.job_id, losses)
+            # The streak as the claimed row told it (any worker's, before a restart too).
+            losses = losses_in_a_row(getattr(held.job, "last_error", None)) + 1
+            held.losses = losses
             if losses <= FREE_HAND_BACKS:
-                # Not the job's fault: back to pending at once, the attempt refunded (the
-                # release is fenced by owner and attempt, on a new connection).
+                # Not the job's fault: back to pending at once, the attempt not counted
+                # (``max_attempts`` grows by one; the release is fenced by owner and
+                # attempt, on a new connection), the streak noted in ``last_error``.
                 log.warning("job %s attempt %d: the worker's connection was lost under its handler; "
-                            "handed back without spending the attempt", held.token.job_id, held.token.attempt)
-                return Outcome(held, Kind.RELEASE, storable(f"connection lost: {error}", limit))
-            error = storable(f"connection lost ({losses} times in a row under this job): {error}", limit)
+                            "handed back without counting the attempt", held.token.job_id, held.token.attempt)
+                return Outcome(held, Kind.RELEASE, storable(
+                    f"{LOSS_PREFIX}{losses} in a row under this job; handed back, attempt not counted): {error}",
+                    limit))
+            error = storable(f"{LOSS_PREFIX}{losses} in a row under this job; attempt counted): {error}", limit)
         return Outcome(held, Kind.RETRY, error, self._backoff(held))
-
-    def _remember_loss(self, job_id: Any, losses: int) -> None:
-        remembered = self._losses
-        remembered[job_id] = losses
-        while len(remembered) > MAX_REMEMBERED_LOSSES:
-            with suppress(StopIteration, KeyError, RuntimeError):
-                del remembered[next(iter(remembered))]
 
     def _transactional(self, held: Held, handler: ResolvedHandler, lane: Lane) -> Outcome:
         """The handler's writes and the fenced completion commit in one transaction.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..current import JobContext
+from ..current import STOPPING, JobContext
 from ..runtime import Condition, Event
 from ..sql import ClaimToken
 
@@ -74,6 +74,17 @@ class Held:
     #: The job's fields its observers' events share (see :class:`~.hooks.JobEvent`),
     #: read at its first event.
     facts: tuple[Any, ...] | None = None
+    #: The worker is stopping: its handler is told (:data:`~sqla_queue.current.STOPPING`),
+    #: its lease still runs (unlike ``stopped``), and it may still complete.
+    shutdown: bool = False
+
+    def tell_stopping(self) -> None:
+        """The worker is stopping: tell its handler, which may finish or give up (then
+        the job is handed back); nothing else changes for it."""
+        self.shutdown = True  # before reading ``context``: see job_context()
+        context = self.context
+        if context is not None:
+            context.stop(STOPPING, "the worker is stopping")
 
     def tell(self, reason: str, message: str = "") -> bool:
         """Its attempt is over (``reason``): tell its handler, if it runs (see
@@ -103,6 +114,8 @@ class Held:
                     if running:
                         context.enter(None)
                     self.context = context
+        if self.shutdown:
+            context.stop(STOPPING, "the worker is stopping")
         if self.stopped is not None:
             context.stop(self.stopped, self.stop_message)
         return context

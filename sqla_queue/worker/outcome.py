@@ -22,8 +22,9 @@ class Kind(enum.Enum):
     FAIL = "fail"
     #: Snoozed (``Snooze``): back to ``pending`` after ``delay``, the attempt given back.
     SNOOZE = "snooze"
-    #: Back to ``pending`` at once with the attempt refunded: never started (shutdown), or
-    #: the worker's own connection was lost under the handler's transaction.
+    #: Back to ``pending`` at once: never started (shutdown), or the worker's own
+    #: connection was lost under the handler's transaction (the attempt refunded); or its
+    #: handler gave up because the worker stops (the attempt counts: see ``refund``).
     RELEASE = "release"
     #: The lease was lost: someone else owns the job now; record nothing.
     LOST = "lost"
@@ -42,6 +43,9 @@ class Outcome:
     #: ``kind`` fenced as usual, and reads the row when that matches nothing: ``done`` by
     #: this owner and attempt means the commit had landed.
     unsure: bool = False
+    #: A ``release`` gives the attempt back (the worker's own fault); False: it counts
+    #: (a handler that gave up because the worker stops had run).
+    refund: bool = True
 
 
 def storable(text: str, limit: int) -> str:

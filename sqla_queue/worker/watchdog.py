@@ -48,16 +48,17 @@ IDLE_SECONDS = 60.0
 
 def stop_cancelled(ops: Operations, conn: DbConnection, held: Sequence[Held]) -> list[Held]:
     """Tell the handlers of ``held`` whose rows read ``cancelled`` on the attempt they
-    hold; returns those told."""
+    hold; returns them, those told already included."""
     if not held:
         return []
     states = {state.job_id: state for state in ops.token_states(conn, [h.token.job_id for h in held])}
     told = []
     for h in held:
         state = states.get(h.token.job_id)
-        if state is not None and state.status == CANCELLED and state.attempt == h.token.attempt and h.tell(CANCELLED):
-            log.info("job %s attempt %d: cancelled; its handler is told to stop", h.token.job_id, h.token.attempt)
-            told.append(h)
+        if state is not None and state.status == CANCELLED and state.attempt == h.token.attempt:
+            if h.tell(CANCELLED):
+                log.info("job %s attempt %d: cancelled; its handler is told to stop", h.token.job_id, h.token.attempt)
+            told.append(h)  # told now or before (by the poll, the listener): cancelled, never lost
     return told
 
 

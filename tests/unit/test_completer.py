@@ -165,7 +165,9 @@ def test_an_unsure_release_whose_commit_did_not_land_releases_the_job() -> None:
     s.record([outcome])
     assert s.ops.calls == ["release"]
     job = s.ops.jobs[held.token.job_id]
-    assert (job.status, job.attempts, s.stats.released, s.stats.done) == ("pending", 0, 1, 0)
+    # The attempt is not counted (max_attempts grows) and never handed out again.
+    assert (job.status, job.attempts, job.max_attempts) == ("pending", 1, 6)
+    assert (job.last_error, s.stats.released, s.stats.done) == ("connection lost", 1, 0)
 
 
 def test_every_end_of_a_job_passes_settle_once() -> None:
