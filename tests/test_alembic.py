@@ -270,6 +270,7 @@ REPORT_JOB = """
 """
 
 
+@pytest.mark.system
 def test_autogenerate_creates_what_create_all_creates(
     project: Project, new_database: NewDatabase
 ) -> None:
@@ -300,6 +301,7 @@ def test_autogenerate_creates_what_create_all_creates(
     assert [line for line in code if line and not line.startswith("#")] == ["pass"]
 
 
+@pytest.mark.system
 def test_new_index_on_existing_queue_table_is_built_concurrently(
     project: Project, new_database: NewDatabase, tmp_path: Path
 ) -> None:
@@ -366,6 +368,7 @@ def test_new_index_on_existing_queue_table_is_built_concurrently(
     assert schema(fresh)["pg_indexes"]["ix_email_jobs_recipient"][1] is True
 
 
+@pytest.mark.system
 def test_generated_migrations_pass_mypy_strict(project: Project, tmp_path: Path) -> None:
     """The concurrent and queue-index operations autogenerate writes are typed calls."""
     project.models(models())
@@ -407,6 +410,7 @@ def test_generated_migrations_pass_mypy_strict(project: Project, tmp_path: Path)
     assert "ix_email_jobs_recipient" in schema(project.url)["pg_indexes"]
 
 
+@pytest.mark.system
 def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: NewDatabase) -> None:
     plain = """
         from sqlalchemy import String
@@ -496,6 +500,7 @@ ONE_JOB_PER_ORDER = """
 """
 
 
+@pytest.mark.system
 def test_unique_jobs_migrate_onto_existing_queue_tables(project: Project, new_database: NewDatabase) -> None:
     """A queue table made before unique jobs gains the nullable ``unique_key`` column and
     its partial unique index (built concurrently, the table being there already); a new
@@ -537,6 +542,7 @@ def test_unique_jobs_migrate_onto_existing_queue_tables(project: Project, new_da
     project.alembic("check")
 
 
+@pytest.mark.system
 def test_queue_index_operations_in_hand_written_migrations(
     project: Project, new_database: NewDatabase
 ) -> None:
@@ -628,6 +634,7 @@ def test_queue_schema_table_is_the_mixins_schema() -> None:
         assert len(built) == 4 and built == mixin
 
 
+@pytest.mark.system
 def test_sqla_queue_alembic_init(tmp_path: Path, new_database: NewDatabase) -> None:
     (tmp_path / "migrations").mkdir()  # an empty folder is fine, as for `alembic init`
     project = sqla_queue_init(tmp_path, new_database())
@@ -716,6 +723,7 @@ FLASK_APP = """
 """
 
 
+@pytest.mark.system
 def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
     url = new_database()
     env: dict[str, Any] = {"APP_DATABASE_URL": url.render_as_string(hide_password=False)}
@@ -771,6 +779,7 @@ SCHEDULES = """
 """
 
 
+@pytest.mark.system
 def test_autogenerate_adds_the_schedules_table_to_an_existing_queue(
     project: Project, new_database: NewDatabase
 ) -> None:

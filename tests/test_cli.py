@@ -137,6 +137,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> 
     )
 
 
+@pytest.mark.system
 def test_python_dash_m_is_the_console_script(url: str) -> None:
     script = Path(sys.executable).parent / "sqla-queue"
     assert script.exists(), f"the package is not installed: no {script}"
@@ -157,6 +158,7 @@ WORKER = "tests.worker_app:make_worker"
 MODEL = "tests.models:EmailJob"
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("args", "env", "problem"),
     [
@@ -190,6 +192,7 @@ def test_mistakes_are_one_line_usage_errors(url: str, args: list[str], env: dict
 BEYOND_BIGINT = "99999999999999999999"
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("args", "problem"),
     [
@@ -290,6 +293,7 @@ def _one_line_start_failure(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.system
 def test_worker_on_a_missing_database_fails_at_start_in_one_line(server: Server) -> None:
     missing = f"sqla_queue_absent_{uuid.uuid4().hex[:10]}"
     bad_url = server.url.set(database=missing).render_as_string(hide_password=False)
@@ -298,6 +302,7 @@ def test_worker_on_a_missing_database_fails_at_start_in_one_line(server: Server)
     assert f'database "{missing}" does not exist' in line
 
 
+@pytest.mark.system
 def test_worker_on_a_missing_table_fails_at_start_in_one_line(engine: Engine, url: str, tmp_path: Path) -> None:
     (tmp_path / "unmigrated_app.py").write_text(
         "import os\n"
@@ -374,6 +379,7 @@ def unmigrated_app(engine: Engine, tmp_path: Path) -> Iterator[Callable[..., sub
             conn.execute(text("DROP TABLE cli_unmigrated_jobs"))
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 @pytest.mark.parametrize("command", ADMIN_COMMANDS, ids=lambda c: c[0])
 def test_admin_commands_on_an_unusable_table_say_what_to_do(
@@ -384,6 +390,7 @@ def test_admin_commands_on_an_unusable_table_say_what_to_do(
     assert line.startswith("sqla-queue: error: " + PROBLEMS[problem]), line
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 @pytest.mark.parametrize("kind", ["worker", "async_worker"])
 def test_admin_commands_and_the_worker_say_the_same(
@@ -415,6 +422,7 @@ def test_table_check_follows_the_schema_translate_map(engine: Engine) -> None:
             conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
 
 
+@pytest.mark.system
 def test_admin_command_on_a_missing_database_is_one_line(server: Server) -> None:
     missing = f"sqla_queue_absent_{uuid.uuid4().hex[:10]}"
     bad_url = server.url.set(database=missing).render_as_string(hide_password=False)
@@ -456,6 +464,7 @@ def effect_notes(engine: Engine) -> dict[int, list[str]]:
     return notes
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("target", [ASYNC_WORKER, "tests.async_worker_app:worker"])
 def test_worker_runs_an_async_worker_with_the_command_line_options(engine: Engine, target: str) -> None:
     ids = add_tasks(engine, 9, sleep=0.3)
@@ -475,6 +484,7 @@ def test_admin_commands_take_an_async_worker_target(engine: Engine, capsys: Any)
     assert "pending" in capsys.readouterr().out
 
 
+@pytest.mark.system
 def test_admin_commands_connect_as_the_async_worker_does(engine: Engine, url: str, tmp_path: Path) -> None:
     """The worker's engine finds its table only through its ``connect_args`` (a
     search_path): an admin command must connect with them too, not from the URL alone."""
@@ -513,6 +523,7 @@ def test_admin_commands_connect_as_the_async_worker_does(engine: Engine, url: st
     assert "in-the-schema" in result.stdout
 
 
+@pytest.mark.system
 def test_async_worker_on_a_missing_table_fails_at_start_in_one_line(url: str, tmp_path: Path) -> None:
     (tmp_path / "unmigrated_async_app.py").write_text(
         "import os\n"

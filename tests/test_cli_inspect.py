@@ -216,6 +216,7 @@ def test_mistakes_are_one_line_usage_errors(engine: Engine, url: str, capsys: An
     assert problem in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.system
 def test_dashboard_command_serves_on_localhost(engine: Engine, url: str) -> None:
     failed = add(engine, queue="q", status="failed", last_error="boom")
     process = subprocess.Popen(
@@ -247,6 +248,7 @@ def test_dashboard_command_on_a_missing_table_is_one_line(server: Server, url: s
     assert "'orders' is not a queue table" in capsys.readouterr().err
 
 
+@pytest.mark.system
 def test_dashboard_command_takes_an_async_worker_and_shows_its_heartbeats(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(insert(TASKS).values(task="record", status="running", lease_owner="w:1:ab/0",
@@ -293,6 +295,7 @@ def _request(address: str, path: str, host: str, method: str = "GET", body: str 
         conn.close()
 
 
+@pytest.mark.system
 def test_dashboard_command_answers_only_its_trusted_host_names(engine: Engine, url: str) -> None:
     keys = [add(engine, queue="q", status="failed") for _ in range(3)]
     for flags, good, bad in (

@@ -194,7 +194,8 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     assert browser.find_element(By.CSS_SELECTOR, "a.full-value")
 
     page("/email_jobs/workers", "workers")
-    assert "web-1:4242:1a2b3c4d" in browser.find_element(By.TAG_NAME, "table").text
+    assert "web-1:4242:1a2b3c4d" in browser.find_element(By.ID, "running").text  # its running jobs' owner
+    assert browser.find_element(By.ID, "listening")  # and the live workers' table above it
 
 
 def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

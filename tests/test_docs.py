@@ -163,6 +163,7 @@ def scratch_database(server: Server) -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_every_snippet_file_runs(script: Path, scratch_database: str) -> None:
     result = subprocess.run(

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import Server
+
+pytestmark = pytest.mark.system
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

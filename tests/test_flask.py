@@ -220,6 +220,7 @@ def _flask(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.system
 def test_flask_queue_worker_logs(app: Any, server: Server, tmp_path: Path) -> None:
     response = app.test_client().post("/orders", json={"product_id": 1, "quantity": 1, "email": "a@example.com"})
     assert response.status_code == 201
@@ -282,6 +283,7 @@ def test_flask_queue_help_version_and_option_names(app: Any) -> None:
     assert refused.exit_code == 2 and "must be shorter than the lease" in refused.output
 
 
+@pytest.mark.system
 def test_flask_queue_worker_refuses_bad_options(app: Any, server: Server) -> None:
     env = {"DATABASE_URL": server.url.render_as_string(hide_password=False)}
     for args, problem in [

@@ -180,6 +180,7 @@ with tracer.start_as_current_span("POST /orders") as span, QueueSession(engine) 
 """
 
 
+@pytest.mark.system
 def test_the_link_crosses_processes(
     engine: Engine, server: Server, start_worker: Callable[..., Any], tracing: Tracing
 ) -> None:

@@ -66,6 +66,7 @@ def test_concurrent_claimers_get_disjoint_jobs_without_blocking(engine: Engine) 
     assert len(first) == 6 and len(second) == 4 and not first & second
 
 
+@pytest.mark.system
 def test_claimer_processes_split_the_queue_exactly(engine: Engine, server: Server) -> None:
     with engine.begin() as conn:
         ids = set(add_jobs(conn, 1000))

@@ -82,6 +82,9 @@ target_metadata = SQLModel.metadata
 MAKO_IMPORTS = """\
 import sqlalchemy as sa
 import sqlmodel
+import pytest
+
+pytestmark = pytest.mark.system
 """
 
 

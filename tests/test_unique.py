@@ -256,6 +256,7 @@ def _enqueue_random_keys(url: str, seed: int, path: str, out: Any) -> None:
         engine.dispose()
 
 
+@pytest.mark.system
 def test_eight_processes_enqueueing_random_keys_leave_one_job_per_key(engine: Engine, server: Server) -> None:
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
