@@ -806,6 +806,7 @@ def test_autogenerate_adds_the_schedules_table_to_an_existing_queue(
     assert "tasks_schedules" not in schema(project.url)
 
 
+@pytest.mark.system
 def test_a_changed_unique_declaration_is_migrated_by_autogenerate(project: Project, new_database: NewDatabase) -> None:
     """``__queue_unique__`` changed on an existing table: the index's columns stay, its
     ``WHERE`` changes, which Alembic's own comparison does not see. The migration drops

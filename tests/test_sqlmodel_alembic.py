@@ -8,9 +8,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from .test_alembic import NewDatabase, Project, new_database, run, schema, sqla_queue_init
 
 __all__ = ["new_database"]  # the fixture, used here
+
+pytestmark = pytest.mark.system
 
 SQLMODEL_MODELS = """
     from sqlalchemy import CheckConstraint, Index
@@ -82,9 +86,6 @@ target_metadata = SQLModel.metadata
 MAKO_IMPORTS = """\
 import sqlalchemy as sa
 import sqlmodel
-import pytest
-
-pytestmark = pytest.mark.system
 """
 
 

@@ -909,7 +909,10 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
         worst = lag.worst
     finally:
         supervisor.stop()
-    assert len(deaths) == 3 * KILLERS, deaths
+    # Each killer ran its three attempts, each killing its process; two killers may share
+    # a process (and one death) when one worker held both.
+    assert all((r.status, r.attempts) == ("failed", 3) for r in rows(engine, killers)), rows(engine, killers)
+    assert KILLERS <= len(deaths) <= 3 * KILLERS, deaths
     assert in_flight, f"no job was in flight on a killed process: {deaths}"
     bound = KILL_LEASE + KILL_SWEEP + KILL_POLL + 1.0 + worst
     last_kill: dict[int, float] = {}
