@@ -469,9 +469,15 @@ def test_a_page_of_big_payloads_costs_what_a_page_of_small_ones_does(engine: Eng
         conn.execute(insert(TASKS), [{"task": "t", "queue": "small", "payload": {"html": XSS, "n": i},
                                       "last_error": "Traceback\nValueError: small"} for i in range(20)])
     app = create_app(engine, [Task], page_size=20)
+    small_time = big_time = float("inf")
     with app.test_client() as client:
-        small_time, small_peak, small_page = _page_cost(client, "/tasks/jobs?queue=small")
-        big_time, big_peak, big_page = _page_cost(client, "/tasks/jobs?queue=big")
+        # Rounds of one of each, the fastest of each kept: a busy moment of the machine
+        # falls on both kinds, not on all the runs of one.
+        for _ in range(7):
+            took, small_peak, small_page = _page_cost(client, "/tasks/jobs?queue=small", runs=1)
+            small_time = min(small_time, took)
+            took, big_peak, big_page = _page_cost(client, "/tasks/jobs?queue=big", runs=1)
+            big_time = min(big_time, took)
     assert len(ids_on(small_page)) == len(ids_on(big_page)) == 20
     assert big_peak <= 2 * small_peak, (big_peak, small_peak)
     assert big_time <= 2 * small_time, (big_time, small_time)

@@ -132,4 +132,7 @@ def test_with_the_synchronous_test_client(tables: None) -> None:
 
 if __name__ == "__main__":
     # A process of its own: this one imported anyio (and its pytest plugin) already.
-    sys.exit(subprocess.call([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]))
+    # -o addopts=: in one process, whatever the pytest settings of the folder around it say
+    # (this repository's run its own suite in four); these tests share one database.
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    sys.exit(subprocess.call(command))

@@ -76,4 +76,6 @@ def test_the_worker_sends_it(engine: Engine) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+    # -o addopts=: in one process, whatever the pytest settings of the folder around it say
+    # (this repository's run its own suite in four); these tests share one database.
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", "-o", "addopts="]))
