@@ -934,5 +934,7 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
           f"lease+sweep+poll+1+lag {worst:.2f} = {bound:.2f}s; over it: "
           f"{sorted(round(t, 2) for t in took_first.values() if t > bound)}")
     assert max(kills.values()) <= 2, kills
-    assert all(r.attempts == kills[r.id] + 1 for r in finished.values()), [
+    # At most one attempt lost per kill it was in flight for (none when its claim or its
+    # completion had not reached the server when the process died).
+    assert all(r.attempts <= kills[r.id] + 1 for r in finished.values()), [
         (r.id, r.attempts, kills[r.id]) for r in finished.values()]
