@@ -84,6 +84,7 @@ class Producer:
         self._isolated_after = 0.0  # monotonic time of the next look for isolated jobs
         self._checked_generation = -1
         self._checked_woken = -1
+        self._checked_dues = -1
         self._next_lookup = 0.0  # monotonic time the next due time may be looked up
 
     def look_for_isolated(self) -> None:
@@ -291,13 +292,16 @@ class Producer:
         if signal.generation != self._checked_generation:
             now = time.monotonic()
             if now < self._next_lookup:
-                # A wake-up during the pause may have brought a delayed job: the lookup
-                # at its end. (A poll or a due time brought none: the next one looks.)
-                if signal.woken != self._checked_woken:
+                # A wake-up during the pause may have brought a delayed job, and a due time
+                # whose claim found nothing may have come a moment before the server's
+                # ``run_after`` (a retry's wake-up is the client's estimate of it): the
+                # lookup at the pause's end. (A poll brought none: the next one looks.)
+                if signal.woken != self._checked_woken or signal.dues != self._checked_dues:
                     signal.wake_at(self._next_lookup)
             else:
                 self._checked_generation = signal.generation
                 self._checked_woken = signal.woken
+                self._checked_dues = signal.dues
                 with self.driver.deadline(conn, self._deadline):
                     seconds = self.ops.next_due(conn)
                 took = time.monotonic() - now

@@ -32,6 +32,9 @@ class WorkSignal:
         self.generation = 0
         #: Bumped by wake() alone (a NOTIFY, returned or retried jobs): news of jobs.
         self.woken = 0
+        #: Bumped by every due time that woke a thread: its claim may find the job not due
+        #: yet (the due time is the client's estimate of the server's ``run_after``).
+        self.dues = 0
 
     def wake(self, count: int = 1) -> None:
         with self._cond:
@@ -73,6 +76,7 @@ class WorkSignal:
                     if self._due and self._due[0] <= now:
                         heapq.heappop(self._due)
                         self.generation += 1
+                        self.dues += 1
                         return
                     if now >= deadline:
                         self.generation += 1

@@ -73,8 +73,8 @@ def test_the_wake_ups_of_one_pause_share_one_lookup_of_the_next_due_time(monkeyp
 def test_polls_within_the_pause_schedule_no_lookup_so_an_idle_worker_stays_quiet(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A poll or a due time brings no news of delayed jobs: within the pause it leaves no
-    due time behind (a worker whose every poll did would never look idle to
+    """A poll brings no news of delayed jobs: within the pause it leaves no due time
+    behind (a worker whose every poll did would never look idle to
     ``run(until_idle=True)``)."""
     monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", 30.0)
     monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", 30.0)
@@ -87,6 +87,32 @@ def test_polls_within_the_pause_schedule_no_lookup_so_an_idle_worker_stays_quiet
         producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
     assert len(ops.lookups) == 1
     assert signal.next_due() is None  # nothing keeps an idle worker from looking idle
+
+
+def test_a_due_time_whose_claim_found_nothing_looks_again_at_the_pause_s_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retry's wake-up is the client's estimate of the server's ``run_after``; on a busy
+    machine it can come a moment early, and its claim finds the job not due yet. Within the
+    pause that must leave a lookup at the pause's end, not wait for the poll."""
+    pause = 0.3
+    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", pause)
+    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", pause)
+    ops = CountingOps()
+    signal = WorkSignal(1)
+    producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
+    signal.wake()
+    producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+    assert len(ops.lookups) == 1
+    signal.wake_at(time.monotonic())  # the retry's due time, a moment early
+    producer.wait_for_work(FakeConn())  # type: ignore[arg-type]  # woken by it; the claim found nothing
+    assert len(ops.lookups) == 1  # within the pause: no lookup of its own...
+    began = time.monotonic()
+    producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+    assert time.monotonic() - began < 30.0, "only the poll woke the worker"  # ... one at its end,
+    signal.wake()  # (and the next wake-up ends the wait after it)
+    producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
+    assert len(ops.lookups) == 2  # made then
 
 
 def test_a_wake_up_after_a_quiet_pause_looks_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
