@@ -89,7 +89,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid} is under tests/unit/ but needs the {tier} tier")
         item.add_marker(tier)
         item.stash[_TIER] = tier
-        if tier == "unit" or item.path.stem in COMPAT_MODULES:
+        in_compat = tier == "unit" or item.path.stem in COMPAT_MODULES
+        if in_compat and item.get_closest_marker("not_compat") is None:
             item.add_marker("compat")
 
 
