@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
@@ -506,6 +506,25 @@ def test_run_until_idle_processes_everything_runnable(engine: Engine, Sessions: 
     worker.run(install_signal_handlers=False, until_idle=True)
     assert worker.stopped
     assert all(job(engine, i).status == "done" for i in ids)
+
+
+def test_until_idle_runs_a_job_due_within_the_poll_the_worker_was_not_told_of(engine: Engine, make_worker: Any) -> None:
+    """``until_idle`` asks the table before it returns: the worker's own view of due times
+    (NOTIFYs, its estimate of a retry's ``run_after``) can miss a job due within the poll."""
+    worker = make_worker(engine, Task, app_tasks, concurrency=2, poll_interval=5)
+    worker.start()
+    try:
+        wait_for(worker.idle, what="the worker idle")
+        with engine.begin() as conn:  # a Core insert: no NOTIFY, no due time the worker knows of
+            job_id = conn.execute(
+                insert(Task)
+                .values(task="record", payload={}, run_after=func.now() + timedelta(seconds=0.3))
+                .returning(Task.id)
+            ).scalar_one()
+        worker.wait(until_idle=True)
+        assert job(engine, job_id).status == "done"
+    finally:
+        worker.stop()
 
 
 # -- database trouble ----------------------------------------------------------------------

@@ -77,6 +77,9 @@ class LoopWorker:
     def run(self, *, install_signal_handlers: bool = False, until_idle: bool = False) -> None:
         self._loop.run(self.worker.run(install_signal_handlers=False, until_idle=until_idle), timeout=None)
 
+    def wait(self, *, until_idle: bool = False) -> None:
+        self._loop.run(self.worker.wait(until_idle=until_idle), timeout=None)
+
     def with_options(self, **options: Any) -> LoopWorker:
         return LoopWorker(self.worker.with_options(**options), self._loop)
 

@@ -76,6 +76,8 @@ log = logging.getLogger("sqla_queue.worker")
 #: and a large number gets more time: releasing ten thousand rows takes seconds on a
 #: loaded server.
 _HAND_BACK_SECONDS = 1.0
+#: The deadline of ``until_idle``'s look at the table before it returns.
+_IDLE_CHECK_SECONDS = 2.0
 _HAND_BACK_CHUNK = 1000
 _HAND_BACK_PER_JOB = 0.0005
 _JOIN_SECONDS = 1.0
@@ -335,7 +337,10 @@ class Worker:
                 if self.idle():
                     quiet_since = quiet_since or time.monotonic()
                     if time.monotonic() - quiet_since >= 0.05:
-                        return
+                        if not self._due_soon():
+                            return
+                        self.signal.wake()
+                        quiet_since = None
                 else:
                     quiet_since = None
             self._stopping.wait(0.02 if until_idle else 1.0)
@@ -343,6 +348,33 @@ class Worker:
     def idle(self) -> bool:
         """No job held, every executor waiting for work, none due within the poll."""
         return not len(self.ledger) and self.signal.quiet(self.config.concurrency, self.config.poll_interval)
+
+    def _due_soon(self) -> bool:
+        """Whether the table holds a job of this worker's queues that fell due a moment
+        ago or falls due within the poll: the last word before ``until_idle`` returns.
+        The in-memory view (:meth:`idle`) keeps the client's estimate of a retry's due
+        time, which can come before the server's ``run_after``; the row is what counts.
+        A database that cannot answer counts as nothing due (the worker could not claim
+        it either)."""
+        lane = Lane(self._driver, "sqla_queue idle check")
+        answer = [False]
+        done = Event()
+
+        def check() -> None:
+            try:
+                conn = lane.connect()
+                with self._driver.deadline(conn, _IDLE_CHECK_SECONDS):
+                    seconds = self._ops.next_due(conn)
+                answer[0] = seconds is not None and seconds <= self.config.poll_interval
+            except Exception as exc:  # noqa: BLE001 - idle as far as the worker can tell
+                log.debug("worker %s: idle check failed (%s)", self.owner, exc)
+            finally:
+                lane.reset()
+                done.set()
+
+        self._driver.runtime.spawn(check, "sqla_queue-idle-check")
+        done.wait(_IDLE_CHECK_SECONDS + 0.5)
+        return answer[0]
 
     def on_signal(self, signum: int) -> None:
         """What SIGTERM/SIGINT do to a running worker: the first asks for a graceful stop,

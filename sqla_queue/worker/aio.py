@@ -210,6 +210,12 @@ class AsyncWorker:
         and cancel their tasks. Returns within ``grace`` plus a few seconds."""
         await run_in_greenlet(self._runtime.stop, grace)
 
+    async def wait(self, *, until_idle: bool = False) -> None:
+        """Until a stop is asked for (:meth:`request_stop`, a signal) or, with
+        ``until_idle``, until no job is runnable, none is running, and none falls due
+        within ``poll_interval``. :meth:`run` is :meth:`start`, this, then :meth:`stop`."""
+        await run_in_greenlet(partial(self._runtime.wait, until_idle=until_idle))
+
     async def run(self, *, install_signal_handlers: bool = True, until_idle: bool = False) -> None:
         """Run until stopped (SIGTERM/SIGINT, :meth:`request_stop`), then stop gracefully.
 
@@ -227,7 +233,7 @@ class AsyncWorker:
         try:
             await self.start()
             try:
-                await run_in_greenlet(partial(self._runtime.wait, until_idle=until_idle))
+                await self.wait(until_idle=until_idle)
             except asyncio.CancelledError:
                 self._runtime.abort()
                 await self.stop(grace=0)
