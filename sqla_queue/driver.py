@@ -296,7 +296,7 @@ class AsyncDbConnection(DbConnection):
         await_only(self.raw.close())
 
 
-class Watchdog:
+class StatementDeadlines:
     """Cuts overdue database calls short, for every connection of one driver.
 
     One thread, started on demand (and ended after a few idle seconds), watches every
@@ -375,7 +375,7 @@ class Driver:
         self.schema_translate_map = _schema_map(engine)
         self.keepalive = keepalive
         self.runtime = ThreadRuntime()
-        self._watchdog = Watchdog(self.abort)
+        self._deadlines = StatementDeadlines(self.abort)
 
     @staticmethod
     def _check(engine: Engine) -> None:
@@ -479,11 +479,11 @@ class Driver:
         call blocked on a hung server or network (a proxy or NAT box that still
         acknowledges packets, so TCP keepalive never fires) raises instead of waiting
         forever. Once the block is left, the connection is no longer cut."""
-        key = self._watchdog.watch(conn, seconds)
+        key = self._deadlines.watch(conn, seconds)
         try:
             yield
         finally:
-            self._watchdog.release(key)
+            self._deadlines.release(key)
 
     @staticmethod
     def abort(conn: DbConnection, *, quiet: bool = False, cancel: bool = False) -> None:
@@ -619,7 +619,7 @@ class AsyncDriver(Driver):
         self.schema_translate_map = _schema_map(sync_engine)
         self.keepalive = keepalive
         self.runtime = AsyncRuntime(threads)
-        self._watchdog = Watchdog(self.abort)
+        self._deadlines = StatementDeadlines(self.abort)
 
     def session_on(self, factory: Callable[[], Any], sa: Connection) -> tuple[Session, Any]:
         """As :meth:`Driver.session_on`, for an ``AsyncSession`` factory (a ``Session``
