@@ -29,6 +29,8 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #   _retention.py    requeue, delete, prune, archive
 #   _unique.py       the keyed insert, a key's holder, the rows that keep their key
 #   _schedules.py    the watermark of each periodic schedule
+#   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
+#                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
 # No statement module grows past 400 lines (tests/unit/test_structure.py): a stage that
 # outgrows it splits. The value types live with the model (ClaimToken, sqla_queue.model)
