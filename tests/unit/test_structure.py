@@ -1,5 +1,6 @@
 """The package's module edges, read from the source: no import circle inside
-``sqla_queue``, and the enqueue side never reaches the worker.
+``sqla_queue``, the enqueue side never reaches the worker, the worker never imports the
+statement package, and each statement module stays small.
 
 Pure Python (``ast``), no import of the package and no database. Every import counts,
 a function-level one too (that is how a circle usually hides), except those under
@@ -215,6 +216,26 @@ def test_no_service_names_a_statement_parameter(module: str) -> None:
     """Bind names (the ``*_PARAM`` constants) belong to the operations layer."""
     source = MODULES[module].read_text()
     assert "_PARAM" not in source, f"{module} names a statement parameter"
+
+
+#: The most lines a private module of the statement package may have (``__init__``, the
+#: public face of re-exports, aside): a stage of a job's life that outgrows it splits.
+STATEMENT_MODULE_LINES = 400
+STATEMENT_MODULES = sorted(m for m in MODULES if m.startswith(STATEMENT_PACKAGE + "."))
+
+
+def test_the_statement_package_is_split_by_stage() -> None:
+    """The checks below would pass on nothing if the package were one module again."""
+    assert MODULES[STATEMENT_PACKAGE].name == "__init__.py"
+    assert len(STATEMENT_MODULES) >= 8, STATEMENT_MODULES
+
+
+@pytest.mark.parametrize("module", STATEMENT_MODULES)
+def test_statement_modules_stay_under_their_size(module: str) -> None:
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= STATEMENT_MODULE_LINES, (
+        f"{module} has {lines} lines, more than {STATEMENT_MODULE_LINES}: split it by stage"
+    )
 
 
 def test_the_driver_runs_statements_without_picking_them() -> None:
