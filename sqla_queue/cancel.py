@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, overload
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from .control import cancel_payloads
 from .model import JobStatus, notify_channel, queue_table
 from .sql import _queue_names, cancel_jobs
+from .sql._notify import pg_notify
 
 __all__ = ["cancel"]
 
@@ -90,5 +91,5 @@ def _cancel(bind: Session | Connection, model: Any, ids: list[Any] | None, queue
         channel = notify_channel(queue_table(model).table, translate)
         for payload in cancel_payloads(running):
             # Delivered at commit, with the cancel; never if the caller rolls back.
-            conn.execute(select(func.pg_notify(channel, payload)))
+            conn.execute(select(pg_notify(channel, payload)))
     return [row[0] for row in rows]

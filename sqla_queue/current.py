@@ -23,8 +23,8 @@ from contextvars import ContextVar, Token
 from typing import Any, Final, Protocol, TypeVar
 
 from .errors import JobCancelled
+from .model import ClaimToken
 from .runtime import Event
-from .sql import ClaimToken
 
 __all__ = ["CANCELLED", "STOPPING", "TIMED_OUT", "JobContext", "current_job"]
 

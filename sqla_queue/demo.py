@@ -34,8 +34,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from .bulk import enqueue_many
 from .model import TaskMixin
+from .retry import Backoff
 from .session import QueueSession
-from .sql import Backoff
 from .tasks import Tasks
 from .urls import psycopg_url
 from .worker import Worker

@@ -37,6 +37,7 @@ from .dbapi import CompileOnceError, SchemaMapKey, Statement, compile_statement,
 from .errors import SqlaQueueError
 from .model import REQUIRED_COLUMNS, constraint_name, notify_channel, table_problem, translated_schema, unique_jobs
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
+from .sql._notify import notify_sql
 from .unique_index import INDEX_SQL, unique_index_problem
 
 __all__ = [
@@ -465,9 +466,9 @@ class Driver:
     @staticmethod
     def notify(conn: DbConnection, channel: str, payloads: Sequence[str]) -> None:
         """Wake the listeners of ``channel``, one notification per payload."""
-        conn.query(
-            "SELECT pg_notify(%s, payload) FROM unnest(%s::text[]) AS payload", (channel, list(payloads))
-        )
+        pairs = [(channel, payload) for payload in payloads]
+        if pairs:
+            conn.query(notify_sql(pairs))
 
     def notifies(self, conn: DbConnection, timeout: float) -> list[str]:
         """Payloads of the notifications that arrive within ``timeout`` seconds."""

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from sqlalchemy import (
     JSON,
@@ -50,6 +50,7 @@ from .cache import plans
 from .errors import NotAQueueModel
 
 __all__ = [
+    "ClaimToken",
     "FINISHED_STATUSES",
     "archive_table",
     "IdempotencyKeyMixin",
@@ -91,6 +92,13 @@ class JobStatus(enum.StrEnum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class ClaimToken(NamedTuple):
+    """What a claim hands out and every later transition must present: id and attempt."""
+
+    job_id: Any
+    attempt: int
 
 
 #: States a job never leaves on its own; only these are pruned or archived.

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import psycopg
 from psycopg import sql as pgsql
-from sqlalchemy import Connection, Engine, Select, String, bindparam, event, func, select
+from sqlalchemy import Connection, Engine, Select, String, bindparam, event, select
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 from sqlalchemy.orm import attributes as orm_attributes
@@ -31,6 +31,7 @@ from .cache import plans
 from .errors import EnqueueError
 from .model import WAKE_AFTER_COMMIT, WAKE_NONE, notify_channel, queue_table, wake_mode
 from .rows import default_queue, queue_table_of
+from .sql._notify import notify_sql, pg_notify
 from .waker import wake_after_commit
 
 __all__ = [
@@ -192,7 +193,7 @@ def _notify_statement(count: int) -> Select[Any]:
             key,
             select(
                 *(
-                    func.pg_notify(
+                    pg_notify(
                         bindparam(f"sqla_queue_channel_{n}", type_=String()),
                         bindparam(f"sqla_queue_queue_{n}", type_=String()),
                     )
@@ -286,11 +287,7 @@ def _notify_and_commit(pairs: tuple[tuple[str, str], ...]) -> bytes:
 
 
 def _build_notify_and_commit(pairs: tuple[tuple[str, str], ...]) -> bytes:
-    notifies = pgsql.SQL("; ").join(
-        pgsql.SQL("SELECT pg_notify({}, {})").format(pgsql.Literal(channel), pgsql.Literal(payload))
-        for channel, payload in pairs
-    )
-    return pgsql.SQL("{}; COMMIT").format(notifies).as_bytes(None)
+    return pgsql.SQL("{}; COMMIT").format(notify_sql(pairs)).as_bytes(None)
 
 
 def _on_rollback(conn: Connection) -> None:

@@ -29,7 +29,7 @@ from itertools import islice
 from operator import itemgetter
 from typing import Any, Final
 
-from sqlalchemy import JSON, Column, String, Table, bindparam, func, insert, inspect, literal, literal_column, select
+from sqlalchemy import JSON, Column, Table, bindparam, insert, inspect, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, object_mapper
 from sqlalchemy.orm import attributes as orm_attributes
@@ -64,6 +64,7 @@ from .model import (
     wake_mode,
 )
 from .sql import delay_from_insert, insert_unique
+from .sql._notify import pg_notify
 from .tracing import TRACE_COLUMN, current_trace_context
 
 __all__ = [
@@ -743,11 +744,11 @@ class InsertPlan:
         if contextual:
             # SQLAlchemy evaluates such defaults for a top-level INSERT only (the context's
             # current parameters are its own): the wake-up rides in its RETURNING.
-            notify = func.pg_notify(literal(channel, String()), table.c.queue) if notifies else table.c.queue
+            notify = pg_notify(channel, table.c.queue) if notifies else table.c.queue
             self.statement = into.values(values).returning(pk, notify)
         else:
             job = into.values(values).returning(pk, table.c.queue).cte("sqla_queue_job")
-            second = func.pg_notify(literal(channel, String()), job.c.queue) if notifies else job.c.queue
+            second = pg_notify(channel, job.c.queue) if notifies else job.c.queue
             self.statement = select(job.c[pk.name], second)
         #: On psycopg, the statement runs on the driver's cursor (sync, or awaited on the
         #: async one): SQLAlchemy's execution machinery would cost more Python time than

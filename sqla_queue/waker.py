@@ -35,6 +35,7 @@ from psycopg import sql as pgsql
 
 from .cache import plans
 from .ratelimit import PerMinute
+from .sql._notify import notify_sql
 
 __all__ = ["flush", "wake_after_commit"]
 
@@ -182,10 +183,7 @@ def _statement(pairs: set[tuple[str, str]]) -> bytes:
     key = (_STATEMENT, frozenset(pairs))
     query: bytes | None = plans.get(key)
     if query is None:
-        notifies = pgsql.SQL("; ").join(
-            pgsql.SQL("SELECT pg_notify({}, {})").format(pgsql.Literal(channel), pgsql.Literal(queue))
-            for channel, queue in sorted(pairs)
-        )
+        notifies = notify_sql(sorted(pairs))
         query = plans.put(
             key, pgsql.SQL("BEGIN; SET LOCAL synchronous_commit = off; {}; COMMIT").format(notifies).as_bytes(None)
         )

@@ -41,12 +41,11 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..driver import Driver, WorkerStartError
-from ..model import QueueTable, queue_table
+from ..model import ClaimToken, QueueTable, queue_table
 from ..ops import QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
 from ..runtime import Event, is_async_callable
 from ..session import QueueSession
-from ..sql import ClaimToken
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
 from .completer import Completer
 from .config import WorkerConfig, check_options

@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 
 from ..current import CANCELLED
 from ..driver import DbConnection
+from ..model import ClaimToken
 from ..ops import Moved, TokenState
 from ..runtime import sleep
-from ..sql import ClaimToken
 from .context import WorkerContext
 from .hooks import JobEvent, JobOutcome
 from .ledger import Held

@@ -11,7 +11,7 @@ from typing import Any
 from .._rules import RESERVED_QUEUE_PREFIX
 from ..model import FINISHED_STATUSES, JobStatus
 from ..periodic import Schedule, check_schedules
-from ..sql import Backoff
+from ..retry import Backoff
 
 __all__ = ["WorkerConfig", "check_options"]
 

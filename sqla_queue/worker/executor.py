@@ -34,9 +34,9 @@ from sqlalchemy.orm import Session
 from ..current import CANCELLED, STOPPING, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, JobCancelled, LeaseLost, RetryLater, Snooze, UnknownTask
+from ..model import ClaimToken
 from ..ops import Claimed, ClaimRequest, Moved, Operations
 from ..runtime import Runtime
-from ..sql import ClaimToken
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
 from .context import WorkerContext

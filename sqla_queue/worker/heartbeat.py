@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..sql import ClaimToken
+from ..model import ClaimToken
 from .context import WorkerContext
 from .hooks import JobOutcome
 from .service import Reconnecting, Service

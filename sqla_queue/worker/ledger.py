@@ -26,8 +26,8 @@ from enum import Enum
 from typing import Any
 
 from ..current import STOPPING, JobContext
+from ..model import ClaimToken
 from ..runtime import Condition, Event
-from ..sql import ClaimToken
 
 __all__ = ["Held", "Ledger", "Start"]
 

@@ -15,8 +15,8 @@ import time
 from typing import Any, ClassVar
 
 from ..driver import DbConnection, Driver
+from ..retry import Backoff
 from ..runtime import Condition, Event, Runtime, Strand, ThreadRuntime
-from ..sql import Backoff
 
 log = logging.getLogger("sqla_queue.worker")
 

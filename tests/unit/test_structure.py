@@ -1,5 +1,6 @@
 """The package's module edges, read from the source: no import circle inside
-``sqla_queue``, and the enqueue side never reaches the worker.
+``sqla_queue``, the enqueue side never reaches the worker, the worker never imports the
+statement package, and each statement module stays small.
 
 Pure Python (``ast``), no import of the package and no database. Every import counts,
 a function-level one too (that is how a circle usually hides), except those under
@@ -167,8 +168,12 @@ def test_the_enqueue_side_never_imports_the_worker(module: str) -> None:
 
 #: The services of the worker: they call the operations layer, never a statement builder.
 WORKER_MODULES = sorted(m for m in MODULES if m.startswith("sqla_queue.worker."))
-#: What a worker module may take from sqla_queue.sql: the value types defined there.
-SQL_VALUE_TYPES = frozenset({"ClaimToken", "Backoff"})
+#: The statement package: sqla_queue.sql, its public face, over its private modules.
+STATEMENT_PACKAGE = "sqla_queue.sql"
+
+
+def _in_statement_package(module: str) -> bool:
+    return module == STATEMENT_PACKAGE or module.startswith(STATEMENT_PACKAGE + ".")
 
 
 def _sql_imports(module: str) -> list[str]:
@@ -190,15 +195,20 @@ def test_the_scan_sees_imports_of_sql() -> None:
     """The checks below would pass on nothing if the scan missed these."""
     assert "sql" in _sql_imports("sqla_queue.ops")  # from . import sql as q
     assert "is_solitary" in _sql_imports("sqla_queue.ops")  # from .sql import ClaimToken, is_solitary
-    assert "Backoff" in _sql_imports("sqla_queue.worker.service")
+    assert "cancel_jobs" in _sql_imports("sqla_queue.cancel")  # from .sql import _queue_names, cancel_jobs
+    assert "sqla_queue.sql._notify" in _graph()["sqla_queue.driver"]  # a private module of the package
     assert len(WORKER_MODULES) >= 10, WORKER_MODULES
 
 
-@pytest.mark.parametrize("module", WORKER_MODULES)
-def test_no_service_imports_the_statement_builders(module: str) -> None:
-    """Only the operations layer (sqla_queue.ops) picks, compiles and binds statements."""
-    taken = set(_sql_imports(module)) - SQL_VALUE_TYPES
-    assert not taken, f"{module} imports {sorted(taken)} of sqla_queue.sql: call sqla_queue.ops instead"
+@pytest.mark.parametrize("module", ["sqla_queue.worker", *WORKER_MODULES])
+def test_no_worker_module_imports_the_statement_package(module: str) -> None:
+    """Only the operations layer (sqla_queue.ops) picks, compiles and binds statements; the
+    worker's value types live in sqla_queue.model (ClaimToken) and sqla_queue.retry (Backoff)."""
+    taken = sorted(m for m in _graph()[module] if _in_statement_package(m))
+    assert not taken, (
+        f"{module} imports {taken}: call sqla_queue.ops, and take ClaimToken from sqla_queue.model, "
+        "Backoff from sqla_queue.retry"
+    )
 
 
 @pytest.mark.parametrize("module", WORKER_MODULES)
@@ -208,9 +218,31 @@ def test_no_service_names_a_statement_parameter(module: str) -> None:
     assert "_PARAM" not in source, f"{module} names a statement parameter"
 
 
+#: The most lines a private module of the statement package may have (``__init__``, the
+#: public face of re-exports, aside): a stage of a job's life that outgrows it splits.
+STATEMENT_MODULE_LINES = 400
+STATEMENT_MODULES = sorted(m for m in MODULES if m.startswith(STATEMENT_PACKAGE + "."))
+
+
+def test_the_statement_package_is_split_by_stage() -> None:
+    """The checks below would pass on nothing if the package were one module again."""
+    assert MODULES[STATEMENT_PACKAGE].name == "__init__.py"
+    assert len(STATEMENT_MODULES) >= 8, STATEMENT_MODULES
+
+
+@pytest.mark.parametrize("module", STATEMENT_MODULES)
+def test_statement_modules_stay_under_their_size(module: str) -> None:
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= STATEMENT_MODULE_LINES, (
+        f"{module} has {lines} lines, more than {STATEMENT_MODULE_LINES}: split it by stage"
+    )
+
+
 def test_the_driver_runs_statements_without_picking_them() -> None:
-    """The transport knows no statement builder: the operations layer hands it compiled ones."""
+    """The transport knows no statement builder: the operations layer hands it compiled ones.
+    Of the statement package it takes the NOTIFY builder alone, as every sender does."""
     assert _sql_imports("sqla_queue.driver") == []
+    assert {m for m in _graph()["sqla_queue.driver"] if _in_statement_package(m)} == {"sqla_queue.sql._notify"}
 
 
 def test_every_job_outcome_has_its_counter() -> None:

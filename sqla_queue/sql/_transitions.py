@@ -1,0 +1,332 @@
+"""The transitions of a claimed job, each behind the fence: complete, retry, fail, release,
+snooze (the worker's statements over token arrays, and the single calls that bind them), the
+completion and next claim of the executor's cycle in one statement; and cancel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import CompoundSelect, case, false, func, null, or_, select, true, union_all
+from sqlalchemy.dialects.postgresql import array
+from sqlalchemy.sql.dml import ReturningUpdate
+from sqlalchemy.sql.elements import ColumnElement
+
+from ..model import ClaimToken, QueueTable, queue_table, status_literal
+from ._base import (
+    ATTEMPT_PARAM,
+    CANCELLED,
+    DELAYS_PARAM,
+    DONE,
+    DONE_FLAG_COLUMN,
+    ERRORS_PARAM,
+    FAILED,
+    JOB_PARAM,
+    PENDING,
+    RUNNING,
+    Duration,
+    QueueModel,
+    _clock,
+    _id_arrays,
+    _kind_filter,
+    _param,
+    _pk_in,
+    _queue_filter,
+    _seconds,
+    _status,
+    _token_fence,
+    _token_table,
+    _token_values,
+    _tokens,
+    _values,
+    has_timeouts,
+    seconds_interval,
+)
+from ._claim import claim_template
+
+
+def complete_if_owner(
+    model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]]
+) -> ReturningUpdate[Any]:
+    """Mark jobs ``done`` if ``owner`` still holds their current attempt.
+
+    Run it in the handler's own transaction to make the handler's writes and the
+    completion one atomic step: if it returns no row, roll back. Returns ``(pk,
+    attempts)`` of each job it completed. This is :func:`complete_many_if_owner`, the
+    statement the worker runs, with the values bound.
+    """
+    with _values(_token_values(owner, tokens)):
+        return complete_many_if_owner(model)
+
+
+def complete_template(model: QueueModel, *, single: bool = False) -> ReturningUpdate[Any]:
+    """:func:`complete_many_if_owner` (kept under this name): the owner and tokens bound
+    at execution, ``{OWNER_PARAM: owner, IDS_PARAM: [id1, ...], ATTEMPTS_PARAM:
+    [attempt1, ...]}``; ``single=True`` takes one token as ``{JOB_PARAM: job_id,
+    ATTEMPT_PARAM: attempt}`` instead. The same statement, fence and effect."""
+    if not single:
+        return complete_many_if_owner(model)
+    qt = queue_table(model)
+    ids = array([_param(JOB_PARAM, qt.pk.type)])
+    attempts = array([_param(ATTEMPT_PARAM, qt.c.attempts.type)])
+    return _complete_many(qt, ids, attempts)
+
+
+def retry_if_owner(
+    model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str, delay: Duration
+) -> ReturningUpdate[Any]:
+    """Record a failed attempt: back to ``pending`` after ``delay``, or to ``failed``.
+
+    A job that has used ``max_attempts`` becomes ``failed`` (the dead letter). Returns
+    ``(pk, attempts, status)`` so the caller knows which it was, or nothing if the lease
+    was lost. This is :func:`retry_many_if_owner`, the statement the worker runs, with
+    the values bound.
+    """
+    seconds = _seconds(delay, "delay")
+    with _values(_token_values(owner, [token], **{ERRORS_PARAM: [error], DELAYS_PARAM: [seconds]})):
+        return retry_many_if_owner(model)
+
+
+def fail_if_owner(
+    model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str
+) -> ReturningUpdate[Any]:
+    """Dead-letter a job now (``failed``), whatever attempts remain; returns ``(pk,
+    attempts)``. This is :func:`fail_many_if_owner` with the values bound."""
+    with _values(_token_values(owner, [token], **{ERRORS_PARAM: [error]})):
+        return fail_many_if_owner(model)
+
+
+def release_if_owner(
+    model: QueueModel,
+    *,
+    owner: str,
+    tokens: ClaimToken | Iterable[tuple[Any, int]],
+    refund_attempt: bool = True,
+) -> ReturningUpdate[Any]:
+    """Hand claimed jobs back to ``pending`` at once, e.g. on a worker's shutdown.
+
+    ``refund_attempt`` does not count the attempt against ``max_attempts`` (a job whose
+    handler never started): ``max_attempts`` grows by one, and ``attempts`` keeps the
+    claim's number, so the next claim hands out a new one and a fencing token never
+    names two claims. Returns ``(pk, attempts)``. This is
+    :func:`release_many_if_owner` with the values bound.
+    """
+    with _values(_token_values(owner, tokens)):
+        return release_many_if_owner(model, refund_attempt=refund_attempt)
+
+
+def cancel_jobs(
+    model: QueueModel, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
+) -> ReturningUpdate[Any]:
+    """Cancel pending **and running** jobs: ``cancelled``, finished now, no lease expiry
+    (``lease_owner`` is kept: the worker that held it).
+
+    A fenced transition: a running attempt of a cancelled job can no longer complete,
+    retry or fail (every later statement of its worker is fenced by ``status =
+    'running'``), so its handler's transactional writes roll back, whatever it does. The
+    cancel and a completion racing it lock the same row: the first to commit wins, the
+    other matches nothing. ``ids`` and/or ``queues`` choose the jobs (an empty ``ids``
+    cancels none; neither: every unfinished job). Returns ``(pk, status before)`` of
+    each job cancelled; the running ones' workers learn it from
+    :func:`sqla_queue.cancel`'s NOTIFY, or their next poll of their jobs.
+    """
+    qt = queue_table(model)
+    c = qt.c
+    conditions: list[ColumnElement[bool]] = [
+        c.status.in_([status_literal(PENDING), status_literal(RUNNING)]), *_queue_filter(qt, queues), *_kind_filter(qt)
+    ]
+    if ids is not None:
+        conditions.append(_pk_in(qt, ids))
+    before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
+    name = qt.pk.name
+    return (
+        qt.table.update()
+        .where(qt.pk == before.c[name], c.status.in_([status_literal(PENDING), status_literal(RUNNING)]))
+        .values(status=status_literal(CANCELLED), finished_at=_clock(), lease_expires_at=null())
+        .returning(qt.pk, before.c.status)
+    )
+
+
+def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[Any]:
+    """Cancel jobs that have not been claimed yet; running jobs are left to finish.
+
+    An empty ``ids`` cancels nothing.
+    """
+    qt = queue_table(model)
+    return (
+        qt.table.update()
+        .where(_status(qt, PENDING), _pk_in(qt, ids))
+        .values(status=status_literal(CANCELLED), finished_at=_clock())
+        .returning(qt.pk)
+    )
+
+
+def _before_deadline(qt: QueueTable) -> list[ColumnElement[bool]]:
+    """An attempt past its deadline can no longer complete (it has timed out): the
+    completion's extra guard, on a table with timeouts."""
+    if not has_timeouts(qt):
+        return []
+    deadline = qt.c.deadline_at
+    return [or_(deadline.is_(None), deadline > _clock())]
+
+
+def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """``done`` for every token still running under its owner and attempt:
+    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``; returns ``(pk, attempts)`` of each."""
+    qt = queue_table(model)
+    return _complete_many(qt, *_id_arrays(qt))
+
+
+def _complete_many(qt: QueueTable, ids: ColumnElement[Any], attempts: ColumnElement[Any]) -> ReturningUpdate[Any]:
+    tokens = _token_table(qt, arrays=(ids, attempts))
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens, ids=ids), *_before_deadline(qt))
+        .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def complete_many_if_owner_then_claim(
+    model: QueueModel,
+    *,
+    queues: Sequence[str] | None = None,
+    isolated: bool = False,
+    skip: bool = False,
+    fresh: bool = False,
+    after: bool = False,
+) -> CompoundSelect[Any]:
+    """:func:`complete_many_if_owner` and :func:`claim_template` in one statement, one
+    transaction: the parameters of both (one owner), and rows of every table column plus
+    a last one, ``sqla_queue_done``: false for each job claimed, true for each token
+    completed (its key and attempt in their columns, NULL elsewhere).
+
+    The two updates touch disjoint rows (running ones, pending ones) and see the same
+    snapshot, so neither needs the other's effect.
+    """
+    qt = queue_table(model)
+    done = complete_many_if_owner(model).cte("sqla_queue_completed")
+    claimed = claim_template(
+        model, queues=queues, isolated=isolated, skip=skip, fresh=fresh, after=after
+    ).cte("sqla_queue_claimed")
+    done_pk, done_attempt = list(done.c)
+    flag = DONE_FLAG_COLUMN
+    completed_columns = [
+        done_pk if column is qt.pk else done_attempt if column is qt.c.attempts else null()
+        for column in qt.table.c
+    ]
+    return union_all(
+        select(*claimed.c, false().label(flag)),
+        select(*completed_columns, true().label(flag)),
+    )
+
+
+def retry_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """Failed attempts: back to ``pending`` after each token's delay (seconds), or
+    ``failed`` once ``max_attempts`` are used; ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM,
+    ERRORS_PARAM, DELAYS_PARAM}``. Returns ``(pk, attempts, status)``."""
+    qt = queue_table(model)
+    c = qt.c
+    tokens = _token_table(qt, (ERRORS_PARAM, "text"), (DELAYS_PARAM, "float"))
+    exhausted = c.attempts >= c.max_attempts
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
+            run_after=case(
+                (exhausted, c.run_after),
+                else_=_clock() + seconds_interval(tokens.c[DELAYS_PARAM]),
+            ),
+            finished_at=case((exhausted, _clock()), else_=null()),
+            last_error=tokens.c[ERRORS_PARAM],
+            lease_owner=case((exhausted, c.lease_owner), else_=null()),
+            lease_expires_at=null(),
+            isolated=false(),
+        )
+        .returning(qt.pk, tokens.c.attempt, c.status)
+    )
+
+
+def fail_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """Dead-letter (``failed``) now, whatever attempts remain: ``{OWNER_PARAM, IDS_PARAM,
+    ATTEMPTS_PARAM, ERRORS_PARAM}``. Returns ``(pk, attempts)``."""
+    qt = queue_table(model)
+    tokens = _token_table(qt, (ERRORS_PARAM, "text"))
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=status_literal(FAILED),
+            finished_at=_clock(),
+            last_error=tokens.c[ERRORS_PARAM],
+            lease_expires_at=null(),
+        )
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def snooze_if_owner(
+    model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]], delay: Duration
+) -> ReturningUpdate[Any]:
+    """Run jobs again after ``delay`` without spending an attempt (a handler's
+    ``Snooze``): back to ``pending``, their attempt given back. Returns ``(pk,
+    attempts)``. This is :func:`snooze_many_if_owner`, the statement the worker runs,
+    with the values bound (one delay for every token)."""
+    seconds = _seconds(delay, "delay")
+    listed = _tokens(tokens)
+    with _values(_token_values(owner, listed, **{DELAYS_PARAM: [seconds] * len(listed)})):
+        return snooze_many_if_owner(model)
+
+
+def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+    """Snoozed attempts: back to ``pending`` after each token's delay (seconds), the
+    attempt not counted: ``max_attempts`` grows by one, so snoozing never uses up the
+    attempts it allows, while ``attempts`` keeps the claim's number (the next claim's
+    token is a new one); ``last_error`` is left as it was (a snooze is no failure).
+    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM, DELAYS_PARAM}``. Returns ``(pk,
+    attempts)``: the token's attempt, as the other transitions."""
+    qt = queue_table(model)
+    c = qt.c
+    tokens = _token_table(qt, (DELAYS_PARAM, "float"))
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(
+            status=status_literal(PENDING),
+            run_after=_clock() + seconds_interval(tokens.c[DELAYS_PARAM]),
+            max_attempts=c.max_attempts + 1,
+            lease_owner=null(),
+            lease_expires_at=null(),
+            isolated=false(),
+        )
+        .returning(qt.pk, tokens.c.attempt)
+    )
+
+
+def release_many_if_owner(
+    model: QueueModel, *, refund_attempt: bool, with_errors: bool = False
+) -> ReturningUpdate[Any]:
+    """Back to ``pending`` at once (shutdown, a lost connection): ``{OWNER_PARAM,
+    IDS_PARAM, ATTEMPTS_PARAM}``. See :func:`release_if_owner` on ``refund_attempt``.
+    ``with_errors``: also ``ERRORS_PARAM``, each token's ``last_error`` (an empty text
+    leaves the one the row has)."""
+    qt = queue_table(model)
+    c = qt.c
+    tokens = _token_table(qt, (ERRORS_PARAM, "text")) if with_errors else _token_table(qt)
+    values: dict[str, Any] = {
+        "status": status_literal(PENDING),
+        "lease_owner": null(),
+        "lease_expires_at": null(),
+    }
+    if refund_attempt:
+        values["max_attempts"] = c.max_attempts + 1
+    if with_errors:
+        values["last_error"] = func.coalesce(func.nullif(tokens.c[ERRORS_PARAM], ""), c.last_error)
+    return (
+        qt.table.update()
+        .where(_token_fence(qt, tokens))
+        .values(**values)
+        .returning(qt.pk, tokens.c.attempt)
+    )
