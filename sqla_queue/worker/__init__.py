@@ -48,6 +48,7 @@ from ..runtime import Event, is_async_callable
 from ..session import QueueSession
 from ..sql import ClaimToken
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
+from ..values import enqueue_values
 from .completer import Completer
 from .config import WorkerConfig, check_options
 from .context import WorkerContext
@@ -175,7 +176,9 @@ class Worker:
         self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
         schedules = self.schedules
         self.scheduler = (
-            Scheduler(ctx, ScheduleOps(self._qt.mapped_class), schedules) if schedules and cfg.periodic else None
+            Scheduler(ctx, ScheduleOps(self._qt.mapped_class, enqueue_values), schedules)
+            if schedules and cfg.periodic
+            else None
         )
         ages = cfg.retention_ages
         self.pruner = (
