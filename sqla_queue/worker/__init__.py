@@ -41,14 +41,14 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..driver import Driver, WorkerStartError
+from ..enqueue.session import QueueSession
+from ..enqueue.values import enqueue_values
 from ..model import QueueTable, queue_table
 from ..ops import QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
 from ..runtime import Event, is_async_callable
-from ..session import QueueSession
 from ..sql import ClaimToken
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
-from ..values import enqueue_values
 from .completer import Completer
 from .config import WorkerConfig, check_options
 from .context import WorkerContext

@@ -25,9 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
 from ..driver import AsyncDriver, Driver
+from ..enqueue.session import AsyncQueueSession
 from ..periodic import Schedule
 from ..runtime import run_in_greenlet
-from ..session import AsyncQueueSession
 from ..sql import ClaimToken
 from ..tasks import Handler, ResolvedHandler, Tasks
 from . import Worker

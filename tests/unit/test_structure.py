@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 #: The modules of the enqueue side: what a web request that enqueues imports.
 ENQUEUE_SIDE = (
-    "sqla_queue.session",
-    "sqla_queue.bulk",
-    "sqla_queue.values",
-    "sqla_queue.options",
-    "sqla_queue.rows",
-    "sqla_queue.outbox",
+    "sqla_queue.enqueue.session",
+    "sqla_queue.enqueue.bulk",
+    "sqla_queue.enqueue.values",
+    "sqla_queue.enqueue.options",
+    "sqla_queue.enqueue.rows",
+    "sqla_queue.enqueue.outbox",
 )
 
 

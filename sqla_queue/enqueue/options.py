@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from typing_extensions import TypedDict
 
+from ..errors import EnqueueError
 from ._rules import (
     Check,
     check_max_attempts,
@@ -26,7 +27,6 @@ from ._rules import (
     delay_seconds,
     timeout_seconds,
 )
-from .errors import EnqueueError
 
 __all__ = ["NO_OPTIONS", "EnqueueKwargs", "EnqueueOptions", "enqueue_options"]
 

@@ -33,8 +33,8 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql as pgsql
 
-from .cache import plans
-from .ratelimit import PerMinute
+from ..cache import plans
+from ..ratelimit import PerMinute
 
 __all__ = ["flush", "wake_after_commit"]
 

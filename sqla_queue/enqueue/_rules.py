@@ -25,9 +25,9 @@ from typing import Any, Final
 from sqlalchemy import JSON, Column, String, Table, TypeDecorator
 from sqlalchemy.orm import Mapper
 
-from .cache import plans
-from .errors import EnqueueError, InvalidPayload
-from .model import (
+from ..cache import plans
+from ..errors import EnqueueError, InvalidPayload
+from ..model import (
     MAX_DELAY_SECONDS,
     MAX_TIMEOUT_SECONDS,
     RESERVED_QUEUE_PREFIX,

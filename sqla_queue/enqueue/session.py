@@ -19,15 +19,15 @@ from sqlalchemy.orm import Session, object_mapper
 from sqlalchemy.orm import attributes as orm_attributes
 from typing_extensions import Unpack
 
+from ..errors import EnqueueError, NotAQueueModel
+from ..sql import delay_from_insert
+from ..tracing import current_trace_context
 from ._rules import dialect_json_serializer
 from .binds import resolve_session, sync_session
 from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
-from .errors import EnqueueError, NotAQueueModel
 from .options import EnqueueKwargs, enqueue_options
 from .outbox import awaited, expect_await, hook_session_class, install_hooks, notify_on_commit
 from .rows import queue_table_of, table_plan
-from .sql import delay_from_insert
-from .tracing import current_trace_context
 from .unique import Enqueued, EnqueuedMany, UniqueKey, enqueue_keyed
 
 if TYPE_CHECKING:

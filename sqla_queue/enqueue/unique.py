@@ -29,11 +29,11 @@ from sqlalchemy.orm import Mapper, Session, make_transient_to_detached
 from sqlalchemy.orm import attributes as orm_attributes
 from sqlalchemy.orm.attributes import set_committed_value
 
-from .errors import EnqueueError
+from ..errors import EnqueueError
+from ..sql import insert_unique, unique_holder
+from ..unique_index import check_unique_index
 from .outbox import install_hooks, notify_on_commit
 from .rows import TablePlan
-from .sql import insert_unique, unique_holder
-from .unique_index import check_unique_index
 
 __all__ = ["Enqueued", "EnqueuedMany", "UniqueKey", "enqueue_keyed", "holder_of"]
 
