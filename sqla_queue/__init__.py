@@ -25,6 +25,7 @@ from .enqueue import (
     enqueue_values,
     notify_on_commit,
 )
+from .enqueue import waker as waker  # kept: ``sqla_queue.waker.flush()``, as documented before the move
 from .errors import (
     BulkRowError,
     DeadLetter,
