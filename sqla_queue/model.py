@@ -72,7 +72,7 @@ _INFO_KEY: Final = "sqla_queue"
 _UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
 _WAKE_INFO_KEY: Final = "sqla_queue.wake"
 #: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
-#: (the default), or sent after it, coalesced (see :mod:`sqla_queue.waker`).
+#: (the default), or sent after it, coalesced (see :mod:`sqla_queue.enqueue.waker`).
 WAKE_WITH_COMMIT: Final = "with_commit"
 WAKE_AFTER_COMMIT: Final = "after_commit"
 #: No wake-up at all: the workers find the jobs at their next poll.
@@ -519,8 +519,8 @@ def archive_table(model: Any, name: str, metadata: MetaData | None = None) -> Ta
 
 # -- the limits of a job's values, known on both sides ----------------------------------
 # The enqueue side checks every value against them (with the other rules, in
-# sqla_queue._rules); the worker's config, the tasks and the schedules need them too, and
-# sit below the enqueue side.
+# sqla_queue.enqueue._rules); the worker's config, the tasks and the schedules need them
+# too, and sit below the enqueue side.
 
 _INT32: Final = 2**31
 #: The longest ``delay``: 1000 years. A ``run_after`` must stay readable as a Python

@@ -61,7 +61,7 @@ class ScheduleOptions(NamedTuple):
     max_attempts: int | None
 
 
-#: The checks of :class:`ScheduleOptions`, in the order :class:`~sqla_queue.options.EnqueueOptions` runs them.
+#: The checks of :class:`ScheduleOptions`, in the order ``EnqueueOptions`` runs them.
 _OPTION_CHECKS: Final = (("queue", check_queue), ("priority", check_priority), ("max_attempts", check_max_attempts))
 
 

@@ -8,9 +8,10 @@ naming the column: wrong types and ranges, characters text cannot hold, sizes Po
 cannot take, a discriminator of single-table inheritance naming another model.
 
 Per table the rules are resolved once (:class:`TableRules`, kept by the row plans of
-:mod:`sqla_queue.rows`); checking a value is then a dict lookup and a few comparisons,
-because ``enqueue()`` of one job is a hot path. The enqueue options themselves are
-checked by :class:`sqla_queue.options.EnqueueOptions`, with the checks defined here.
+:mod:`sqla_queue.enqueue.rows`); checking a value is then a dict lookup and a few
+comparisons, because ``enqueue()`` of one job is a hot path. The enqueue options
+themselves are checked by :class:`sqla_queue.enqueue.EnqueueOptions`, with the checks
+defined here (those of queue, priority and max_attempts in :mod:`sqla_queue.model`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class EnqueueOptions:
     Whether the options override a row's own values (``enqueue()``,
     ``enqueue_values()``) or only fill what a row leaves unset (``enqueue_many()``) is
     the caller's rule; the column rules of the table (lengths) are checked by the row
-    plan (:mod:`sqla_queue.rows`).
+    plan (:mod:`sqla_queue.enqueue.rows`).
     """
 
     queue: str | None = _column("queue", check_queue)

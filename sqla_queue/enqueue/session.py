@@ -2,7 +2,7 @@
 
 The job is an ordinary pending ORM object: it is inserted with the business rows beside
 it and vanishes with them on rollback. Workers are woken by ``pg_notify`` issued inside
-that same transaction, from the session's ``before_commit`` hook (:mod:`sqla_queue.outbox`),
+that same transaction, from the session's ``before_commit`` hook (:mod:`sqla_queue.enqueue.outbox`),
 so PostgreSQL delivers the notification only if, and when, the transaction commits;
 never on rollback. This module holds the ORM side: ``enqueue()`` itself, and the session
 classes that carry it and ``enqueue_many()`` as methods.
@@ -62,7 +62,7 @@ def enqueue(session: Any, job: J, *, unique_key: None = None, **options: Unpack[
 def enqueue(session: Any, job: J, *, unique_key: Any = None, **options: Unpack[EnqueueKwargs]) -> Any:
     """Add ``job`` to ``session`` so it commits, or rolls back, with the caller's writes.
 
-    Options (:class:`~sqla_queue.options.EnqueueKwargs`) override the job's own values:
+    Options (:class:`~sqla_queue.enqueue.EnqueueKwargs`) override the job's own values:
     ``queue``, ``priority`` (higher first), ``delay`` (seconds or timedelta, measured by
     the database clock) or ``run_at`` (an aware datetime), and ``max_attempts``. Every
     check happens here, before the job is added: a wrong input raises

@@ -279,7 +279,7 @@ def _keyed(
     conn: Connection, target: TablePlan, plan: InsertPlan, row: Mapping[str, Any], delay_by: float | None
 ) -> Enqueued[Any]:
     """The keyed INSERT (``ON CONFLICT DO NOTHING``, its NOTIFY riding in it): the new
-    job, or the job holding the key (see :mod:`sqla_queue.unique`)."""
+    job, or the job holding the key (see :mod:`sqla_queue.enqueue.unique`)."""
     key = row[target.unique_column]  # type: ignore[index]
     for _ in range(MAX_TRIES):
         found = conn.execute(plan.statement, plan.params(row, delay_by)).first()
