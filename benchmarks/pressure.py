@@ -63,8 +63,9 @@ sys.path.insert(0, str(HERE))
 import run as bench  # noqa: E402 - the harness's tables and helpers
 from run import Base, BenchJob, Order, Row, markdown, percentile, raw_connect, say  # noqa: E402
 
-from sqla_queue import JobMixin, QueueSession, Worker, enqueue_values, waker  # noqa: E402
+from sqla_queue import JobMixin, QueueSession, Worker, enqueue_values  # noqa: E402
 from sqla_queue import sql as q  # noqa: E402
+from sqla_queue.enqueue import waker  # noqa: E402
 from sqla_queue.model import queue_table  # noqa: E402
 
 

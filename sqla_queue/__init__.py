@@ -13,9 +13,19 @@
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
-from .bulk import enqueue_many
 from .cancel import cancel
 from .current import JobContext, current_job
+from .enqueue import (
+    AsyncQueueSession,
+    Enqueued,
+    EnqueuedMany,
+    QueueSession,
+    enqueue,
+    enqueue_many,
+    enqueue_values,
+    notify_on_commit,
+)
+from .enqueue import waker as waker  # kept: ``sqla_queue.waker.flush()``, as documented before the move
 from .errors import (
     BulkRowError,
     DeadLetter,
@@ -42,11 +52,8 @@ from .model import (
     queue_table,
 )
 from .periodic import Schedule, schedules_table
-from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
-from .unique import Enqueued, EnqueuedMany
-from .values import enqueue_values
 from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
 from .worker.aio import AsyncWorker
 

@@ -27,7 +27,7 @@ from sqlalchemy import URL, Engine
 from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from . import admin
-from ._rules import check_queue
+from .enqueue._rules import check_queue
 from .errors import SqlaQueueError
 from .model import JobStatus
 from .urls import psycopg_url

@@ -2,7 +2,7 @@
 
 A queue table's channel carries plain queue names (jobs were committed there: wake up)
 and messages of the library's own, whose payloads start with ``sqla_queue.`` (no queue
-may: see :data:`~sqla_queue._rules.RESERVED_QUEUE_PREFIX`):
+may: see :data:`~sqla_queue.model.RESERVED_QUEUE_PREFIX`):
 
 - :class:`Swept` (``sqla_queue.swept:<queue>``): a sweeper returned jobs of that queue,
   isolated now;

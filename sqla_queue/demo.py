@@ -32,10 +32,10 @@ from typing import Any
 from sqlalchemy import Engine, String, create_engine, func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from .bulk import enqueue_many
+from .enqueue.bulk import enqueue_many
+from .enqueue.session import QueueSession
 from .model import TaskMixin
 from .retry import Backoff
-from .session import QueueSession
 from .tasks import Tasks
 from .urls import psycopg_url
 from .worker import Worker

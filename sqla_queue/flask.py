@@ -39,8 +39,6 @@ from sqlalchemy.orm import Session
 from typing_extensions import Unpack
 
 from . import admin
-from ._rules import check_queue
-from .bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
 from .cli import (
     LOG_FORMAT,
     REQUEUE_NEEDS_A_SELECTION,
@@ -52,11 +50,13 @@ from .cli import (
     worker_overrides,
 )
 from .driver import WorkerStartError
+from .enqueue._rules import check_queue
+from .enqueue.bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
+from .enqueue.options import EnqueueKwargs
+from .enqueue.session import enqueue
+from .enqueue.unique import Enqueued, EnqueuedMany, UniqueKey
 from .model import JobStatus, queue_table
-from .options import EnqueueKwargs
-from .session import enqueue
 from .tasks import Handler, Tasks
-from .unique import Enqueued, EnqueuedMany, UniqueKey
 from .worker import Worker, WorkerConfig
 
 __all__ = ["FlaskQueue"]

@@ -47,7 +47,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.naming import conv
 
 from .cache import plans
-from .errors import NotAQueueModel
+from .errors import EnqueueError, NotAQueueModel
 
 __all__ = [
     "ClaimToken",
@@ -73,7 +73,7 @@ _INFO_KEY: Final = "sqla_queue"
 _UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
 _WAKE_INFO_KEY: Final = "sqla_queue.wake"
 #: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
-#: (the default), or sent after it, coalesced (see :mod:`sqla_queue.waker`).
+#: (the default), or sent after it, coalesced (see :mod:`sqla_queue.enqueue.waker`).
 WAKE_WITH_COMMIT: Final = "with_commit"
 WAKE_AFTER_COMMIT: Final = "after_commit"
 #: No wake-up at all: the workers find the jobs at their next poll.
@@ -523,3 +523,42 @@ def archive_table(model: Any, name: str, metadata: MetaData | None = None) -> Ta
     )
     target = metadata if metadata is not None else qt.table.metadata
     return Table(name, target, *columns, schema=qt.table.schema)
+
+
+# -- the limits of a job's values, known on both sides ----------------------------------
+# The enqueue side checks every value against them (with the other rules, in
+# sqla_queue.enqueue._rules); the worker's config, the tasks and the schedules need them
+# too, and sit below the enqueue side.
+
+_INT32: Final = 2**31
+#: The longest ``delay``: 1000 years. A ``run_after`` must stay readable as a Python
+#: ``datetime`` (year 9999 at most) and a delay this long is a mistake in any case.
+MAX_DELAY_SECONDS: Final = 1000 * 365.25 * 86400.0
+#: The longest ``timeout``: ten years (a deadline must stay a readable timestamp).
+MAX_TIMEOUT_SECONDS: Final = 10 * 365 * 86400.0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: Queue names starting with this are the library's own: the workers' NOTIFY messages
+#: other than a queue's wake-up (a sweep's, ``sqla_queue.swept:<queue>``) start with it.
+RESERVED_QUEUE_PREFIX = "sqla_queue."
+
+
+def check_queue(value: Any, name: str = "queue") -> None:
+    if not isinstance(value, str) or not value:
+        raise EnqueueError(f"{name} must be a non-empty string, got {value!r}")
+    if value.startswith(RESERVED_QUEUE_PREFIX):
+        raise EnqueueError(f"{name} {value!r} starts with {RESERVED_QUEUE_PREFIX!r}, which sqla_queue reserves")
+
+
+def check_priority(value: Any, name: str = "priority") -> None:
+    if not _is_int(value) or not -_INT32 <= value < _INT32:
+        raise EnqueueError(f"{name} must be a 32-bit integer, got {value!r}")
+
+
+def check_max_attempts(value: Any, name: str = "max_attempts") -> None:
+    if not _is_int(value) or not 1 <= value < _INT32:
+        raise EnqueueError(f"{name} must be an integer >= 1 (32-bit), got {value!r}")

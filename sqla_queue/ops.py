@@ -30,7 +30,6 @@ from .loader import RowLoader
 from .model import TIMEOUT_COLUMNS, queue_table, translated_schema
 from .periodic import Schedule, schedules_table
 from .sql import ClaimToken, is_solitary
-from .values import enqueue_values
 
 __all__ = [
     "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RetentionOps", "RowProblem", "ScheduleOps",
@@ -807,10 +806,16 @@ class ScheduleOps:
     """The statements of periodic jobs on one queue table: claim a schedule's tick
     (advance its watermark row) and insert the tick's jobs, in one transaction on the
     SQLAlchemy connection the scheduler opened (:class:`~sqla_queue.worker.scheduler.
-    Scheduler`)."""
+    Scheduler`).
 
-    def __init__(self, model: Any) -> None:
+    ``insert`` inserts a job's values: the enqueue side's
+    :func:`~sqla_queue.enqueue_values`, handed in by the worker, so that a tick's job is
+    checked and woken for as every enqueued job is, and the operations layer imports
+    nothing of the enqueue side."""
+
+    def __init__(self, model: Any, insert: Callable[..., Any]) -> None:
         self.model = model
+        self._insert = insert
         self.table = schedules_table(model)
         self._claim = q.schedule_tick_template(model)
 
@@ -845,7 +850,7 @@ class ScheduleOps:
         ``run_after`` the tick, checked as ``enqueue_values()`` checks (with its NOTIFY,
         delivered on commit). Returns its key."""
         options = schedule.options
-        return enqueue_values(
+        return self._insert(
             sa, self.model, schedule.row(tick), run_at=tick, queue=options.queue, priority=options.priority,
             max_attempts=options.max_attempts,
         )

@@ -24,15 +24,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 from sqlalchemy import Column, DateTime, String, Table, func
 
-from ._rules import MAX_DELAY_SECONDS
-from .model import constraint_name, queue_table
-from .options import EnqueueOptions
+from .model import MAX_DELAY_SECONDS, check_max_attempts, check_priority, check_queue, constraint_name, queue_table
 
 __all__ = ["MAX_BACKFILL", "Schedule", "schedules_table"]
 
@@ -51,6 +49,20 @@ _OFFSET_CHANGE: Final = timedelta(hours=3)
 MAX_EVERY_SECONDS: Final = int(MAX_DELAY_SECONDS)
 
 RowValues = Mapping[str, Any] | Callable[[datetime], Mapping[str, Any]]
+
+
+class ScheduleOptions(NamedTuple):
+    """The enqueue options of a schedule's jobs, checked when the schedule is made
+    (None: unset). The scheduler inserts each tick's job with them, as
+    ``enqueue_values(..., queue=, priority=, max_attempts=)`` would."""
+
+    queue: str | None
+    priority: int | None
+    max_attempts: int | None
+
+
+#: The checks of :class:`ScheduleOptions`, in the order ``EnqueueOptions`` runs them.
+_OPTION_CHECKS: Final = (("queue", check_queue), ("priority", check_priority), ("max_attempts", check_max_attempts))
 
 
 def _utc(moment: datetime) -> datetime:
@@ -87,7 +99,7 @@ class Schedule:
     backfill: int = 0
     _zone: ZoneInfo = field(init=False, repr=False, compare=False)
     _every: float | None = field(init=False, repr=False, compare=False)
-    _options: EnqueueOptions = field(init=False, repr=False, compare=False)
+    _options: ScheduleOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name) > MAX_NAME_LENGTH or "\x00" in self.name:
@@ -125,7 +137,12 @@ class Schedule:
                              f"got {self.backfill!r}")
         if self.values is not None and not (callable(self.values) or isinstance(self.values, Mapping)):
             raise TypeError(f"schedule {self.name!r}: values must be a mapping or a callable, got {self.values!r}")
-        options = EnqueueOptions(queue=self.queue, priority=self.priority, max_attempts=self.max_attempts)
+        # Checked as enqueue options are (EnqueueOptions), with the same rules and errors.
+        options = ScheduleOptions(queue=self.queue, priority=self.priority, max_attempts=self.max_attempts)
+        for name, check in _OPTION_CHECKS:
+            value = getattr(options, name)
+            if value is not None:
+                check(value, name)
         object.__setattr__(self, "_options", options)
 
     # -- ticks -------------------------------------------------------------------------
@@ -228,7 +245,7 @@ class Schedule:
         return dict(values) if values else {}
 
     @property
-    def options(self) -> EnqueueOptions:
+    def options(self) -> ScheduleOptions:
         """The enqueue options every job of this schedule gets."""
         return self._options
 

@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "sqla_queue.sqlmodel needs SQLModel: pip install 'sqla-queue[sqlmodel]'"
     ) from exc
 
-from . import session as _session
+from .enqueue import session as _session
 from .model import IdempotencyKeyMixin, JobMixin, TaskMixin, _on_instrument
 
 __all__ = ["AsyncQueueSession", "IdempotencyKeyModel", "JobModel", "QueueSession", "TaskModel", "mixin_field"]

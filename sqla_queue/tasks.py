@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
-from ._rules import MAX_TIMEOUT_SECONDS
 from .errors import UnknownTask
+from .model import MAX_TIMEOUT_SECONDS
 from .periodic import Schedule
 
 __all__ = ["Handler", "Tasks", "resolve_handler"]

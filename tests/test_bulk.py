@@ -30,7 +30,7 @@ from sqla_queue import (
     enqueue_many,
     queue_table,
 )
-from sqla_queue.bulk import COPY_MIN_ROWS
+from sqla_queue.enqueue.bulk import COPY_MIN_ROWS
 
 from .bad_values import COLUMN_SAMPLE, GOOD_PAYLOAD, GOOD_TEXT, OPTION_SAMPLE, row_values
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel

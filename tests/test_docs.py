@@ -314,12 +314,17 @@ def test_the_cli_reference_is_rendered_from_the_parser() -> None:
                 assert flag in rendered, (name, flag)
 
 
+#: Public names the API page renders from elsewhere: for the docs' reader (griffe) the
+#: folder sqla_queue/enqueue/ shadows the function of the same name.
+RENDERED_AS = {"enqueue": "sqla_queue.enqueue.enqueue"}
+
+
 def test_every_public_name_is_on_the_api_page() -> None:
     import sqla_queue
 
     page = (DOCS / "reference" / "api.md").read_text()
     missing = [name for name in sqla_queue.__all__ if not name.startswith("_")
-               and f"::: sqla_queue.{name}\n" not in page]
+               and f"::: {RENDERED_AS.get(name, f'sqla_queue.{name}')}\n" not in page]
     assert not missing, missing
 
 

@@ -2,7 +2,7 @@
 would refuse (at the flush, or at COMMIT, taking the caller's transaction with it), before
 anything is sent.
 
-The limits were measured against the server (see :mod:`sqla_queue._rules`). Here the
+The limits were measured against the server (see :mod:`sqla_queue.enqueue._rules`). Here the
 jsonb size the rules compute is compared with what the server stores, and values past the
 limits are refused on every path. The large strings (300 MB each) are built once per
 module and shared by the cases.
@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from sqla_queue import BulkRowError, EnqueueError, InvalidPayload, enqueue, enqueue_many, enqueue_values
-from sqla_queue._rules import MAX_JSONB_BYTES, MAX_ROW_BYTES, check_row_size, jsonb_size, text_bytes
+from sqla_queue.enqueue._rules import MAX_JSONB_BYTES, MAX_ROW_BYTES, check_row_size, jsonb_size, text_bytes
 
 from .helpers import Server, table_of
 from .models import DocumentJob, Order, Task

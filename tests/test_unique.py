@@ -30,7 +30,7 @@ from sqla_queue import (
     enqueue_values,
 )
 from sqla_queue import sql as q
-from sqla_queue.rows import table_plan
+from sqla_queue.enqueue.rows import table_plan
 
 from .helpers import Server, table_of, wait_for
 from .models import EmailJob, OnceJob, Order, OrderJob, Task

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, Text, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from sqla_queue import UNIQUE_EVER, EnqueueError, JobMixin, QueueSession, UniqueJobs, enqueue_values
-from sqla_queue._rules import MAX_KEY_BYTES
+from sqla_queue.enqueue._rules import MAX_KEY_BYTES
 
 
 class _Base(DeclarativeBase):

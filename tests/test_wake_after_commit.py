@@ -14,7 +14,8 @@ from sqlalchemy import Engine, String, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from sqla_queue import AsyncQueueSession, JobMixin, QueueSession, enqueue_many, enqueue_values, queue_table, waker
+from sqla_queue import AsyncQueueSession, JobMixin, QueueSession, enqueue_many, enqueue_values, queue_table
+from sqla_queue.enqueue import waker
 
 from .helpers import SENTINEL_CHANNEL, Server, wait_for
 from .models import Order, WakeAfterJob

@@ -41,11 +41,12 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..driver import Driver, WorkerStartError
+from ..enqueue.session import QueueSession
+from ..enqueue.values import enqueue_values
 from ..model import ClaimToken, QueueTable, queue_table
 from ..ops import QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
 from ..runtime import Event, is_async_callable
-from ..session import QueueSession
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
 from .completer import Completer
 from .config import WorkerConfig, check_options
@@ -174,7 +175,9 @@ class Worker:
         self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
         schedules = self.schedules
         self.scheduler = (
-            Scheduler(ctx, ScheduleOps(self._qt.mapped_class), schedules) if schedules and cfg.periodic else None
+            Scheduler(ctx, ScheduleOps(self._qt.mapped_class, enqueue_values), schedules)
+            if schedules and cfg.periodic
+            else None
         )
         ages = cfg.retention_ages
         self.pruner = (

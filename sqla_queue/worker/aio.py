@@ -25,10 +25,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
 from ..driver import AsyncDriver, Driver
+from ..enqueue.session import AsyncQueueSession
 from ..model import ClaimToken
 from ..periodic import Schedule
 from ..runtime import run_in_greenlet
-from ..session import AsyncQueueSession
 from ..tasks import Handler, ResolvedHandler, Tasks
 from . import Worker
 from .config import WorkerConfig, check_options

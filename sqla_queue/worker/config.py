@@ -8,8 +8,7 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-from .._rules import RESERVED_QUEUE_PREFIX
-from ..model import FINISHED_STATUSES, JobStatus
+from ..model import FINISHED_STATUSES, RESERVED_QUEUE_PREFIX, JobStatus
 from ..periodic import Schedule, check_schedules
 from ..retry import Backoff
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sqla_queue import EnqueueError
-from sqla_queue._rules import MAX_KEY_BYTES, check_key_size
+from sqla_queue.enqueue._rules import MAX_KEY_BYTES, check_key_size
 
 
 def test_keys_up_to_the_limit_in_utf8_bytes_pass() -> None:

@@ -70,6 +70,7 @@ def _service_names() -> set[str]:
                         isinstance(stmt, ast.Assign)
                         and any(isinstance(t, ast.Name) and t.id == "name" for t in stmt.targets)
                         and isinstance(stmt.value, ast.Constant)
+                        and isinstance(stmt.value.value, str)
                         and stmt.value.value != "service"
                     ):
                         names.add(stmt.value.value)

@@ -12,7 +12,7 @@ import pytest
 
 import sqla_queue
 from sqla_queue import EnqueueError
-from sqla_queue.options import NO_OPTIONS, EnqueueKwargs, EnqueueOptions, enqueue_options
+from sqla_queue.enqueue.options import NO_OPTIONS, EnqueueKwargs, EnqueueOptions, enqueue_options
 
 AT = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 

@@ -1,4 +1,4 @@
-"""Row plans (sqla_queue.rows) and the plan cache, without a database.
+"""Row plans (sqla_queue.enqueue.rows) and the plan cache, without a database.
 
 What a plan decides from the model and the dialect alone (defaults, checks, NOT NULL,
 the managed columns, the discriminator, the queue to wake, the COPY order, the SQL of
@@ -20,7 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from sqla_queue import BulkRowError, EnqueueError, InvalidPayload, JobMixin, NotAQueueModel, queue_table
 from sqla_queue.cache import PlanCache, plans
-from sqla_queue.rows import DELAY_PARAM, InsertPlan, RowWriter, TablePlan, insert_plan, table_plan
+from sqla_queue.enqueue.rows import DELAY_PARAM, InsertPlan, RowWriter, TablePlan, insert_plan, table_plan
 from tests.models import EmailJob, EncodedJob, Order, PolyJob, PolyJobA, PolyJobA1, PolyJobB, RoutedJob, Task
 
 DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
@@ -241,7 +241,7 @@ def test_the_discriminator_of_single_table_inheritance() -> None:
 def _check(job: Any, options: dict[str, Any] | None = None) -> dict[str, Any]:
     from sqlalchemy.orm import object_mapper
 
-    from sqla_queue._rules import dialect_json_serializer
+    from sqla_queue.enqueue._rules import dialect_json_serializer
 
     options = dict(options or {})
     table_plan(type(job)).check_job(job, object_mapper(job), options, lambda: dialect_json_serializer(DIALECT))

@@ -1,6 +1,7 @@
 """The package's module edges, read from the source: no import circle inside
-``sqla_queue``, the enqueue side never reaches the worker, the worker never imports the
-statement package, and each statement module stays small.
+``sqla_queue``, the enqueue side (``sqla_queue/enqueue/``) never reaches the worker, nor
+the worker it but through its facade, the worker never imports the statement package,
+and each statement module stays small.
 
 Pure Python (``ast``), no import of the package and no database. Every import counts,
 a function-level one too (that is how a circle usually hides), except those under
@@ -18,17 +19,6 @@ import pytest
 PACKAGE = "sqla_queue"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
-#: The modules of the enqueue side: what a web request that enqueues imports.
-ENQUEUE_SIDE = (
-    "sqla_queue.session",
-    "sqla_queue.bulk",
-    "sqla_queue.values",
-    "sqla_queue.options",
-    "sqla_queue.rows",
-    "sqla_queue.outbox",
-)
-
-
 def _modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for path in sorted(ROOT.rglob("*.py")):
@@ -40,6 +30,11 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+#: The modules of the enqueue side (sqla_queue/enqueue/): what a web request that enqueues imports.
+ENQUEUE_SIDE = sorted(m for m in MODULES if m == "sqla_queue.enqueue" or m.startswith("sqla_queue.enqueue."))
+#: Where the worker meets the enqueue side: ``Worker`` and ``AsyncWorker`` hand their
+#: handlers a ``QueueSession`` and their scheduler ``enqueue_values``.
+WORKER_FACADES = frozenset({"sqla_queue.worker", "sqla_queue.worker.aio"})
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -157,6 +152,11 @@ def test_no_import_circle_in_the_package() -> None:
     assert _cycles(_graph()) == []
 
 
+def test_the_enqueue_side_is_its_folder() -> None:
+    assert len(ENQUEUE_SIDE) >= 11, ENQUEUE_SIDE  # the package and its ten modules
+    assert {"sqla_queue.enqueue.session", "sqla_queue.enqueue.waker", "sqla_queue.enqueue._rules"} <= set(ENQUEUE_SIDE)
+
+
 @pytest.mark.parametrize("module", ENQUEUE_SIDE)
 def test_the_enqueue_side_never_imports_the_worker(module: str) -> None:
     graph = _graph()
@@ -164,6 +164,30 @@ def test_the_enqueue_side_never_imports_the_worker(module: str) -> None:
     worker = {m for m in _reachable(graph, module) if m == "sqla_queue.worker" or m.startswith("sqla_queue.worker.")}
     assert not worker, f"{module} reaches {sorted(worker)}"
     assert "sqla_queue.driver" not in _reachable(graph, module), f"{module} reaches the worker's driver"
+
+
+def test_what_the_enqueue_side_stands_on_never_imports_it() -> None:
+    """The modules below the enqueue side (the model, the statement builders, the periodic
+    module they read the watermark table from, …) never import it back: importing one of
+    its modules runs ``sqla_queue/enqueue/__init__.py``, which imports them all."""
+    graph = _graph()
+    below = set().union(*(_reachable(graph, m) for m in ENQUEUE_SIDE)) - set(ENQUEUE_SIDE)
+    assert {"sqla_queue.model", "sqla_queue.sql", "sqla_queue.periodic"} <= below
+    upward = {m: sorted(_reachable(graph, m) & set(ENQUEUE_SIDE)) for m in sorted(below)}
+    assert not {m: up for m, up in upward.items() if up}
+
+
+def test_the_worker_meets_the_enqueue_side_only_in_its_facade() -> None:
+    """No service of the worker, nor what they import (operations, driver, tasks,
+    schedules), reaches the enqueue side: only ``Worker`` and ``AsyncWorker`` do, handing
+    in what their services need of it."""
+    graph = _graph()
+    services = {m for m in MODULES if m.startswith("sqla_queue.worker.")} - WORKER_FACADES
+    worker_side = set(services).union(*(_reachable(graph, m) for m in services))
+    assert {"sqla_queue.ops", "sqla_queue.periodic", "sqla_queue.tasks"} <= worker_side
+    assert not worker_side & WORKER_FACADES, "a service imports the worker's facade"
+    reached = {m: sorted(_reachable(graph, m) & set(ENQUEUE_SIDE)) for m in sorted(worker_side)}
+    assert not {m: up for m, up in reached.items() if up or m in ENQUEUE_SIDE}
 
 
 #: The services of the worker: they call the operations layer, never a statement builder.

@@ -33,9 +33,9 @@ from typing import Any, Final
 import psycopg
 from psycopg import sql as pgsql
 
-from .cache import plans
-from .ratelimit import PerMinute
-from .sql._notify import notify_sql
+from ..cache import plans
+from ..ratelimit import PerMinute
+from ..sql._notify import notify_sql
 
 __all__ = ["flush", "wake_after_commit"]
 

@@ -8,9 +8,10 @@ naming the column: wrong types and ranges, characters text cannot hold, sizes Po
 cannot take, a discriminator of single-table inheritance naming another model.
 
 Per table the rules are resolved once (:class:`TableRules`, kept by the row plans of
-:mod:`sqla_queue.rows`); checking a value is then a dict lookup and a few comparisons,
-because ``enqueue()`` of one job is a hot path. The enqueue options themselves are
-checked by :class:`sqla_queue.options.EnqueueOptions`, with the checks defined here.
+:mod:`sqla_queue.enqueue.rows`); checking a value is then a dict lookup and a few
+comparisons, because ``enqueue()`` of one job is a hot path. The enqueue options
+themselves are checked by :class:`sqla_queue.enqueue.EnqueueOptions`, with the checks
+defined here (those of queue, priority and max_attempts in :mod:`sqla_queue.model`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,18 @@ from typing import Any, Final
 from sqlalchemy import JSON, Column, String, Table, TypeDecorator
 from sqlalchemy.orm import Mapper
 
-from .cache import plans
-from .errors import EnqueueError, InvalidPayload
-from .model import JobStatus, unique_jobs
+from ..cache import plans
+from ..errors import EnqueueError, InvalidPayload
+from ..model import (
+    MAX_DELAY_SECONDS,
+    MAX_TIMEOUT_SECONDS,
+    RESERVED_QUEUE_PREFIX,
+    JobStatus,
+    check_max_attempts,
+    check_priority,
+    check_queue,
+    unique_jobs,
+)
 
 __all__ = [
     "MAX_DELAY_SECONDS",
@@ -58,11 +68,6 @@ __all__ = [
     "text_bytes",
 ]
 
-_INT32: Final = 2**31
-#: The longest ``delay``: 1000 years. A ``run_after`` must stay readable as a Python
-#: ``datetime`` (year 9999 at most) and a delay this long is a mistake in any case.
-MAX_DELAY_SECONDS: Final = 1000 * 365.25 * 86400.0
-
 #: Columns the queue manages; a job arriving with other values in them is a mistake.
 _MANAGED_DEFAULTS: Final = {
     "status": (None, JobStatus.PENDING.value),
@@ -83,32 +88,9 @@ _JSON_ESCAPE: Final = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
 
 
 # -- single values ------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-#: Queue names starting with this are the library's own: the workers' NOTIFY messages
-#: other than a queue's wake-up (a sweep's, ``sqla_queue.swept:<queue>``) start with it.
-RESERVED_QUEUE_PREFIX = "sqla_queue."
-
-
-def check_queue(value: Any, name: str = "queue") -> None:
-    if not isinstance(value, str) or not value:
-        raise EnqueueError(f"{name} must be a non-empty string, got {value!r}")
-    if value.startswith(RESERVED_QUEUE_PREFIX):
-        raise EnqueueError(f"{name} {value!r} starts with {RESERVED_QUEUE_PREFIX!r}, which sqla_queue reserves")
-
-
-def check_priority(value: Any, name: str = "priority") -> None:
-    if not _is_int(value) or not -_INT32 <= value < _INT32:
-        raise EnqueueError(f"{name} must be a 32-bit integer, got {value!r}")
-
-
-def check_max_attempts(value: Any, name: str = "max_attempts") -> None:
-    if not _is_int(value) or not 1 <= value < _INT32:
-        raise EnqueueError(f"{name} must be an integer >= 1 (32-bit), got {value!r}")
+# The limits, and the checks of queue, priority and max_attempts, are sqla_queue.model's
+# (imported above): the worker's config, the tasks and the schedules, which sit below the
+# enqueue side, need them too.
 
 
 def check_run_at(value: Any, name: str = "run_at") -> None:
@@ -173,10 +155,6 @@ def delay_seconds(delay: Any) -> float:
     if seconds > MAX_DELAY_SECONDS:
         raise EnqueueError(f"delay must be at most 1000 years, got {delay!r}")
     return seconds
-
-
-#: The longest ``timeout``: ten years (a deadline must stay a readable timestamp).
-MAX_TIMEOUT_SECONDS: Final = 10 * 365 * 86400.0
 
 
 def timeout_seconds(value: Any, name: str = "timeout") -> float:

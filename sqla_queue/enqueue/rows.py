@@ -37,6 +37,23 @@ from sqlalchemy.orm.exc import UnmappedInstanceError
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import ClauseElement, ColumnElement, False_, Null, True_
 
+from ..cache import plans
+from ..dbapi import SchemaMapKey, compile_statement
+from ..errors import BulkRowError, EnqueueError, NotAQueueModel
+from ..model import (
+    DEFAULT_QUEUE,
+    WAKE_AFTER_COMMIT,
+    WAKE_NONE,
+    QueueTable,
+    UniqueJobs,
+    notify_channel,
+    queue_table,
+    unique_jobs,
+    wake_mode,
+)
+from ..sql import delay_from_insert, insert_unique
+from ..sql._notify import pg_notify
+from ..tracing import TRACE_COLUMN, current_trace_context
 from ._rules import (
     MANAGED_KEYS,
     Polymorphic,
@@ -49,23 +66,6 @@ from ._rules import (
     polymorphic_rule,
     python_default,
 )
-from .cache import plans
-from .dbapi import SchemaMapKey, compile_statement
-from .errors import BulkRowError, EnqueueError, NotAQueueModel
-from .model import (
-    DEFAULT_QUEUE,
-    WAKE_AFTER_COMMIT,
-    WAKE_NONE,
-    QueueTable,
-    UniqueJobs,
-    notify_channel,
-    queue_table,
-    unique_jobs,
-    wake_mode,
-)
-from .sql import delay_from_insert, insert_unique
-from .sql._notify import pg_notify
-from .tracing import TRACE_COLUMN, current_trace_context
 
 __all__ = [
     "DELAY_PARAM",

@@ -26,12 +26,12 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 from sqlalchemy.orm import attributes as orm_attributes
 
+from ..cache import plans
+from ..errors import EnqueueError
+from ..model import WAKE_AFTER_COMMIT, WAKE_NONE, notify_channel, queue_table, wake_mode
+from ..sql._notify import notify_sql, pg_notify
 from .binds import sync_session
-from .cache import plans
-from .errors import EnqueueError
-from .model import WAKE_AFTER_COMMIT, WAKE_NONE, notify_channel, queue_table, wake_mode
 from .rows import default_queue, queue_table_of
-from .sql._notify import notify_sql, pg_notify
 from .waker import wake_after_commit
 
 __all__ = [

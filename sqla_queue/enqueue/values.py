@@ -27,14 +27,14 @@ from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.util import greenlet_spawn
 from typing_extensions import Unpack
 
+from ..cache import plans
+from ..dbapi import SchemaMapKey, reraise_as_sqlalchemy, schema_map_key
+from ..errors import EnqueueError
+from ..tracing import current_trace_context
 from .binds import resolve_session
-from .cache import plans
-from .dbapi import SchemaMapKey, reraise_as_sqlalchemy, schema_map_key
-from .errors import EnqueueError
 from .options import EnqueueKwargs, EnqueueOptions
 from .outbox import wake_after
 from .rows import InsertPlan, TablePlan, insert_plan, table_plan
-from .tracing import current_trace_context
 from .unique import MAX_TRIES, Enqueued, UniqueKey, holder_of
 
 __all__ = ["enqueue_values"]
@@ -279,7 +279,7 @@ def _keyed(
     conn: Connection, target: TablePlan, plan: InsertPlan, row: Mapping[str, Any], delay_by: float | None
 ) -> Enqueued[Any]:
     """The keyed INSERT (``ON CONFLICT DO NOTHING``, its NOTIFY riding in it): the new
-    job, or the job holding the key (see :mod:`sqla_queue.unique`)."""
+    job, or the job holding the key (see :mod:`sqla_queue.enqueue.unique`)."""
     key = row[target.unique_column]  # type: ignore[index]
     for _ in range(MAX_TRIES):
         found = conn.execute(plan.statement, plan.params(row, delay_by)).first()

@@ -44,16 +44,16 @@ from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only
 from typing_extensions import Unpack
 
+from ..cache import plans
+from ..dbapi import SchemaMapKey, compile_statement, reraise_as_sqlalchemy, schema_map_key
+from ..errors import EnqueueError
+from ..sql import delay_from_insert, insert_unique
+from ..unique_index import check_unique_index
 from .binds import resolve_session
-from .cache import plans
-from .dbapi import SchemaMapKey, compile_statement, reraise_as_sqlalchemy, schema_map_key
-from .errors import EnqueueError
 from .options import EnqueueKwargs, enqueue_options
 from .outbox import notify_on_commit
 from .rows import RowWriter, TablePlan, table_plan
-from .sql import delay_from_insert, insert_unique
 from .unique import EnqueuedMany
-from .unique_index import check_unique_index
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
