@@ -23,7 +23,7 @@ from contextvars import ContextVar, Token
 from typing import Any, Final, Protocol, TypeVar
 
 from .errors import JobCancelled
-from .model import ClaimToken
+from .model import ClaimToken, JobStatus
 from .runtime import Event
 
 __all__ = ["CANCELLED", "STOPPING", "TIMED_OUT", "JobContext", "current_job"]
@@ -33,8 +33,9 @@ T = TypeVar("T")
 #: Guards the lazy creation of a context's flag.
 _MAKING: Final = threading.Lock()
 
-#: Why an attempt was told to stop.
-CANCELLED: Final = "cancelled"
+#: Why an attempt was told to stop: its row says ``cancelled`` (the status itself, so
+#: that a reason and a row's status compare equal), or its deadline passed.
+CANCELLED: Final = JobStatus.CANCELLED
 TIMED_OUT: Final = "timed out"
 #: The worker is stopping (SIGTERM, ``stop()``): the attempt may still complete within
 #: the grace; past it, the job is handed back. Unlike the two above, it does not void the
