@@ -167,7 +167,7 @@ class Worker:
         completer = self._completer = Completer(ctx)
         executor = Executor(ctx, resolved, self.session_factory, job_context)
         self.executors = ExecutorPool(ctx, self._producer, executor, completer)
-        self.heartbeat = Heartbeat(ctx)
+        self.heartbeat = Heartbeat(ctx, completer)
         #: Tells handlers their attempt is over (deadlines; cancels when polling only).
         self.watchdog = Watchdog(ctx)
         executor.watchdog = self.watchdog

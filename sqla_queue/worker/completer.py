@@ -362,7 +362,8 @@ class Completer:
         the counters, the log lines, the observers) and then forgets the jobs, in that
         order: whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go
         idle) finds it counted. ``forgotten``: the ledger has let go of them already (lost
-        jobs)."""
+        jobs), or their executor will when their handler returns (the jobs the heartbeat
+        found lost)."""
         if not results:
             return
         hooks = self.hooks
