@@ -106,3 +106,15 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def _prometheus_exporter(port: int, engine: object, model: object) -> object:
+    """The exporter of a worker's ``metrics_port``: the Prometheus plugin's, imported only
+    when a worker asks for it (the ``prometheus`` extra). Built here, above the worker,
+    which takes its observer and knows no metrics library."""
+    from .prometheus import worker_metrics
+
+    return worker_metrics(port, engine, model)
+
+
+Worker.metrics_exporter = _prometheus_exporter

@@ -19,7 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
-__all__ = ["CANCEL_PREFIX", "SWEPT_PREFIX", "Cancel", "Message", "Swept", "Wake", "cancel_payloads", "parse"]
+__all__ = [
+    "CANCEL_PREFIX", "SWEPT_PREFIX", "Cancel", "Message", "Swept", "Wake", "cancel_payloads", "parse", "swept_payloads",
+]
 
 SWEPT_PREFIX: Final = "sqla_queue.swept:"
 CANCEL_PREFIX: Final = "sqla_queue.cancel:"
@@ -64,6 +66,14 @@ def parse(payload: str) -> Message | None:
 
 def swept_payload(queue: str) -> str:
     return SWEPT_PREFIX + queue
+
+
+def swept_payloads(queues: Iterable[str]) -> list[str]:
+    """What a sweep that returned jobs of ``queues`` sends: each queue's name (it wakes
+    idle workers, those that only know queue names too), then each queue's
+    :class:`Swept` (isolated jobs wait there: a claim of one each, at once)."""
+    queues = list(queues)
+    return [*queues, *(swept_payload(queue) for queue in queues)]
 
 
 def cancel_payloads(ids: Iterable[Any]) -> list[str]:

@@ -15,11 +15,10 @@ tuple per row, the values of a statement built as one dict per call.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
 
 from sqlalchemy import Connection
@@ -32,8 +31,8 @@ from .periodic import Schedule, schedules_table
 from .sql import ClaimToken, is_solitary
 
 __all__ = [
-    "ClaimRequest", "Claimed", "Moved", "Operations", "QueueOps", "RetentionOps", "RowProblem", "ScheduleOps",
-    "Swept", "SweptJob", "TokenState",
+    "ClaimRequest", "ClaimSeen", "ClaimStart", "Claimed", "CursorStart", "Moved", "Operations", "QueueOps",
+    "RetentionOps", "RowProblem", "ScheduleOps", "Swept", "SweptJob", "TokenState",
 ]
 
 #: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
@@ -43,6 +42,23 @@ _new_tuple = tuple.__new__
 #: the job in (``done``, ``failed``, ``pending``). A token missing from it was not moved:
 #: its lease was lost.
 Moved: TypeAlias = dict[ClaimToken, str]
+
+#: Where a claim starts its index scan: after ``(priority, run_after, pk)``, a key of the
+#: claim's order (the last job claimed, in the worker's cursor: see
+#: :mod:`sqla_queue.worker.cursor`).
+CursorStart: TypeAlias = tuple[int, Any, Any]
+#: A claim's start: ``{None: key}``, or one key per queue served (``{queue: key}``, a
+#: queue missing from it starts at its head) when the claims serve several
+#: (:attr:`Operations.after_per_queue`).
+ClaimStart: TypeAlias = Mapping[str | None, CursorStart]
+
+
+class ClaimSeen(Protocol):
+    """Told where a claim's rows lay: the ``(priority, run_after, pk, queue)`` of each job
+    it took, whether it started from the head of the index (no start given), and the
+    seconds its statement took."""
+
+    def __call__(self, keys: Sequence[tuple[int, Any, Any, str]], *, from_head: bool, took: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,8 +80,10 @@ class ClaimRequest:
     values: Mapping[str, Any] | None = None
     #: The same claim behind a completion, as one statement (None: it cannot follow one).
     after_completion: Statement | None = None
-    #: A cursor claim (see :class:`ClaimCursor`), not one from the head of the index.
+    #: It starts after a key (``claim_request(after=...)``), not at the head of the index.
     from_cursor: bool = False
+    #: Told where its rows lay once it ran (``claim_request(seen=...)``), or None.
+    seen: ClaimSeen | None = None
 
 
 class RowProblem(NamedTuple):
@@ -134,15 +152,27 @@ class Operations(Protocol):
     #: The NOTIFY channel of the queue table (under the engine's schema map).
     channel: str
 
+    @property
+    def claims_after(self) -> bool:
+        """Whether an ordinary claim can start after a key (``claim_request(after=...)``):
+        keys that Python sorts as the server does (integers)."""
+
+    @property
+    def after_per_queue(self) -> bool:
+        """Whether that start is one key per queue served (several queues, each an index
+        range of its own), else one key (under None)."""
+
     def check_table(self) -> None:
         """Fail fast if the table is missing or lacks the queue columns; learn its column types."""
 
     def claim_request(
         self, owner: str, limit: int, *, isolated: bool = False, skip: Sequence[Any] | None = None,
-        key: Any = None, in_flight: int = 0,
+        key: Any = None, in_flight: int = 0, after: ClaimStart | None = None, seen: ClaimSeen | None = None,
     ) -> ClaimRequest:
         """A claim for ``owner`` of up to ``limit`` jobs (an isolated one takes one; with
-        ``key``, that job only), passing over ``skip``."""
+        ``key``, that job only), passing over ``skip``. An ordinary claim (not isolated,
+        no ``skip`` or ``key``) starts after ``after`` (None: at the head), and tells
+        ``seen`` where its rows lay once it ran."""
 
     def fetch_claimed(self, conn: DbConnection, request: ClaimRequest) -> list[Claimed]:
         """Run ``request`` (under the statement deadline); each row claimed, read one by
@@ -167,9 +197,6 @@ class Operations(Protocol):
 
     def next_due(self, conn: DbConnection) -> float | None:
         """Seconds until the next delayed job falls due (None: none waits)."""
-
-    def head_claim_at(self) -> float | None:
-        """When (``time.monotonic``) to claim again though nothing woke the worker (None: no need)."""
 
     def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
         """``done`` for every token ``owner`` still holds."""
@@ -255,140 +282,8 @@ def token_values(owner: str, tokens: Sequence[tuple[Any, int]]) -> dict[str, Any
     }
 
 
-#: Seconds between claims from the head of the pending index while a cursor claims the
-#: rest, at least: the longest a job that sorts before the cursor (a higher priority, or
-#: made visible late by a long transaction) waits behind jobs after it, while claims from
-#: the head are cheap.
-RESCAN_INTERVAL = 0.25
-#: A statement that reads every dead entry a held snapshot keeps (a claim from the head:
-#: at 800 jobs/s, a hundred thousand entries in two minutes, 10-80 ms a claim; the idle
-#: worker's lookup of the next due time) waits this many times as long as it last took
-#: before it runs again, so that it costs a worker at most a fortieth of one
-#: connection's time (see :func:`spaced_by_cost`).
-COST_RATIO = 40.0
-#: The longest wait between claims from the head, however slow they grew.
-MAX_RESCAN_INTERVAL = 2.0
-#: Seconds a cursor claim starts before the last ``run_after`` claimed. A job's
-#: ``run_after`` is its transaction's start (``now()``), so jobs commit slightly out of
-#: order: one a producer committed a moment after a later-starting one would sort just
-#: behind the cursor and wait for the next claim from the head (one in a hundred, with
-#: no slack, in ``benchmarks/pressure.py``). The dead entries of this window are all a
-#: cursor claim reads beside live ones under a held snapshot (at 800 jobs/s, 200 of
-#: them; a second's 800 cost every claim 0.11 ms more, and a worker claims about three
-#: times a job at that rate). A transaction that enqueues and commits more than this
-#: after it began has its job found by the next claim from the head.
-CURSOR_SLACK = 0.25
-
-
-def spaced_by_cost(took: float, least: float, most: float) -> float:
-    """Seconds until a statement that ``took`` seconds runs again: :data:`COST_RATIO`
-    times as long, between ``least`` and ``most``."""
-    return min(max(least, took * COST_RATIO), most)
-
-
-#: A ``run_after`` for the cursor of a queue read from its head (any will do).
+#: A ``run_after`` for the start of a queue read from its head (any will do).
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-#: Where a cursor claim starts: ``(priority, run_after, pk)`` of the last job claimed.
-CursorStart: TypeAlias = tuple[int, Any, Any]
-
-
-class ClaimCursor:
-    """Where the worker's claims start their index scan: after the last job claimed.
-
-    Each claimed job leaves a dead entry at the head of the pending index until vacuum
-    removes it, and vacuum removes none while any transaction older than it is open (a
-    report, ``pg_dump``, a replica's feedback): a claim from the head reads them all,
-    and its cost grows with every job done since. A cursor claim starts after the last
-    key claimed (:func:`~sqla_queue.sql.claim_template`, ``after=True``) and reads only
-    live entries; a worker serving several queues keeps one cursor per queue
-    (``per_queue``), since each queue is an index range of its own. Jobs that sort
-    before it are found by a claim from the head, run
-
-    - when the rescan is due, by one claim at a time (the executors claiming meanwhile
-      keep to the cursor, so a slow one delays no other pickup): every
-      :data:`RESCAN_INTERVAL` seconds, or :data:`COST_RATIO` times as long as the
-      last one took when that is longer (up to :data:`MAX_RESCAN_INTERVAL`),
-    - again and again while such claims find jobs before the cursor (a long transaction
-      committed many at once), and
-    - at the next rescan after a cursor claim found nothing (:meth:`head_claim_at`): the
-      worker wakes for it, so no job waits for the poll, and an idle worker stops
-      claiming only after a claim from the head found nothing.
-
-    A cursor claim starts :data:`CURSOR_SLACK` seconds of ``run_after`` before the last
-    key, for the jobs committed a moment late. Shared by the executors of one worker;
-    the cursor only moves forward. Keys are compared in Python, so only integer keys use
-    it (their order is the server's).
-    """
-
-    def __init__(
-        self, rescan_interval: float | None = None, clock: Callable[[], float] = time.monotonic,
-        slack: float | None = None, max_rescan_interval: float | None = None, *, per_queue: bool = False,
-    ) -> None:
-        self.rescan_interval = RESCAN_INTERVAL if rescan_interval is None else rescan_interval
-        self.max_rescan_interval = max(
-            self.rescan_interval, MAX_RESCAN_INTERVAL if max_rescan_interval is None else max_rescan_interval
-        )
-        self.slack = timedelta(seconds=CURSOR_SLACK if slack is None else slack)
-        self.per_queue = per_queue
-        self._clock = clock
-        self._lock = threading.Lock()
-        #: The last key claimed, in the claim's order ``(-priority, run_after, pk)``, of
-        #: each queue (``per_queue``), or of all (under None).
-        self._last: dict[str | None, tuple[Any, Any, Any]] = {}
-        self._rescan_at = 0.0
-        #: The wait between claims from the head, as the last one's cost set it.
-        self.interval = self.rescan_interval
-        self._behind = False
-        #: A cursor claim found nothing since the last claim from the head.
-        self._missed = False
-
-    def start(self) -> dict[str | None, CursorStart] | None:
-        """Where to claim after: ``{queue: (priority, run_after, pk)}`` for each queue a
-        job was claimed from (``per_queue``), else ``{None: …}``; None: claim from the
-        head."""
-        with self._lock:
-            if not self._last or self._behind:
-                return None
-            now = self._clock()
-            if now >= self._rescan_at:
-                # This claim is the rescan; the next one is due an interval on even if it
-                # never reports back (it failed), and the claims meanwhile use the cursor.
-                self._rescan_at = now + self.interval
-                return None
-            slack = self.slack
-            return {lane: (-last[0], last[1] - slack, last[2]) for lane, last in self._last.items()}
-
-    def claimed(self, keys: Sequence[tuple[int, Any, Any, str]], *, from_head: bool, took: float = 0.0) -> None:
-        """Note the ``(priority, run_after, pk, queue)`` of the jobs a claim took, and (a
-        claim from the head) the seconds it ``took``."""
-        per_queue = self.per_queue
-        ordered = [
-            (queue if per_queue else None, (-priority, run_after, pk)) for priority, run_after, pk, queue in keys
-        ]
-        with self._lock:
-            lasts = self._last
-            if from_head:
-                self.interval = spaced_by_cost(took, self.rescan_interval, self.max_rescan_interval)
-                self._rescan_at = self._clock() + self.interval
-                # Behind where the next cursor claim would start (the slack covers the rest).
-                slack = self.slack
-                self._behind = any(
-                    (last := lasts.get(lane)) is not None and key < (last[0], last[1] - slack, last[2])
-                    for lane, key in ordered
-                )
-                self._missed = False
-            elif not ordered:
-                self._missed = True
-            for lane, key in ordered:
-                last = lasts.get(lane)
-                if last is None or key > last:
-                    lasts[lane] = key
-
-    def head_claim_at(self) -> float | None:
-        """When (on the clock given, ``time.monotonic``) a claim from the head is owed:
-        a cursor claim found nothing since the last one. None: none is owed."""
-        with self._lock:
-            return self._rescan_at if self._missed else None
 
 
 def _integer_key(pk: Any) -> bool:
@@ -447,13 +342,13 @@ class QueueOps:
             )
             for isolated in (False, True)
         }
-        #: Cursor claims (see ClaimCursor): integer keys, not isolated; several queues
-        #: keep a cursor each, in the order of the queues given.
-        self.cursor: ClaimCursor | None = None
+        #: Claims after a key (``claim_request(after=...)``): integer keys, not isolated;
+        #: several queues start each after a key of its own, in the order of the queues given.
         self._cursor_claims: tuple[Statement, Statement] | None = None
         self._cursor_queues = list(dict.fromkeys(queues)) if queues is not None and len(set(queues)) > 1 else None
-        if _integer_key(qt.pk):
-            self.cursor = ClaimCursor(per_queue=self._cursor_queues is not None)
+        self.claims_after = _integer_key(qt.pk)
+        self.after_per_queue = self._cursor_queues is not None
+        if self.claims_after:
             self._cursor_claims = (
                 compile_(q.claim_template(model, queues=queues, fresh=True, after=True)),
                 compile_(q.complete_many_if_owner_then_claim(model, queues=queues, fresh=True, after=True)),
@@ -512,10 +407,12 @@ class QueueOps:
 
     def claim_request(
         self, owner: str, limit: int, *, isolated: bool = False, skip: Sequence[Any] | None = None,
-        key: Any = None, in_flight: int = 0,
+        key: Any = None, in_flight: int = 0, after: ClaimStart | None = None, seen: ClaimSeen | None = None,
     ) -> ClaimRequest:
         """A claim for ``owner`` of up to ``limit`` jobs; an isolated claim takes one.
-        ``skip``: keys to pass over; ``key``: claim that job only, if it is claimable."""
+        ``skip``: keys to pass over; ``key``: claim that job only, if it is claimable.
+        An ordinary claim (neither) starts its index scan after ``after`` (None: at the
+        head; only where :attr:`claims_after`), and tells ``seen`` where its rows lay."""
         if isolated:
             limit = 1
         values = {q.OWNER_PARAM: owner, q.LIMIT_PARAM: limit, q.LEASE_PARAM: self.lease,
@@ -527,18 +424,21 @@ class QueueOps:
             return ClaimRequest(owner, limit, isolated, None, key, in_flight, by_key, values)
         if skip is not None:
             values[q.SKIP_PARAM] = list(skip)
-            claim, after = self._statement("claim", isolated), self._statement("after_completion", isolated)
-            return ClaimRequest(owner, limit, isolated, skip, None, in_flight, claim, values, after)
-        start = None if isolated or self.cursor is None else self.cursor.start()
-        if start is not None:
-            assert self._cursor_claims is not None
-            self._bind_cursor(values, start)
-            claim, after = self._cursor_claims
-            return ClaimRequest(owner, limit, isolated, None, None, in_flight, claim, values, after, True)
-        claim, after = self._claims[isolated]
-        return ClaimRequest(owner, limit, isolated, None, None, in_flight, claim, values, after)
+            claim, behind = self._statement("claim", isolated), self._statement("after_completion", isolated)
+            return ClaimRequest(owner, limit, isolated, skip, None, in_flight, claim, values, behind)
+        if isolated:
+            claim, behind = self._claims[True]
+            return ClaimRequest(owner, limit, True, None, None, in_flight, claim, values, behind)
+        if after is not None:
+            if self._cursor_claims is None:
+                raise ValueError(f"claims of {self.table.name!r} cannot start after a key: its key is not an integer")
+            self._bind_cursor(values, after)
+            claim, behind = self._cursor_claims
+            return ClaimRequest(owner, limit, False, None, None, in_flight, claim, values, behind, True, seen)
+        claim, behind = self._claims[False]
+        return ClaimRequest(owner, limit, False, None, None, in_flight, claim, values, behind, False, seen)
 
-    def _bind_cursor(self, values: dict[str, Any], start: dict[str | None, CursorStart]) -> None:
+    def _bind_cursor(self, values: dict[str, Any], start: ClaimStart) -> None:
         """The cursor claim's start: one key, or one per queue served (a queue no job was
         claimed from yet starts at its head)."""
         names = self._cursor_queues
@@ -565,19 +465,14 @@ class QueueOps:
         self._note(rows, request, time.perf_counter() - began)
         return self._claimed(rows, request.isolated)
 
-    def head_claim_at(self) -> float | None:
-        """When (``time.monotonic``) to claim again though nothing woke the worker: a
-        cursor claim found nothing, and a job may wait before the cursor. None: no need."""
-        return None if self.cursor is None else self.cursor.head_claim_at()
-
     def _note(self, rows: Sequence[tuple[Any, ...] | RowError], request: ClaimRequest, took: float) -> None:
-        """Move the cursor past the rows a claim took, in ``took`` seconds (see
-        :class:`ClaimCursor`)."""
-        cursor = self.cursor
-        if cursor is None or request.isolated or request.skip is not None or request.key is not None:
+        """Tell the request's ``seen`` where the rows a claim took lay, and the ``took``
+        seconds of its statement (the worker's cursor moves past them)."""
+        seen = request.seen
+        if seen is None:
             return
         priority, run_after, pk, queue = self._priority_index, self._run_after_index, self._pk_index, self._queue_index
-        cursor.claimed(
+        seen(
             [
                 (row[priority], row[run_after], row[pk], row[queue])
                 for row in rows

@@ -188,6 +188,11 @@ class PrometheusObserver(WorkerObserver):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
+    def declare_labels(self, *, tasks: Iterable[str] = (), queues: Iterable[str] = ()) -> None:
+        """A worker's registered tasks and its queues, told by the worker it observes:
+        label values from now on (see :meth:`Metrics.declare`)."""
+        self.metrics.declare(tasks=tasks, queues=queues)
+
     def claimed(self, event: JobEvent) -> None:
         m = self.metrics
         m.claimed.labels(event.table, m.queue_label(event.queue), m.task_label(event.task)).inc()

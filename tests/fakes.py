@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import psycopg
 
 from sqla_queue.driver import Driver
-from sqla_queue.ops import Claimed, ClaimRequest, Moved, Operations, Swept, SweptJob, TokenState
+from sqla_queue.ops import Claimed, ClaimRequest, ClaimSeen, ClaimStart, Moved, Operations, Swept, SweptJob, TokenState
 from sqla_queue.sql import ClaimToken, is_solitary
 
 __all__ = ["Fault", "FakeConn", "FakeDriver", "FakeJob", "FakeOps", "connection_lost", "rejected"]
@@ -93,6 +93,13 @@ class FakeOps:
     rejects: Callable[[str], bool] = lambda error: False
     #: Every call made, by method name.
     calls: list[str] = field(default_factory=list)
+    #: Claims may start after a key (``claim_request(after=...)``), as on a table with
+    #: integer keys; off by default, so a worker's claims take the whole order every time.
+    claims_after: bool = False
+
+    @property
+    def after_per_queue(self) -> bool:
+        return self.queues is not None and len(set(self.queues)) > 1
 
     def add(self, n: int = 1, **values: Any) -> list[int]:
         first = max(self.jobs, default=0) + 1
@@ -125,21 +132,44 @@ class FakeOps:
 
     def claim_request(
         self, owner: str, limit: int, *, isolated: bool = False, skip: Sequence[Any] | None = None,
-        key: Any = None, in_flight: int = 0,
+        key: Any = None, in_flight: int = 0, after: ClaimStart | None = None, seen: ClaimSeen | None = None,
     ) -> ClaimRequest:
         limit = 1 if isolated or key is not None else limit
-        return ClaimRequest(owner, limit, isolated, None if key is not None else skip, key, in_flight)
+        if isolated or key is not None or skip is not None:
+            return ClaimRequest(owner, limit, isolated, None if key is not None else skip, key, in_flight)
+        if after is not None and not self.claims_after:
+            raise ValueError("claims of this table cannot start after a key")
+        # The start rides in ``values``, as the real one's bound parameters do.
+        return ClaimRequest(owner, limit, False, None, None, in_flight, None, {"after": after},
+                            from_cursor=after is not None, seen=seen)
+
+    def _order(self, job: FakeJob) -> tuple[int, datetime, int]:
+        """A job's place in the claim's order, as a start key compares it: priority
+        first, then when it fell due, then its key."""
+        return -job.priority, datetime.fromtimestamp(job.run_after, UTC), job.id
+
+    def _after(self, job: FakeJob, after: ClaimStart | None) -> bool:
+        """Whether ``job`` sorts after the claim's start (a queue without one: any)."""
+        if after is None:
+            return True
+        start = after.get(job.queue if self.after_per_queue else None)
+        return start is None or self._order(job) > (-start[0], start[1], start[2])
 
     def _claim(self, request: ClaimRequest) -> list[Claimed]:
         skip = set(request.skip or ())
+        after = (request.values or {}).get("after")
         due = sorted(
             (j for j in self.jobs.values()
              if j.status == "pending" and j.isolated == request.isolated and j.id not in skip
              and j.run_after <= time.monotonic()
              and (self.queues is None or j.queue in self.queues)
-             and (request.key is None or j.id == request.key)),
-            key=lambda j: (-j.priority, j.id),
+             and (request.key is None or j.id == request.key)
+             and self._after(j, after)),
+            key=self._order,
         )[:request.limit]
+        if request.seen is not None:
+            keys = [(j.priority, datetime.fromtimestamp(j.run_after, UTC), j.id, j.queue) for j in due]
+            request.seen(keys, from_head=not request.from_cursor, took=0.0)
         claimed = []
         for job in due:
             job.status, job.attempts, job.lease_owner = "running", job.attempts + 1, request.owner
@@ -184,9 +214,6 @@ class FakeOps:
 
     def next_due(self, conn: Any) -> float | None:
         return None
-
-    def head_claim_at(self) -> float | None:
-        return None  # claims in the fake take the whole order every time
 
     def _complete(self, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
         moved: Moved = {}

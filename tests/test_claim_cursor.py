@@ -7,8 +7,10 @@ cursor passes over (a higher priority, a job a long transaction made visible lat
 found by the claims from the head the worker still runs: periodically, while they keep
 finding such jobs, and at the next rescan after a cursor claim found nothing.
 
-The cursor's rules are tested on :class:`~sqla_queue.ops.ClaimCursor` alone; the
-statements through :class:`~sqla_queue.ops.QueueOps` on both drivers against PostgreSQL,
+The cursor's rules are tested on :class:`~sqla_queue.worker.cursor.ClaimCursor` alone
+(``tests/unit/test_cursor.py``); here the statements through
+:class:`~sqla_queue.ops.QueueOps`, given the cursor's starts as the worker's producer gives
+them, on both drivers against PostgreSQL,
 with all queues, one and several (a cursor each); the whole against a held
 snapshot by the index pages each claim reads; and a worker of each runtime running a job
 a long transaction committed after claims had moved past it.
@@ -30,9 +32,10 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from sqla_queue import QueueSession, Tasks
-from sqla_queue import ops as ops_module
 from sqla_queue import sql as q
-from sqla_queue.ops import ClaimCursor, QueueOps
+from sqla_queue.ops import ClaimRequest, QueueOps
+from sqla_queue.worker import cursor as cursor_module
+from sqla_queue.worker.cursor import ClaimCursor
 
 from .helpers import wait_for
 from .models import Task
@@ -51,145 +54,6 @@ class Clock:
         return self.now
 
 
-# -- the rules ----------------------------------------------------------------------------
-
-
-def test_a_cursor_starts_after_the_last_key_a_claim_from_the_head_took_until_the_rescan() -> None:
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=0)
-    assert cursor.start() is None  # nothing claimed yet: from the head
-    cursor.claimed([(0, T0, 1, Q), (0, T0, 2, Q)], from_head=True)
-    assert cursor.start() == {None: (0, T0, 2)}
-    clock.now = 0.99
-    assert cursor.start() == {None: (0, T0, 2)}
-    clock.now = 1.0
-    assert cursor.start() is None  # the rescan is due
-
-
-def test_a_cursor_starts_its_slack_before_the_last_run_after_claimed() -> None:
-    """A job committed a moment after a later-starting one sorts just behind the last
-    key claimed: the cursor claim starts the slack (seconds of run_after) earlier."""
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=1.5)
-    cursor.claimed([(0, T0, 7, Q)], from_head=True)
-    assert cursor.start() == {None: (0, T0 - timedelta(seconds=1.5), 7)}
-    clock.now = 1.0  # a claim from the head finds a job inside the slack: not behind
-    cursor.claimed([(0, T0 - timedelta(seconds=1), 5, Q)], from_head=True)
-    assert cursor.start() == {None: (0, T0 - timedelta(seconds=1.5), 7)}
-    clock.now = 2.0  # one before it: behind, the next claim is from the head too
-    cursor.claimed([(0, T0 - timedelta(seconds=2), 4, Q)], from_head=True)
-    assert cursor.start() is None
-
-
-def test_the_cursor_is_the_last_key_in_the_claims_order_and_only_moves_forward() -> None:
-    cursor = ClaimCursor(60.0, Clock(), slack=0)
-    later = T0 + timedelta(seconds=1)
-    # Priority 5 sorts before priority 0; within one, run_after then the key.
-    cursor.claimed([(0, T0, 3, Q), (5, later, 9, Q), (0, T0, 2, Q)], from_head=True)
-    assert cursor.start() == {None: (0, T0, 3)}
-    cursor.claimed([(0, T0, 1, Q)], from_head=False)  # a straggler behind it: no step back
-    assert cursor.start() == {None: (0, T0, 3)}
-    cursor.claimed([(-1, T0, 1, Q)], from_head=False)  # a lower priority: after it
-    assert cursor.start() == {None: (-1, T0, 1)}
-
-
-def test_claims_stay_at_the_head_while_they_find_jobs_behind_the_cursor() -> None:
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=0)
-    cursor.claimed([(0, T0, 10, Q)], from_head=True)
-    clock.now = 1.0  # the rescan finds jobs a long transaction committed late
-    assert cursor.start() is None
-    cursor.claimed([(0, T0 - timedelta(seconds=5), 4, Q)], from_head=True)
-    assert cursor.start() is None  # more may wait there: the next claim too
-    cursor.claimed([(0, T0 + timedelta(seconds=1), 11, Q)], from_head=True)
-    assert cursor.start() == {None: (0, T0 + timedelta(seconds=1), 11)}
-    cursor.claimed([], from_head=True)  # nothing: the cursor stays, the rescan waits
-    assert cursor.start() == {None: (0, T0 + timedelta(seconds=1), 11)}
-
-
-def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_next_rescan() -> None:
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=0)
-    cursor.claimed([(0, T0, 10, Q)], from_head=True)
-    assert cursor.head_claim_at() is None
-    cursor.claimed([(0, T0, 11, Q)], from_head=False)
-    assert cursor.head_claim_at() is None  # it found jobs: none owed
-    cursor.claimed([], from_head=False)
-    assert cursor.head_claim_at() == 1.0
-    clock.now = 1.0
-    assert cursor.start() is None
-    cursor.claimed([], from_head=True)  # paid: nothing anywhere, the worker may idle
-    assert cursor.head_claim_at() is None
-
-
-def test_one_claim_from_the_head_at_a_time_the_claims_meanwhile_keep_to_the_cursor() -> None:
-    """Under a held snapshot a claim from the head takes tens of milliseconds: the claims
-    made while it runs (the other executors', woken for new jobs) must not each become
-    one too."""
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=0)
-    cursor.claimed([(0, T0, 2, Q)], from_head=True)
-    clock.now = 1.0
-    assert cursor.start() is None  # the rescan, handed to this claim
-    assert cursor.start() == {None: (0, T0, 2)}  # not to the next, while it runs
-    clock.now = 1.5
-    cursor.claimed([], from_head=True, took=0.001)
-    assert cursor.start() == {None: (0, T0, 2)}
-    clock.now = 2.5
-    assert cursor.start() is None
-
-
-def test_a_claim_from_the_head_that_never_reports_back_does_not_stop_the_rescans() -> None:
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=0)
-    cursor.claimed([(0, T0, 2, Q)], from_head=True)
-    clock.now = 1.0
-    assert cursor.start() is None  # its statement fails: claimed() is never called
-    clock.now = 1.99
-    assert cursor.start() == {None: (0, T0, 2)}
-    clock.now = 2.0
-    assert cursor.start() is None
-
-
-@pytest.mark.parametrize(
-    ("took", "interval"), [(0.0, 0.25), (0.004, 0.25), (0.02, 0.8), (0.05, 2.0), (0.5, 2.0)]
-)
-def test_the_rescan_waits_in_proportion_to_what_the_last_claim_from_the_head_cost(
-    took: float, interval: float
-) -> None:
-    """A claim from the head costs in proportion to the dead entries before the cursor:
-    the rescans are spaced so that they take a fortieth of the time, between the
-    interval and the longest wait."""
-    clock = Clock()
-    cursor = ClaimCursor(0.25, clock, slack=0, max_rescan_interval=2.0)
-    cursor.claimed([(0, T0, 2, Q)], from_head=True, took=took)
-    assert cursor.interval == pytest.approx(interval)
-    clock.now = interval - 0.001
-    assert cursor.start() == {None: (0, T0, 2)}
-    clock.now = interval
-    assert cursor.start() is None
-    cursor.claimed([], from_head=True, took=0.001)  # cheap again: back to the interval
-    assert cursor.interval == pytest.approx(0.25)
-
-
-def test_a_worker_serving_several_queues_keeps_a_cursor_for_each() -> None:
-    """Each queue is an index range of its own (``<table>_claim_queue_idx``): its claims
-    start after the last job claimed from it, whatever other queues' cursors say."""
-    clock = Clock()
-    cursor = ClaimCursor(1.0, clock, slack=0, per_queue=True)
-    later = T0 + timedelta(seconds=1)
-    cursor.claimed([(0, T0, 3, "a"), (0, later, 9, "b"), (0, T0, 2, "a")], from_head=True)
-    assert cursor.start() == {"a": (0, T0, 3), "b": (0, later, 9)}
-    cursor.claimed([(0, T0, 5, "b")], from_head=False)  # behind b's cursor, after a's: b's stays
-    assert cursor.start() == {"a": (0, T0, 3), "b": (0, later, 9)}
-    cursor.claimed([(0, later, 4, "a")], from_head=False)
-    assert cursor.start() == {"a": (0, later, 4), "b": (0, later, 9)}
-    clock.now = 1.0  # the rescan finds a job of b behind b's cursor (though after a's)
-    assert cursor.start() is None
-    cursor.claimed([(0, T0, 6, "b")], from_head=True)
-    assert cursor.start() is None  # behind: the next claim is from the head too
-
-
 # -- the statements -----------------------------------------------------------------------
 
 
@@ -199,11 +63,18 @@ def on(request: pytest.FixtureRequest, engine: Engine) -> Iterator[On]:
         yield found
 
 
-def _ops(on: On, queues: tuple[str, ...] | None) -> tuple[QueueOps, Clock]:
+def _ops(on: On, queues: tuple[str, ...] | None) -> tuple[QueueOps, ClaimCursor, Clock]:
     ops = on.ops(queues=queues)
     clock = Clock()
-    ops.cursor = ClaimCursor(60.0, clock, per_queue=queues is not None and len(queues) > 1)
-    return ops, clock
+    assert ops.claims_after
+    assert ops.after_per_queue == (queues is not None and len(queues) > 1)
+    return ops, ClaimCursor(60.0, clock, per_queue=ops.after_per_queue), clock
+
+
+def claim(ops: QueueOps, cursor: ClaimCursor, limit: int) -> ClaimRequest:
+    """An ordinary claim, as the worker's producer asks for it: after the cursor's start,
+    telling the cursor where its rows lay."""
+    return ops.claim_request("w", limit, after=cursor.start(), seen=cursor.claimed)
 
 
 #: The queues a worker serves, as users set them: all, one, several.
@@ -222,23 +93,23 @@ def test_a_cursor_claim_takes_jobs_after_the_cursor_and_finds_the_rest_from_the_
     engine: Engine, on: On, queues: tuple[str, ...] | None
 ) -> None:
     first, second, third = add(engine, 3)
-    ops, clock = _ops(on, queues)
-    request = ops.claim_request("w", 1)
+    ops, cursor, clock = _ops(on, queues)
+    request = claim(ops, cursor, 1)
     assert not request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(first, 1)]
     late = _late(engine)
     urgent = _late(engine, priority=9)
-    request = ops.claim_request("w", 1)
+    request = claim(ops, cursor, 1)
     assert request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(second, 1)]
     clock.now = 60.0  # the rescan: from the head, the urgent job first
-    request = ops.claim_request("w", 1)
+    request = claim(ops, cursor, 1)
     assert not request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(urgent, 1)]
     # That claim found a job behind the cursor: the next looks from the head too.
-    assert not ops.claim_request("w", 1).from_cursor
-    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))) == [(late, 1)]
-    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 5)))) == [(third, 1)]
+    assert not claim(ops, cursor, 1).from_cursor
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 1)))) == [(late, 1)]
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 5)))) == [(third, 1)]
 
 
 @pytest.mark.parametrize("queues", SERVED, ids=SERVED_IDS)
@@ -246,29 +117,29 @@ def test_a_cursor_claim_that_finds_nothing_owes_a_claim_from_the_head_at_the_res
     engine: Engine, on: On, queues: tuple[str, ...] | None
 ) -> None:
     (first,) = add(engine, 1)
-    ops, clock = _ops(on, queues)
-    assert ops.head_claim_at() is None
-    on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))
+    ops, cursor, clock = _ops(on, queues)
+    assert cursor.head_claim_at() is None
+    on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 1)))
     late = _late(engine)
-    request = ops.claim_request("w", 10)
+    request = claim(ops, cursor, 10)
     assert request.from_cursor
     assert on(lambda conn: ops.fetch_claimed(conn, request)) == []
-    assert ops.head_claim_at() == 60.0  # the worker wakes then, though nothing told it to
+    assert cursor.head_claim_at() == 60.0  # the worker wakes then, though nothing told it to
     clock.now = 60.0
-    request = ops.claim_request("w", 10)
+    request = claim(ops, cursor, 10)
     assert not request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(late, 1)]
-    assert ops.head_claim_at() is None
+    assert cursor.head_claim_at() is None
     # The same behind a completion: the token done, nothing claimed, a head claim owed.
-    on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 10)))  # none behind now
+    on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 10)))  # none behind now
     later = _late(engine)
-    request = ops.claim_request("w", 10)
+    request = claim(ops, cursor, 10)
     assert request.from_cursor
     done, claimed = on(lambda conn: ops.complete_then_claim(conn, [q.ClaimToken(first, 1)], request))
     assert (done, claimed) == ({(first, 1): "done"}, [])
-    assert ops.head_claim_at() == 120.0
+    assert cursor.head_claim_at() == 120.0
     clock.now = 120.0
-    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 10)))) == [(later, 1)]
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 10)))) == [(later, 1)]
 
 
 def test_a_cursor_claim_skips_the_other_queues_and_serves_lower_priorities_after_its_own(
@@ -277,9 +148,9 @@ def test_a_cursor_claim_skips_the_other_queues_and_serves_lower_priorities_after
     mine = add(engine, 2, queue="a", priority=3)
     add(engine, 2, queue="b", priority=3)
     low = add(engine, 2, queue="a")
-    ops, _ = _ops(on, ("a",))
-    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))) == [(mine[0], 1)]
-    request = ops.claim_request("w", 3)
+    ops, cursor, _ = _ops(on, ("a",))
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 1)))) == [(mine[0], 1)]
+    request = claim(ops, cursor, 3)
     assert request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(mine[1], 1), (low[0], 1), (low[1], 1)]
 
@@ -291,30 +162,32 @@ def test_a_cursor_claim_of_several_queues_starts_each_after_its_own_cursor(engin
     a1, a2 = add(engine, 2, queue="a")
     add(engine, 3, queue="c")
     (b1,) = add(engine, 1, queue="b", priority=2)
-    ops, clock = _ops(on, ("a", "b"))
-    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))) == [(b1, 1)]
+    ops, cursor, clock = _ops(on, ("a", "b"))
+    assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 1)))) == [(b1, 1)]
     late_b = _late(engine, queue="b", priority=2)  # behind b's cursor
     (b2,) = add(engine, 1, queue="b", priority=2)
-    request = ops.claim_request("w", 2)
+    request = claim(ops, cursor, 2)
     assert request.from_cursor  # b after its cursor; a, with no cursor yet, from its head
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == sorted([(b2, 1), (a1, 1)])
     late_a = _late(engine, queue="a")  # behind a's cursor now
-    request = ops.claim_request("w", 5)
+    request = claim(ops, cursor, 5)
     assert request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(a2, 1)]
     clock.now = 60.0  # the rescan: from the head of both, the late jobs
-    request = ops.claim_request("w", 5)
+    request = claim(ops, cursor, 5)
     assert not request.from_cursor
     assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == sorted([(late_b, 1), (late_a, 1)])
 
 
 def test_isolated_and_skipping_claims_always_claim_from_the_head(engine: Engine, on: On) -> None:
     add(engine, 2, queue="a")
-    ops = on.ops()
-    on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1)))
-    assert ops.claim_request("w", 1).from_cursor
-    assert not ops.claim_request("w", 1, isolated=True).from_cursor
-    assert not ops.claim_request("w", 1, skip=[1, 2]).from_cursor
+    ops, cursor, _ = _ops(on, None)
+    on(lambda conn: ops.fetch_claimed(conn, claim(ops, cursor, 1)))
+    assert claim(ops, cursor, 1).from_cursor
+    start = cursor.start()
+    assert start is not None
+    assert not ops.claim_request("w", 1, isolated=True, after=start).from_cursor
+    assert not ops.claim_request("w", 1, skip=[1, 2], after=start).from_cursor
 
 
 # -- under a held snapshot --------------------------------------------------------------------
@@ -383,7 +256,7 @@ def test_a_job_a_long_transaction_commits_behind_the_cursor_runs_at_the_next_res
     twenty jobs enqueued after it, so its cursor moves past the job. Once the
     transaction commits, its wake-up's cursor claim finds nothing, and the worker claims
     from the head at the rescan (a second here), not at the poll a minute away."""
-    monkeypatch.setattr(ops_module, "RESCAN_INTERVAL", 1.0)
+    monkeypatch.setattr(cursor_module, "RESCAN_INTERVAL", 1.0)
     tasks = Tasks()
     ran: list[int] = []
     lock = threading.Lock()
@@ -449,8 +322,7 @@ def test_a_plan_made_while_the_table_was_empty_is_not_kept_as_it_grows(engine: E
         # an empty table, as after a deploy.
         conn.execute(text("TRUNCATE tasks CASCADE"))
         conn.execute(text("VACUUM ANALYZE tasks"))
-    ops = on.ops()
-    ops.cursor = None  # claims from the head: one statement throughout
+    ops = on.ops()  # claims from the head (no start given): one statement throughout
 
     def scans_of_one_claim(conn: Any) -> int:
         conn.query("BEGIN")
@@ -491,7 +363,6 @@ def test_under_a_plan_made_on_an_empty_table_a_claim_and_a_sweep_take_at_most_th
         conn.execute(text("TRUNCATE tasks CASCADE"))  # no pages: the plan of an empty table
         conn.execute(text("VACUUM ANALYZE tasks"))
     ops = on.ops()
-    ops.cursor = None
 
     def scenario(conn: Any) -> tuple[list[Any], list[Any]]:
         for _ in range(12):

@@ -174,6 +174,8 @@ def test_cursor_claims_read_the_tenants_table(tenants: Engine, queues: tuple[str
     entry per queue when several are served), reads the translated table: after a claim
     from the head, the cursor claim takes the tenant's next jobs of each queue, never the
     rows with the same ids in the other schemas."""
+    from sqla_queue.worker.cursor import ClaimCursor
+
     from .test_ops import add, on_driver, tokens_of
 
     a = tenant(tenants, "tenant_a")
@@ -183,11 +185,12 @@ def test_cursor_claims_read_the_tenants_table(tenants: Engine, queues: tuple[str
     first = {queue: add(a, 1, queue=queue)[0] for queue in queues}
     with on_driver("thread", a) as on:
         ops = on.ops(queues=queues)
-        head = ops.claim_request("w", len(queues))
+        cursor = ClaimCursor(60.0, per_queue=ops.after_per_queue)
+        head = ops.claim_request("w", len(queues), after=cursor.start(), seen=cursor.claimed)
         assert not head.from_cursor
         assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, head))) == sorted((k, 1) for k in first.values())
         later = sorted(k for queue in queues for k in add(a, 2, queue=queue))
-        request = ops.claim_request("w", 10)
+        request = ops.claim_request("w", 10, after=cursor.start(), seen=cursor.claimed)
         assert request.from_cursor
         assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(k, 1) for k in later]
     for schema in (None, "tenant_b"):

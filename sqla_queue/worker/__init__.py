@@ -27,7 +27,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -35,7 +34,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -70,6 +69,16 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_queue.worker")
+
+
+class MetricsExporter(Protocol):
+    """What a worker's ``metrics_port`` sets up: an observer the worker adds to its own,
+    and an exporter started with the worker."""
+
+    observer: WorkerObserver
+
+    def start(self) -> None: ...
+
 
 #: How long stop() gives the hand-back of jobs, and then the services to end. Jobs are
 #: handed back in chunks (each commits on its own, so a stall costs only what is left),
@@ -109,6 +118,12 @@ class Worker:
     executor thread, and one each for the heartbeat, the sweeper and the listener.
     """
 
+    #: Makes the :class:`MetricsExporter` of the ``metrics_port`` option, from ``(port,
+    #: engine, model)``. The worker knows no metrics library: the package sets this to
+    #: the Prometheus plugin's (in ``sqla_queue/__init__.py``, importing
+    #: :mod:`sqla_queue.prometheus` only when a worker asks for it). None: none can be served.
+    metrics_exporter: ClassVar[Callable[[int, Any, Any], Any] | None] = None
+
     def __init__(
         self,
         engine: Engine,
@@ -143,11 +158,12 @@ class Worker:
         cfg, driver = self.config, self._driver
         table = self._qt.table
         every = list(self.observers)
-        self._metrics: Any = None
+        self._metrics: MetricsExporter | None = None
         if cfg.metrics_port is not None:
-            from ..prometheus import worker_metrics  # the optional extra, imported only when asked for
-
-            self._metrics = worker_metrics(cfg.metrics_port, engine, self.model)
+            make = Worker.metrics_exporter
+            if make is None:
+                raise RuntimeError("metrics_port: no metrics exporter is installed (sqla_queue sets one)")
+            self._metrics = make(cfg.metrics_port, engine, self.model)
             every.append(self._metrics.observer)
         self._declare_labels(every, resolved)
         self.hooks = Hooks(
@@ -167,7 +183,7 @@ class Worker:
         completer = self._completer = Completer(ctx)
         executor = Executor(ctx, resolved, self.session_factory, job_context)
         self.executors = ExecutorPool(ctx, self._producer, executor, completer)
-        self.heartbeat = Heartbeat(ctx)
+        self.heartbeat = Heartbeat(ctx, completer)
         #: Tells handlers their attempt is over (deadlines; cancels when polling only).
         self.watchdog = Watchdog(ctx)
         executor.watchdog = self.watchdog
@@ -204,14 +220,11 @@ class Worker:
             )
 
     def _declare_labels(self, observers: Sequence[WorkerObserver], resolved: Any) -> None:
-        """Tell the Prometheus metrics among ``observers`` the task and queue names this
-        worker registered or declared: the only ones they take as label values (a row's
-        names alone would grow the series without bound). Only when that optional module
-        was imported: otherwise none of its observers can be here."""
-        prometheus = sys.modules.get("sqla_queue.prometheus")
-        if prometheus is None:
-            return
-        found = [o for o in observers if isinstance(o, prometheus.PrometheusObserver)]
+        """Tell the observers that take label values (the Prometheus metrics': a
+        ``declare_labels(tasks=, queues=)`` method) the task and queue names this worker
+        registered or declared: the only ones they take (a row's names alone would grow
+        the series without bound)."""
+        found = [d for d in (getattr(o, "declare_labels", None) for o in observers) if callable(d)]
         if not found:
             return
         tasks = list(resolved) if isinstance(resolved, Tasks) else []
@@ -219,8 +232,8 @@ class Worker:
         default = getattr(self._qt.c.queue.default, "arg", None) if "queue" in self._qt.c else None
         if isinstance(default, str):
             queues.append(default)
-        for observer in found:
-            observer.metrics.declare(tasks=tasks, queues=queues)
+        for declare in found:
+            declare(tasks=tasks, queues=queues)
 
     @staticmethod
     def _check_observers(observers: Sequence[WorkerObserver]) -> tuple[WorkerObserver, ...]:

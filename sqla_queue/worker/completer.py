@@ -13,7 +13,9 @@ go, so its lease expires and the sweeper returns it. Every statement runs under 
 executors' deadline (``statement_deadline``), so a connection that stops answering is
 dropped and the statement retried on a new one. Each statement is fenced by the lease
 owner its jobs were claimed under (their executor's). Whatever happened, each job's end
-passes :meth:`Completer.settle`, once.
+passes :meth:`Completer.settle`, once. The one statement that records done outcomes with
+the next claim is the executor's (:class:`~.executor.CompleteThenClaim`): the completer
+hands it those outcomes and settles what it moved (:meth:`Completer.settle_completed`).
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ class Completer:
         connect: Callable[[], DbConnection],
         outcomes: Sequence[Outcome],
         *,
-        done_with: DoneStatement | None = None,
-    ) -> bool:
+        claim_owner: str | None = None,
+    ) -> list[Outcome]:
         """Record ``outcomes``; ``connect()`` gives the (re)connected connection to use.
 
-        ``done_with``: the statement to record the ``done`` outcomes with instead of the
-        plain completion, e.g. the executor's completion-and-next-claim, for one round
-        trip. It is run once, never retried (what else it did may have committed
-        unseen); if it fails the completions are recorded the usual way. Returns whether
-        it ran and its answer was read."""
+        ``claim_owner``: the owner of the claim the caller runs next. Done outcomes, all
+        claimed under it, are then not recorded here but returned (still held, marked
+        finishing, the lost ones settled), for the caller to record with that claim in
+        one statement (the executor's ``ops.complete_then_claim``, one round trip) and
+        hand back what it moved (:meth:`settle_completed`), or its error
+        (:meth:`complete_after_failure`). Returns those ([] when none is left to the
+        caller: every outcome was recorded here)."""
         done: list[Outcome] = []
         by_kind: dict[tuple[Kind, bool], list[Outcome]] = {}
         committed: list[Outcome] = []
@@ -97,36 +101,36 @@ class Completer:
             if unsure:  # a transactional commit whose answer was lost: the row says
                 self._record_kind(connect, kind, unsure, refund=refund, maybe_landed=True)
         if not done:
-            return False
-        if done_with is None:
+            return []
+        # One statement is fenced by one owner: the claim's (an older name claims apart).
+        if claim_owner is None or any(o.held.owner != claim_owner for o in done):
             self._record_kind(connect, Kind.DONE, done)
-            return False
-        return self._done_with(connect, done, done_with)
+            return []
+        alive = set(self.ledger.finishing([o.held for o in done]))
+        self._lost([o.held for o in done if o.held not in alive], "lease lost while running")
+        return [o for o in done if o.held in alive]
 
-    def _done_with(self, connect: Callable[[], DbConnection], group: list[Outcome], statement: DoneStatement) -> bool:
-        if len({o.held.owner for o in group}) > 1:  # one statement is fenced by one owner
-            self._record_kind(connect, Kind.DONE, group)
-            return False
-        alive = set(self.ledger.finishing([o.held for o in group]))
-        self._lost([o.held for o in group if o.held not in alive], "lease lost while running")
-        outcomes = [o for o in group if o.held in alive]
-        if not outcomes:
-            return False
-        try:
-            conn = connect()
-            sent = time.monotonic()
-            moved = statement(conn, outcomes[0].held.owner, [o.held.token for o in outcomes])
-        except Exception as exc:  # noqa: BLE001 - record the usual way
-            log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
-            for o in outcomes:
-                o.held.finishing = False
-            # A cut connection may have committed the completion unseen: read back what
-            # the repeat does not move before calling any of it lost.
-            self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=self.driver.is_connection_error(exc))
-            return False
+    def settle_completed(
+        self, connect: Callable[[], DbConnection], outcomes: list[Outcome], moved: Moved, sent: float
+    ) -> None:
+        """The caller's statement (sent at ``sent``) recorded the done ``outcomes``
+        :meth:`record` returned, and moved ``moved``: settle them (the tokens it did not
+        move were lost, or refused by a cancel)."""
         self._tell_cancelled(connect, [o.held for o in outcomes if o.held.token not in moved])
         self._settle(Kind.DONE, outcomes, moved, sent)
-        return True
+
+    def complete_after_failure(
+        self, connect: Callable[[], DbConnection], outcomes: list[Outcome], exc: Exception
+    ) -> None:
+        """The caller's statement recording the done ``outcomes`` :meth:`record`
+        returned raised ``exc``; it is never retried (what else it did may have committed
+        unseen): they are recorded the usual way."""
+        log.warning("recording %d done outcome(s) with the next claim failed (%s)", len(outcomes), exc)
+        for o in outcomes:
+            o.held.finishing = False
+        # A cut connection may have committed the completion unseen: read back what
+        # the repeat does not move before calling any of it lost.
+        self._record_kind(connect, Kind.DONE, outcomes, maybe_landed=self.driver.is_connection_error(exc))
 
     def hand_back(self, connect: Callable[[], DbConnection], held: Sequence[Held], *, refund: bool) -> None:
         """Jobs back to ``pending`` at once; ``refund`` for those never started."""
@@ -362,7 +366,8 @@ class Completer:
         the counters, the log lines, the observers) and then forgets the jobs, in that
         order: whoever sees a job leave :meth:`~sqla_queue.Worker.held` (or the worker go
         idle) finds it counted. ``forgotten``: the ledger has let go of them already (lost
-        jobs)."""
+        jobs), or their executor will when their handler returns (the jobs the heartbeat
+        found lost)."""
         if not results:
             return
         hooks = self.hooks
@@ -413,11 +418,6 @@ class Settled(NamedTuple):
 
 #: Settled's fields all given: the tuple made without NamedTuple's keyword handling.
 _new_settled = tuple.__new__
-
-#: A statement that records ``done`` for an owner's tokens, and maybe more (the next
-#: claim): ``statement(conn, owner, tokens)`` returns what it moved.
-DoneStatement = Callable[[DbConnection, str, list[ClaimToken]], Moved]
-
 
 def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refund: bool) -> str | None:
     """The status ``outcome``'s statement left the job in, if ``state`` is what it left;

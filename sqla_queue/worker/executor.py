@@ -4,11 +4,13 @@ Each executor thread owns one dedicated connection: it claims a batch on it, run
 handlers one after another, and hands the outcomes to the completer, which records them
 on the same connection. No job crosses a thread, and while work keeps coming a batch
 costs one statement however many jobs it holds: the completion of the batch before and
-the claim of the next, together. The batch is sized by the handlers' measured
-speed: up to ``batch_size`` jobs for fast handlers, one at a time for slow ones, so a job
-never waits long behind its batch-mates; until a thread has measured its handlers, and after it found nothing
-to claim (when it has peers), it claims one job at a time, so slow jobs arriving at idle
-threads spread over all of them, whatever the thread ran before.
+the claim of the next, together, which the executor runs itself
+(:class:`CompleteThenClaim`) and whose completed tokens the completer settles. The batch
+is sized by the handlers' measured speed: up to ``batch_size`` jobs for fast handlers, one
+at a time for slow ones, so a job never waits long behind its batch-mates; until a thread
+has measured its handlers, and after it found nothing to claim (when it has peers), it
+claims one job at a time, so slow jobs arriving at idle threads spread over all of them,
+whatever the thread ran before.
 Every claim and completion runs under a deadline (``statement_deadline``): a connection
 that stops answering is dropped and the call made again on a new one.
 
@@ -34,8 +36,7 @@ from sqlalchemy.orm import Session
 from ..current import CANCELLED, STOPPING, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, JobCancelled, LeaseLost, RetryLater, Snooze, UnknownTask
-from ..model import ClaimToken
-from ..ops import Claimed, ClaimRequest, Moved, Operations
+from ..ops import Claimed, ClaimRequest, Operations
 from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
 from .completer import Completer
@@ -378,27 +379,38 @@ def _reason(exc: DeadLetter | RetryLater | Snooze) -> str:
 
 
 class CompleteThenClaim:
-    """A batch's completion and the next claim, one statement and one round trip: what
-    an executor hands the completer to record its ``done`` outcomes with. Once it ran,
-    ``claimed`` holds the claim's rows (None: it did not run, claim apart)."""
+    """A batch's completion and the next claim, one statement and one round trip
+    (``ops.complete_then_claim``), run by the executor on the done outcomes the completer
+    left to it (:meth:`Completer.record` with ``claim_owner``); the completer settles what
+    it moved, or records them the usual way if it failed."""
 
-    def __init__(self, ops: Operations, driver: Driver, ledger: Ledger, request: ClaimRequest) -> None:
+    def __init__(self, ops: Operations, driver: Driver, ledger: Ledger, completer: Completer) -> None:
         self.ops = ops
         self.driver = driver
         self.ledger = ledger
-        self.request = request
-        self.claimed: list[Claimed] | None = None
+        self.completer = completer
 
-    def __call__(self, conn: DbConnection, owner: str, tokens: list[ClaimToken]) -> Moved:
-        if owner != self.request.owner:  # claimed under an older name: claim apart
-            return self.ops.complete(conn, owner, tokens)
+    def __call__(
+        self, connect: Callable[[], DbConnection], done: list[Outcome], request: ClaimRequest
+    ) -> list[Claimed] | None:
+        """Record ``done`` (all claimed under ``request.owner``) and run ``request``:
+        the rows claimed, or None when no claim ran."""
+        if not done:
+            return None
         try:
-            moved, self.claimed = self.ops.complete_then_claim(conn, tokens, self.request)
-        except Exception as exc:
-            if self.driver.is_connection_error(exc):
-                self.ledger.claim_unknown(self.request.owner)  # it may have committed unseen
-            raise
-        return moved
+            conn = connect()
+            sent = time.monotonic()
+            try:
+                moved, claimed = self.ops.complete_then_claim(conn, [o.held.token for o in done], request)
+            except Exception as exc:
+                if self.driver.is_connection_error(exc):
+                    self.ledger.claim_unknown(request.owner)  # it may have committed unseen
+                raise
+        except Exception as exc:  # noqa: BLE001 - recorded the usual way
+            self.completer.complete_after_failure(connect, done, exc)
+            return None
+        self.completer.settle_completed(connect, done, moved, sent)
+        return claimed
 
 
 class ExecutorPool(Service):
@@ -416,6 +428,7 @@ class ExecutorPool(Service):
         self.producer = producer
         self.executor = executor
         self.completer = completer
+        self.complete_then_claim = CompleteThenClaim(ctx.ops, ctx.driver, ctx.ledger, completer)
         self.signal = ctx.signal
         self.stats = ctx.stats
         self.hooks = ctx.hooks
@@ -540,11 +553,11 @@ class ExecutorPool(Service):
                 if request is None:
                     self.completer.record(lane.connect, outcomes)
                     return [], ran, busy
-                combined = CompleteThenClaim(self.ops, self.driver, self.ledger, request)
-                self.completer.record(lane.connect, outcomes, done_with=combined)
-                if combined.claimed is None:  # no claim ran with the completion
+                done = self.completer.record(lane.connect, outcomes, claim_owner=request.owner)
+                claimed = self.complete_then_claim(lane.connect, done, request)
+                if claimed is None:  # no claim ran with the completion
                     return [], ran, busy
-                nxt = self.producer.accept(request, combined.claimed)
+                nxt = self.producer.accept(request, claimed)
                 accepted = True
             finally:
                 if entered:

@@ -9,7 +9,8 @@ claim whose answer waits unread (an event loop blocked by a handler) are the wor
 before their tokens reach the ledger, and must not lapse meanwhile. Each beat runs
 under a deadline: a hung connection is cut and replaced. If no beat succeeded for a
 whole lease, the sweeper may already have handed the jobs to others: the worker stops
-claiming and treats what it holds as lost.
+claiming and treats what it holds as lost. A lost job's end passes the completer's
+:meth:`~.completer.Completer.settle`, as every job's end does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import logging
 import time
 
 from ..model import ClaimToken
+from .completer import Completer, Settled
 from .context import WorkerContext
-from .hooks import JobOutcome
 from .service import Reconnecting, Service
 from .watchdog import stop_cancelled
 
@@ -33,7 +34,7 @@ class Heartbeat(Service):
     own_thread = True
     link: Reconnecting
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, completer: Completer) -> None:
         config, driver = ctx.config, ctx.driver
         super().__init__(config.effective_heartbeat, reconnect_backoff=config.reconnect_backoff, runtime=driver.runtime)
         self.config = config
@@ -41,8 +42,9 @@ class Heartbeat(Service):
         self.driver = driver
         self.owner = ctx.owner
         self.stats = ctx.stats
-        self.hooks = ctx.hooks
         self.ops = ctx.ops
+        #: Every job's end passes its settle: a lost one too.
+        self.completer = completer
         # Every executor claims under a name of its own, each starting with "{owner}/".
         self._owners = f"{ctx.owner}/"
         self.link = Reconnecting(driver, "sqla_queue heartbeat")
@@ -60,10 +62,9 @@ class Heartbeat(Service):
                     told = stop_cancelled(self.ops, conn, [h for h in held if h.token in lost and h.started])
                 lost -= {h.token for h in told}
             gone = [h for h in held if h.token in lost and self.ledger.mark_lost(h) is not None]
-            if gone:
-                hooks = self.hooks
-                hooks.finished([hooks.event(h, JobOutcome.LOST, "lease lost (re-claimed or swept)") for h in gone],
-                               count=True)
+            # Marked, not forgotten: the executor running each lets go of it when its handler returns.
+            self.completer.settle([Settled(h, "lost", None, why="lease lost (re-claimed or swept)") for h in gone],
+                                  forgotten=True)
         self._last_ok = time.monotonic()
         if not self.ledger.healthy:
             log.info("heartbeat: the database answers again; claiming resumes")
@@ -94,9 +95,10 @@ class Heartbeat(Service):
             lost = self.ledger.lose(held)
             log.error("heartbeat: no beat succeeded for a whole lease (%.1fs): claiming stops and "
                       "the %d held job(s) are treated as lost", self.config.lease, len(lost))
-            hooks = self.hooks
-            hooks.finished([hooks.event(h, JobOutcome.LOST, "lease lost (no heartbeat for a whole lease)")
-                            for h in lost], count=True)
+            self.completer.settle(
+                [Settled(h, "lost", None, why="lease lost (no heartbeat for a whole lease)") for h in lost],
+                forgotten=True,
+            )
 
     def on_error(self, exc: BaseException) -> None:
         super().on_error(exc)

@@ -3,7 +3,9 @@
 Every executor thread claims for itself, on its own connection, when it has nothing to
 run: there is no shared claim loop to hand jobs across threads. Idle threads wait on the
 :class:`WorkSignal`, which a NOTIFY, a due timer (a delayed job, a retry) or the poll
-interval ends.
+interval ends. Ordinary claims start after the last job claimed: the producer keeps the
+worker's :class:`~.cursor.ClaimCursor` and hands each claim its start, which the
+operations layer only binds (:mod:`.cursor`).
 
 Jobs whose last lease expired (``isolated``: their worker may have died running them) are
 claimed alone, one per claim and never in a batch, but many at once: each executor of
@@ -32,9 +34,10 @@ from typing import Any
 import psycopg
 
 from ..driver import DbConnection, Driver
-from ..ops import Claimed, ClaimRequest, RowProblem, spaced_by_cost
+from ..ops import Claimed, ClaimRequest, RowProblem
 from ..runtime import Semaphore
 from .context import WorkerContext
+from .cursor import ClaimCursor, spaced_by_cost
 from .ledger import Held
 from .outcome import describe_error, storable
 
@@ -55,7 +58,7 @@ MISSED_DUE_PAUSE = 0.002
 NEXT_DUE_PAUSE = 0.05
 #: The lookup reads the pending index, whose dead entries a held snapshot keeps (at 800
 #: jobs/s, 2 ms a lookup after two minutes): the pause after one grows with its cost
-#: (:func:`~sqla_queue.ops.spaced_by_cost`), up to this.
+#: (:func:`~.cursor.spaced_by_cost`), up to this.
 MAX_NEXT_DUE_PAUSE = 0.5
 
 #: How long a row no claim can update is passed over before it is tried again.
@@ -86,6 +89,9 @@ class Producer:
         self._checked_woken = -1
         self._checked_dues = -1
         self._next_lookup = 0.0  # monotonic time the next due time may be looked up
+        #: Where the ordinary claims start, shared by the executors (None: from the head,
+        #: where the operations cannot start a claim after a key).
+        self.cursor = ClaimCursor(per_queue=self.ops.after_per_queue) if self.ops.claims_after else None
 
     def look_for_isolated(self) -> None:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""
@@ -102,7 +108,10 @@ class Producer:
         skip = self._skipped()
         if time.monotonic() >= self._isolated_after and self.ledger.take_isolated_slot():
             return self.ops.claim_request(owner, 1, isolated=True, skip=skip, in_flight=mark)
-        return self.ops.claim_request(owner, limit, skip=skip, in_flight=mark)
+        cursor = self.cursor
+        if cursor is None or skip is not None:
+            return self.ops.claim_request(owner, limit, skip=skip, in_flight=mark)
+        return self.ops.claim_request(owner, limit, in_flight=mark, after=cursor.start(), seen=cursor.claimed)
 
     def accept(self, request: ClaimRequest, rows: list[Claimed]) -> list[Held]:
         """The held jobs of a claim's rows, added to the ledger."""
@@ -310,7 +319,7 @@ class Producer:
                     # Due already, yet the claim just missed it: another claim holds it, or
                     # it fell due a moment after ours. Look again shortly, not in a loop.
                     signal.wake_at(time.monotonic() + max(seconds, MISSED_DUE_PAUSE))
-        head_claim = self.ops.head_claim_at()
+        head_claim = None if self.cursor is None else self.cursor.head_claim_at()
         if head_claim is not None:  # a job may wait before the claims' cursor
             signal.wake_at(head_claim)
         signal.wait(self.config.poll_interval)

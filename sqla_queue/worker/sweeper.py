@@ -2,16 +2,17 @@
 
 Swept jobs are marked ``isolated`` (their worker may have died running them) or
 dead-lettered when their attempts are used up. It wakes this worker's executors to look
-for isolated jobs at once, and NOTIFYs the queues it swept (marked with
-:data:`SWEPT_PREFIX`, and plain for workers that only know queue names) so the executors
-of every worker claim the returned jobs without waiting for their poll.
+for isolated jobs at once, and NOTIFYs the queues it swept (the control messages of
+:func:`~sqla_queue.control.swept_payloads`: a :class:`~sqla_queue.control.Swept` each, and
+the plain names for workers that only know queue names) so the executors of every worker
+claim the returned jobs without waiting for their poll.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..control import SWEPT_PREFIX
+from ..control import SWEPT_PREFIX, swept_payloads
 from .context import WorkerContext
 from .hooks import JobEvent, JobOutcome
 from .producer import Producer
@@ -49,9 +50,7 @@ class Sweeper(Service):
             swept = self.ops.sweep(conn, limit=SWEEP_LIMIT)
             queues = swept.queues
             if queues:
-                # The queue names wake idle workers; the marked ones also tell them that
-                # isolated jobs wait (a claim of one each, at once, not at the next poll).
-                self.driver.notify(conn, self.channel, [*queues, *(SWEPT_PREFIX + queue for queue in queues)])
+                self.driver.notify(conn, self.channel, swept_payloads(queues))
         if swept.total:
             hooks = self.hooks
             hooks.finished([

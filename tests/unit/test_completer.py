@@ -119,11 +119,20 @@ def test_a_retry_of_an_exhausted_job_is_counted_failed() -> None:
 def test_the_completion_with_the_next_claim_returns_the_claimed_rows() -> None:
     s = Setup(2)
     more = s.ops.add(2)
-    combined = CompleteThenClaim(s.ops, s.completer.driver, s.ledger, s.ops.claim_request(OWNER, 5))
-    assert s.record([Outcome(h, Kind.DONE) for h in s.held], done_with=combined)
+    combined = CompleteThenClaim(s.ops, s.completer.driver, s.ledger, s.completer)
+    done = s.record([Outcome(h, Kind.DONE) for h in s.held], claim_owner=OWNER)
+    assert s.ops.calls == []  # left to the executor's statement
+    claimed = combined(s.connect, done, s.ops.claim_request(OWNER, 5))
     assert s.ops.calls == ["complete_then_claim"]
-    assert combined.claimed is not None
-    assert sorted(c.token for c in combined.claimed) == [ClaimToken(i, 1) for i in more]
+    assert claimed is not None
+    assert sorted(c.token for c in claimed) == [ClaimToken(i, 1) for i in more]
+    assert (s.stats.done, len(s.ledger)) == (2, 0)
+
+
+def test_done_outcomes_claimed_under_another_owner_than_the_next_claim_are_recorded_apart() -> None:
+    s = Setup(2)
+    assert s.record([Outcome(h, Kind.DONE) for h in s.held], claim_owner="w/0.1") == []
+    assert s.ops.calls == ["complete"]
     assert (s.stats.done, len(s.ledger)) == (2, 0)
 
 
@@ -135,9 +144,9 @@ def test_a_completion_with_the_next_claim_lost_with_its_connection(lands: bool) 
     s = Setup(2)
     s.ops.add(2)
     s.ops.faults["complete_then_claim"] = [Fault(connection_lost(), lands=lands)]
-    combined = CompleteThenClaim(s.ops, s.completer.driver, s.ledger, s.ops.claim_request(OWNER, 5))
-    assert not s.record([Outcome(h, Kind.DONE) for h in s.held], done_with=combined)
-    assert combined.claimed is None
+    combined = CompleteThenClaim(s.ops, s.completer.driver, s.ledger, s.completer)
+    done = s.record([Outcome(h, Kind.DONE) for h in s.held], claim_owner=OWNER)
+    assert combined(s.connect, done, s.ops.claim_request(OWNER, 5)) is None
     assert s.ledger.unknown_claims("w/0.") == [OWNER]
     assert s.ops.calls == ["complete_then_claim", "complete", *(["token_states"] if lands else [])]
     assert (s.stats.done, s.stats.lost, len(s.ledger)) == (2, 0, 0)

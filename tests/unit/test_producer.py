@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from sqla_queue import ops as ops_module
+from sqla_queue.worker import cursor as cursor_module
 from sqla_queue.worker import producer as producer_module
 from sqla_queue.worker.config import WorkerConfig
 from sqla_queue.worker.context import WorkerContext
+from sqla_queue.worker.cursor import ClaimCursor
 from sqla_queue.worker.hooks import Hooks
 from sqla_queue.worker.ledger import Ledger
 from sqla_queue.worker.producer import Producer
@@ -117,7 +118,7 @@ def test_a_due_time_whose_claim_found_nothing_looks_again_at_the_pause_s_end(
 
 def test_a_wake_up_after_a_quiet_pause_looks_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", 0.0)
-    monkeypatch.setattr(ops_module, "COST_RATIO", 0.0)
+    monkeypatch.setattr(cursor_module, "COST_RATIO", 0.0)
     ops = CountingOps()
     signal = WorkSignal(1)
     producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
@@ -180,3 +181,26 @@ def test_a_row_another_executor_passes_over_is_still_dead_lettered_where_rows_cl
     assert ops.jobs[bad].status == "failed"
     assert "frozen by policy" in (ops.jobs[bad].last_error or "")
     assert producer._skipped() is None
+
+
+def test_the_ordinary_claims_start_after_the_cursor_where_the_operations_can() -> None:
+    """The producer owns the cursor: its ordinary claims start after the last job claimed
+    (the operations only take the start); with operations that cannot start after a
+    key, it keeps none."""
+    assert _producer(FakeOps(), WorkSignal(1), WorkerConfig()).cursor is None
+    ops = FakeOps(claims_after=True)
+    first, second, third = ops.add(3)
+    producer = _producer(ops, WorkSignal(1), WorkerConfig())
+    assert producer.cursor is not None
+    producer.cursor = cursor = ClaimCursor(60.0)  # no rescan within the test
+    head = producer.claim(FakeConn(), 1, "w/0.0")  # type: ignore[arg-type]
+    assert [h.token.job_id for h in head] == [first]
+    urgent = ops.add(1, priority=5)[0]  # sorts before the cursor: found from the head only
+    request = producer.request(5, "w/0.0")
+    assert request is not None and request.from_cursor
+    producer.unclaimed(request)
+    after = producer.claim(FakeConn(), 5, "w/0.0")  # type: ignore[arg-type]
+    assert [h.token.job_id for h in after] == [second, third]
+    assert ops.jobs[urgent].status == "pending"
+    assert producer.claim(FakeConn(), 5, "w/0.0") == []  # type: ignore[arg-type]
+    assert cursor.head_claim_at() is not None  # the cursor claim found nothing: one from the head is owed

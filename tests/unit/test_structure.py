@@ -278,3 +278,16 @@ def test_every_job_outcome_has_its_counter() -> None:
 
     counters = {f.name for f in fields(WorkerStats)}
     assert {o.value for o in JobOutcome} <= counters
+
+
+#: The plugins over the worker: observers a caller passes (or the package builds for a
+#: worker option), never imported by the worker.
+PLUGINS = ("sqla_queue.prometheus", "sqla_queue.otel")
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_the_worker_never_reaches_its_plugins(plugin: str) -> None:
+    graph = _graph()
+    assert plugin in graph
+    reaching = [m for m in ["sqla_queue.worker", *WORKER_MODULES] if plugin in _reachable(graph, m)]
+    assert not reaching, f"{reaching} reach {plugin}: take its observer instead"
