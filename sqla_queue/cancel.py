@@ -61,12 +61,12 @@ def cancel(
     if wanted is None and names is None:
         raise ValueError("cancel() needs ids or queues: it never cancels every job of a table by default")
     if isinstance(bind, AsyncSession | AsyncConnection):
-        return bind.run_sync(_cancel, qt.mapped_class or qt.table, wanted, names)
+        return bind.run_sync(request_cancel, qt.mapped_class or qt.table, wanted, names)
     if not isinstance(bind, Session | Connection):
         raise TypeError(
             f"cancel() needs a Session or a Connection (or their async kinds), got {type(bind).__qualname__}"
         )
-    return _cancel(bind, qt.mapped_class or qt.table, wanted, names)
+    return request_cancel(bind, qt.mapped_class or qt.table, wanted, names)
 
 
 def _check_ids(ids: Iterable[Any] | None) -> list[Any] | None:
@@ -80,7 +80,11 @@ def _check_ids(ids: Iterable[Any] | None) -> list[Any] | None:
     return wanted
 
 
-def _cancel(bind: Session | Connection, model: Any, ids: list[Any] | None, queues: list[str] | None) -> list[Any]:
+def request_cancel(
+    bind: Session | Connection, model: Any, ids: list[Any] | None, queues: list[str] | None
+) -> list[Any]:
+    """The cancel's UPDATE, and the NOTIFY of the running jobs it cancelled, in ``bind``'s
+    transaction (checked arguments: :func:`cancel` is the public call)."""
     if ids is not None and not ids:
         return []
     rows = bind.execute(cancel_jobs(model, ids=ids, queues=queues)).all()

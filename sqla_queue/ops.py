@@ -32,7 +32,7 @@ from .sql import ClaimToken, is_solitary
 
 __all__ = [
     "ClaimRequest", "ClaimSeen", "ClaimStart", "Claimed", "CursorStart", "Moved", "Operations", "QueueOps",
-    "RetentionOps", "RowProblem", "ScheduleOps", "Swept", "SweptJob", "TokenState",
+    "RetentionOps", "RowProblem", "ScheduleOps", "SweepResult", "SweptJob", "TokenState",
 ]
 
 #: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
@@ -129,7 +129,7 @@ class SweptJob(NamedTuple):
     task: str | None
 
 
-class Swept(NamedTuple):
+class SweepResult(NamedTuple):
     """What one sweep did: how many expired leases it moved, how many of those went back to
     ``pending`` (isolated), the keys dead-lettered, the queues (sorted) to wake, and each
     job moved."""
@@ -233,7 +233,7 @@ class Operations(Protocol):
     def owned_tokens(self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
         """Which of ``tokens`` owners starting with ``owner_prefix`` still hold."""
 
-    def sweep(self, conn: DbConnection, *, limit: int) -> Swept:
+    def sweep(self, conn: DbConnection, *, limit: int) -> SweepResult:
         """Expired leases back to ``pending`` (isolated), or ``failed`` when exhausted."""
 
     def complete_in_transaction(self, sa: Connection, owner: str, token: ClaimToken) -> bool:
@@ -659,7 +659,7 @@ class QueueOps:
             owned.update(cast(list[ClaimToken], conn.execute(self._owned, token_values(owner_prefix, tokens[part]))))
         return owned
 
-    def sweep(self, conn: DbConnection, *, limit: int) -> Swept:
+    def sweep(self, conn: DbConnection, *, limit: int) -> SweepResult:
         """Up to ``limit`` expired leases back to ``pending`` (isolated), or ``failed``
         when their attempts are used up."""
         stmt = self._sweeps.get(limit)
@@ -669,7 +669,7 @@ class QueueOps:
             sweep = q.sweep_expired(self.table, limit=limit).returning(*extra)
             stmt = self._sweeps[limit] = self.driver.compile(sweep)
         rows = conn.execute(stmt, {})
-        return Swept(
+        return SweepResult(
             len(rows),
             sum(1 for row in rows if row[1] == "pending"),
             [row[0] for row in rows if row[1] == "failed"],

@@ -19,7 +19,17 @@ from typing import Any, NamedTuple
 import psycopg
 
 from sqla_queue.driver import Driver
-from sqla_queue.ops import Claimed, ClaimRequest, ClaimSeen, ClaimStart, Moved, Operations, Swept, SweptJob, TokenState
+from sqla_queue.ops import (
+    Claimed,
+    ClaimRequest,
+    ClaimSeen,
+    ClaimStart,
+    Moved,
+    Operations,
+    SweepResult,
+    SweptJob,
+    TokenState,
+)
 from sqla_queue.sql import ClaimToken, is_solitary
 
 __all__ = ["Fault", "FakeConn", "FakeDriver", "FakeJob", "FakeOps", "connection_lost", "rejected"]
@@ -325,14 +335,14 @@ class FakeOps:
     def owned_tokens(self, conn: Any, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
         return {t for t in tokens if self._held(owner_prefix, t, prefix=True) is not None}
 
-    def sweep(self, conn: Any, *, limit: int) -> Swept:
+    def sweep(self, conn: Any, *, limit: int) -> SweepResult:
         now = time.monotonic()
         expired = [j for j in self.jobs.values()
                    if j.status == "running" and j.lease_expires_at is not None and j.lease_expires_at < now][:limit]
         for job in expired:
             job.status = "failed" if job.attempts >= job.max_attempts else "pending"
             job.lease_owner, job.lease_expires_at, job.isolated = None, None, True
-        return Swept(len(expired), sum(1 for j in expired if j.status == "pending"),
+        return SweepResult(len(expired), sum(1 for j in expired if j.status == "pending"),
                      [j.id for j in expired if j.status == "failed"], sorted({j.queue for j in expired}),
                      [SweptJob(j.id, j.status, j.queue, j.attempts, None) for j in expired])
 

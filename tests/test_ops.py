@@ -20,7 +20,7 @@ from sqla_queue import ops as ops_module
 from sqla_queue import sql as q
 from sqla_queue.driver import AsyncDriver, DbConnection, Driver, WorkerStartError
 from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
-from sqla_queue.ops import Claimed, ClaimRequest, QueueOps, Swept, TokenState
+from sqla_queue.ops import Claimed, ClaimRequest, QueueOps, SweepResult, TokenState
 from sqla_queue.runtime import run_in_greenlet
 from sqla_queue.sql import ClaimToken
 
@@ -495,7 +495,7 @@ def test_sweep_returns_expired_leases_and_says_what_it_did(engine: Engine, on: O
             lease_expires_at=func.now() - text("interval '1 second'")))
     ops = on.ops()
     swept = on(lambda conn: ops.sweep(conn, limit=limit))
-    assert isinstance(swept, Swept)
+    assert isinstance(swept, SweepResult)
     if limit == 1:
         assert swept.total == 1 and swept.back + len(swept.dead) == 1 and len(swept.queues) == 1
         swept = on(lambda conn: ops.sweep(conn, limit=10))
@@ -509,7 +509,7 @@ def test_sweep_returns_expired_leases_and_says_what_it_did(engine: Engine, on: O
     found = rows(engine)
     assert {(found[i].status, found[i].isolated) for i in back} == {("pending", True)}
     assert found[dead[0]].status == "failed" and found[alive[0]].status == "running"
-    assert on(lambda conn: ops.sweep(conn, limit=10)) == Swept(0, 0, [], [], [])
+    assert on(lambda conn: ops.sweep(conn, limit=10)) == SweepResult(0, 0, [], [], [])
 
 
 @pytest.mark.parametrize("queues", QUEUES)

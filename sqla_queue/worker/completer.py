@@ -34,6 +34,7 @@ from .context import WorkerContext
 from .hooks import JobEvent, JobOutcome
 from .ledger import Held
 from .outcome import Kind, Outcome
+from .watchdog import tell_cancelled
 
 __all__ = ["Completer"]
 
@@ -91,7 +92,7 @@ class Completer:
         if cancelled:  # recorded by the cancel itself
             self.settle([Settled(o.held, "cancelled", o) for o in cancelled])
         if lost:
-            self._tell_cancelled(connect, [h for h in lost if not h.lost])  # refused by a cancel?
+            self._refused_by_cancel(connect, [h for h in lost if not h.lost])  # refused by a cancel?
             self._lost(lost, "lease lost while running")
         for (kind, refund), group in by_kind.items():
             sure = [o for o in group if not o.unsure]
@@ -116,7 +117,7 @@ class Completer:
         """The caller's statement (sent at ``sent``) recorded the done ``outcomes``
         :meth:`record` returned, and moved ``moved``: settle them (the tokens it did not
         move were lost, or refused by a cancel)."""
-        self._tell_cancelled(connect, [o.held for o in outcomes if o.held.token not in moved])
+        self._refused_by_cancel(connect, [o.held for o in outcomes if o.held.token not in moved])
         self._settle(Kind.DONE, outcomes, moved, sent)
 
     def complete_after_failure(
@@ -186,7 +187,7 @@ class Completer:
             return
         if retried or maybe_landed:
             moved = self._landed(connect, kind, outcomes, moved, refund)
-        self._tell_cancelled(connect, [o.held for o in outcomes if o.held.token not in moved])
+        self._refused_by_cancel(connect, [o.held for o in outcomes if o.held.token not in moved])
         self._settle(kind, outcomes, moved, sent)
 
     def _record_alone(
@@ -208,7 +209,7 @@ class Completer:
                 continue
             if retried or maybe_landed:
                 moved = self._landed(connect, candidate.kind, [candidate], moved, refund)
-            self._tell_cancelled(connect, [candidate.held] if candidate.held.token not in moved else [])
+            self._refused_by_cancel(connect, [candidate.held] if candidate.held.token not in moved else [])
             self._settle(candidate.kind, [candidate], moved, sent)
             return
         log.error("job %s: no outcome could be recorded; its lease will expire", outcome.held.token.job_id)
@@ -328,7 +329,7 @@ class Completer:
         """Jobs whose lease is gone: settled as lost, those not already known lost
         counted and logged. ``settled``: a fenced statement matched none of their rows
         (see Ledger.lose). A job whose row was found cancelled on its attempt (told after
-        its handler returned, see :meth:`_tell_cancelled`) is not lost but cancelled: the
+        its handler returned, see :meth:`_refused_by_cancel`) is not lost but cancelled: the
         cancel is what refused its outcome."""
         cancelled = [h for h in held if h.stopped == CANCELLED]
         if cancelled:
@@ -338,7 +339,7 @@ class Completer:
         newly = self.ledger.lose(held, settled=settled)
         self.settle([Settled(h, "lost", None, why=why) for h in newly], forgotten=True)
 
-    def _tell_cancelled(self, connect: Callable[[], DbConnection], held: list[Held]) -> None:
+    def _refused_by_cancel(self, connect: Callable[[], DbConnection], held: list[Held]) -> None:
         """Of jobs whose outcome the database refused, mark those whose row reads
         ``cancelled`` on their attempt (a cancel that committed after their handler
         returned, before anyone told the worker), so they are counted as cancelled, not
@@ -349,15 +350,9 @@ class Completer:
         try:
             conn = connect()
             with self.driver.deadline(conn, self._deadline):
-                states = self.ops.token_states(conn, [h.token.job_id for h in held])
+                tell_cancelled(self.ops, conn, held, running=False)
         except Exception as exc:  # noqa: BLE001 - they count as lost, as the fence said
             log.debug("could not read back %d refused outcome(s) (%s)", len(held), exc)
-            return
-        by_pk = {state.job_id: state for state in states}
-        for h in held:
-            state = by_pk.get(h.token.job_id)
-            if state is not None and state.status == CANCELLED and state.attempt == h.token.attempt:
-                h.tell(CANCELLED)
 
     def settle(self, results: Sequence[Settled], *, forgotten: bool = False) -> None:
         """The one place every job's end in this worker passes: done (by the completer's

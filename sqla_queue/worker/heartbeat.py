@@ -22,7 +22,7 @@ from ..model import ClaimToken
 from .completer import Completer, Settled
 from .context import WorkerContext
 from .service import Reconnecting, Service
-from .watchdog import stop_cancelled
+from .watchdog import tell_cancelled
 
 __all__ = ["Heartbeat"]
 
@@ -59,7 +59,7 @@ class Heartbeat(Service):
             if lost:  # a cancelled row is not running any more either: its handler is told
                 conn = self.link.connect()
                 with self.driver.deadline(conn, self.config.heartbeat_deadline):
-                    told = stop_cancelled(self.ops, conn, [h for h in held if h.token in lost and h.started])
+                    told = tell_cancelled(self.ops, conn, [h for h in held if h.token in lost and h.started])
                 lost -= {h.token for h in told}
             gone = [h for h in held if h.token in lost and self.ledger.mark_lost(h) is not None]
             # Marked, not forgotten: the executor running each lets go of it when its handler returns.

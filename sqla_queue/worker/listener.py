@@ -12,9 +12,10 @@ import logging
 from collections.abc import Callable
 
 from ..control import Cancel, Swept, Wake, parse
+from ..driver import DbConnection
 from .context import WorkerContext
 from .service import Reconnecting, Service
-from .watchdog import stop_cancelled
+from .watchdog import tell_cancelled
 
 __all__ = ["Listener"]
 
@@ -75,12 +76,17 @@ class Listener(Service):
         if woken:
             self.signal.wake(woken)
         if cancelled:
-            held = [h for h in self.ledger.live() if h.started and str(h.token.job_id) in cancelled]
-            if held:  # the row has the last word
-                with self.driver.deadline(conn, CANCEL_CHECK_SECONDS):
-                    stop_cancelled(self.ops, conn, held)
-                    self.driver.listen(conn, self.channel)  # the last statement names the channel again
+            self._hear_cancels(conn, cancelled)
         return 0.0
+
+    def _hear_cancels(self, conn: DbConnection, ids: set[str]) -> None:
+        """Cancels were committed: tell the running attempts of ``ids`` this worker holds,
+        once their rows say so (the row has the last word)."""
+        held = [h for h in self.ledger.live() if h.started and str(h.token.job_id) in ids]
+        if held:
+            with self.driver.deadline(conn, CANCEL_CHECK_SECONDS):
+                tell_cancelled(self.ops, conn, held)
+                self.driver.listen(conn, self.channel)  # the last statement names the channel again
 
     def request_stop(self) -> None:
         """Stop at once: the wait for notifications is cut short, not waited out."""

@@ -36,7 +36,7 @@ from .context import WorkerContext
 from .ledger import Held
 from .service import Reconnecting, Service
 
-__all__ = ["STUCK_AFTER", "Watchdog", "stop_cancelled"]
+__all__ = ["STUCK_AFTER", "Watchdog", "tell_cancelled"]
 
 log = logging.getLogger("sqla_queue.worker")
 
@@ -46,9 +46,11 @@ STUCK_AFTER = 1.0
 IDLE_SECONDS = 60.0
 
 
-def stop_cancelled(ops: Operations, conn: DbConnection, held: Sequence[Held]) -> list[Held]:
-    """Tell the handlers of ``held`` whose rows read ``cancelled`` on the attempt they
-    hold; returns them, those told already included."""
+def tell_cancelled(ops: Operations, conn: DbConnection, held: Sequence[Held], *, running: bool = True) -> list[Held]:
+    """Tell the attempts of ``held`` whose rows read ``cancelled`` on the attempt they
+    hold (the row has the last word); returns them, those told already included.
+    ``running=False``: their handlers are over (their outcome was refused), and telling
+    them only marks them cancelled, so that they are counted so and not as lost."""
     if not held:
         return []
     states = {state.job_id: state for state in ops.token_states(conn, [h.token.job_id for h in held])}
@@ -56,7 +58,7 @@ def stop_cancelled(ops: Operations, conn: DbConnection, held: Sequence[Held]) ->
     for h in held:
         state = states.get(h.token.job_id)
         if state is not None and state.status == CANCELLED and state.attempt == h.token.attempt:
-            if h.tell(CANCELLED):
+            if h.tell(CANCELLED) and running:
                 log.info("job %s attempt %d: cancelled; its handler is told to stop", h.token.job_id, h.token.attempt)
             told.append(h)  # told now or before (by the poll, the listener): cancelled, never lost
     return told
@@ -102,7 +104,7 @@ class Watchdog(Service):
             self._due_now(held, stuck_check, now)
         if self.poll is not None and now >= self._next_poll:
             self._next_poll = now + self.poll
-            self._poll_cancels()
+            self._hear_cancels()
         with self._lock:
             nxt = self._due[0][0] if self._due else now + IDLE_SECONDS
         if self.poll is not None:
@@ -130,10 +132,10 @@ class Watchdog(Service):
             with self._lock:
                 heapq.heappush(self._due, (now + STUCK_AFTER, next(self._order), held, True))
 
-    def _poll_cancels(self) -> None:
+    def _hear_cancels(self) -> None:
         held = [h for h in self.ledger.live() if h.started]
         if not held:
             return
         conn = self.link.connect()
         with self.driver.deadline(conn, max(self.poll or 0.0, 1.0)):
-            stop_cancelled(self.ops, conn, held)
+            tell_cancelled(self.ops, conn, held)
