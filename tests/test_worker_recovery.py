@@ -223,7 +223,10 @@ def test_jobs_of_a_killed_or_frozen_worker_run_again_within_the_bound(
 
     rescuer_pids = {r.pid for r in rescuers}
     recovered = rows(engine, in_flight)
-    assert all(r.attempts == 2 for r in recovered), [(r.id, r.attempts) for r in recovered]
+    # Two attempts spent each: the victim's and the rescuer's (a claim given back uncounted,
+    # its answer lost with its connection on a busy machine, raised max_attempts instead).
+    assert all(r.attempts - (r.max_attempts - 20) == 2 for r in recovered), [
+        (r.id, r.attempts, r.max_attempts) for r in recovered]
     assert all(owner_pid(r.lease_owner) in rescuer_pids for r in recovered)
     counts = effect_counts(engine)
     assert {i: counts[i] for i in in_flight} == dict.fromkeys(in_flight, 1)  # the victim's attempts left nothing
@@ -913,7 +916,8 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
         supervisor.stop()
     # Each killer ran its three attempts, each killing its process; two killers may share
     # a process (and one death) when one worker held both.
-    assert all((r.status, r.attempts) == ("failed", 3) for r in rows(engine, killers)), rows(engine, killers)
+    assert all((r.status, r.attempts - (r.max_attempts - 3)) == ("failed", 3) for r in rows(engine, killers)), rows(
+        engine, killers)
     assert KILLERS <= len(deaths) <= 3 * KILLERS, deaths
     assert in_flight, f"no job was in flight on a killed process: {deaths}"
     bound = KILL_LEASE + KILL_SWEEP + KILL_POLL + 1.0 + worst
@@ -937,6 +941,10 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
           f"{sorted(round(t, 2) for t in took_first.values() if t > bound)}")
     assert max(kills.values()) <= 2, kills
     # At most one attempt lost per kill it was in flight for (none when its claim or its
-    # completion had not reached the server when the process died).
-    assert all(r.attempts <= kills[r.id] + 1 for r in finished.values()), [
-        (r.id, r.attempts, kills[r.id]) for r in finished.values()]
+    # completion had not reached the server when the process died). Attempts only grow: a
+    # claim the library gave back uncounted (a claim whose answer was lost with its
+    # connection, on a busy machine) raised max_attempts by one instead, so the attempts
+    # spent are those above the refunds.
+    spent = {r.id: r.attempts - (r.max_attempts - 3) for r in finished.values()}
+    over = [(i, finished[i].attempts, finished[i].max_attempts, kills[i]) for i, n in spent.items() if n > kills[i] + 1]
+    assert not over, f"(id, attempts, max_attempts, kills) of jobs that lost more than one attempt per kill: {over}"
