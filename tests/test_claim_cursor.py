@@ -40,19 +40,8 @@ from sqla_queue.worker.cursor import ClaimCursor
 from .helpers import wait_for
 from .models import Task
 from .test_ops import On, add, on_driver, tokens_of
+from .unit.test_cursor import T0, Clock
 from .workers import TASKS, job
-
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-Q = "default"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 # -- the statements -----------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ def tracing() -> Iterator[Tracing]:
 
 def stored(engine: Engine) -> dict[int, Any]:
     with engine.connect() as conn:
-        return {row[0]: row[1] for row in conn.execute(select(TASKS.c.id, TASKS.c.trace_context))}
+        return {row[0]: row[1] for row in conn.execute(select(TASKS.c.id, TASKS.c.trace_context).order_by(TASKS.c.id))}
 
 
 def traceparent_of(span: Any) -> str:
