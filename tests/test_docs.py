@@ -258,7 +258,7 @@ def test_every_builder_of_sql_py_is_public_and_on_the_builders_page() -> None:
 
 
 def _statement_builders() -> set[str]:
-    """The functions of sql.py that build a statement (their return annotation says so)."""
+    """The functions of the sql package that build a statement (their return annotation says so)."""
     return {
         name
         for name, obj in vars(q).items()
