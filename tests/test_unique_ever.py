@@ -107,8 +107,9 @@ def test_a_worker_with_retention_never_prunes_the_key_of_a_done_job_on_both_runt
                  what="the invoice job done")
         with Sessions() as session:  # a job without a key, done after it: the pruner's witness
             witness = session.enqueue(OnceJob())
+            session.flush()
+            witness_id = witness.id  # before the commit: the worker may prune it right after
             session.commit()
-            witness_id = witness.id
         wait_for(lambda: witness_id not in _left(engine), what="the keyless done job pruned")
         assert first.job_id in _left(engine)
         assert not _enqueue_again(engine, "order:42")
