@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -129,11 +129,15 @@ class FlaskQueue:
         session: Session = self.db.session()
         return session
 
-    def dashboard(self, *, auth: Any, read_only: bool = False, name: str = "sqla_queue_dashboard") -> Any:
+    def dashboard(
+        self, *, auth: Any, read_only: bool = False, name: str = "sqla_queue_dashboard",
+        trusted_hosts: Sequence[str] | None = None,
+    ) -> Any:
         """The web dashboard over the registered workers' tables, as a blueprint to
         register (``app.register_blueprint(queue.dashboard(auth=...), url_prefix=
-        "/queue")``); see :func:`sqla_queue.dashboard.dashboard_blueprint`. Needs the
-        ``dashboard`` extra and ``app.secret_key``."""
+        "/queue")``); see :func:`sqla_queue.dashboard.dashboard_blueprint`, whose
+        ``trusted_hosts`` this passes on (None: your app's ``TRUSTED_HOSTS`` decide).
+        Needs the ``dashboard`` extra and ``app.secret_key``."""
         from .dashboard import dashboard_blueprint
 
         models = list(dict.fromkeys(registration.model for registration in self._workers.values()))
@@ -143,7 +147,7 @@ class FlaskQueue:
         db = self.db
         return dashboard_blueprint(
             lambda: db.engine, models, auth=auth, read_only=read_only, name=name,
-            lease=leases.pop() if len(leases) == 1 else None,
+            lease=leases.pop() if len(leases) == 1 else None, trusted_hosts=trusted_hosts,
         )
 
     @property

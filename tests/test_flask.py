@@ -393,6 +393,15 @@ def test_flask_queue_inspection_commands(app: Any) -> None:
     assert ids() == []
 
 
+def test_flask_queue_dashboard_answers_only_its_trusted_hosts(app: Any) -> None:
+    app.secret_key = "test"
+    app.register_blueprint(shop.queue.dashboard(auth=lambda: True, trusted_hosts=["shop.example"]),
+                           url_prefix="/queue")
+    client = app.test_client()
+    assert client.get("/queue/", headers={"Host": "shop.example"}).status_code == 200
+    assert client.get("/queue/", headers={"Host": "attacker.example"}).status_code == 400
+
+
 def test_flask_queue_dashboard_is_a_blueprint_behind_the_apps_auth(app: Any) -> None:
     app.secret_key = "test"
     allowed = {"yes": False}
