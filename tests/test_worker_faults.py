@@ -94,6 +94,9 @@ def test_an_executor_whose_connection_stops_answering_is_cut_and_its_job_recorde
         try:
             (held,) = add(Sessions, "hold")
             wait_for(lambda: runs.of(held) == 1, what="the held job to start")
+            # On a busy machine the idle executor's first claim (its connection's first
+            # statement) can come after the held job started: wait for both.
+            wait_for(lambda: sum(_claimed(link) for link in proxy.links) == 2, what="both executors' claims")
             frozen = proxy.freeze(_claimed)
             assert len(frozen) == 2, [sorted(link.tags) for link in proxy.links]  # the two executors'
             runs.release.set()

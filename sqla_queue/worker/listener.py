@@ -57,6 +57,7 @@ class Listener(Service):
             if self.link.connections > 1:
                 log.info("listener: reconnected; polling once for jobs sent meanwhile")
             self.signal.wake()  # jobs committed while we were not listening
+            self._hear_cancels(conn, None)  # and cancels: their NOTIFYs were lost too
         payloads = self.driver.notifies(conn, self.timeout)
         if not payloads:
             return 0.0
@@ -79,10 +80,11 @@ class Listener(Service):
             self._hear_cancels(conn, cancelled)
         return 0.0
 
-    def _hear_cancels(self, conn: DbConnection, ids: set[str]) -> None:
-        """Cancels were committed: tell the running attempts of ``ids`` this worker holds,
-        once their rows say so (the row has the last word)."""
-        held = [h for h in self.ledger.live() if h.started and str(h.token.job_id) in ids]
+    def _hear_cancels(self, conn: DbConnection, ids: set[str] | None) -> None:
+        """Cancels were committed: tell the running attempts of ``ids`` this worker holds
+        (None: of every job it runs, after a time it was not listening), once their rows
+        say so (the row has the last word)."""
+        held = [h for h in self.ledger.live() if h.started and (ids is None or str(h.token.job_id) in ids)]
         if held:
             with self.driver.deadline(conn, CANCEL_CHECK_SECONDS):
                 tell_cancelled(self.ops, conn, held)
