@@ -880,7 +880,8 @@ class Supervisor:
 @pytest.mark.xfail(
     strict=False,
     reason="known defect, cause not established: on a loaded machine an innocent job can lose a third "
-    "attempt (seen three times in a day of runs under load, once dead-lettered with 'lease expired again ... attempt 3 of 3'); "
+    "attempt (seen three times in a day of runs under load, once dead-lettered with 'lease expired again "
+    "... attempt 3 of 3'); "
     "either a live worker's lease lost to a starved heartbeat, or a solitary attempt claimed while a killer "
     "ran beside it",
 )
