@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Protocol
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..driver import Driver, WorkerStartError
+from ..driver import DbConnection, Driver, WorkerStartError
 from ..enqueue.session import QueueSession
 from ..enqueue.values import enqueue_values
 from ..model import ClaimToken, QueueTable, queue_table
@@ -371,25 +371,41 @@ class Worker:
         time, which can come before the server's ``run_after``; the row is what counts.
         A database that cannot answer counts as nothing due (the worker could not claim
         it either)."""
-        lane = Lane(self._driver, "sqla_queue idle check")
         answer = [False]
-        done = Event()
 
-        def check() -> None:
+        def check(conn: DbConnection) -> None:
+            seconds = self._ops.next_due(conn)
+            answer[0] = seconds is not None and seconds <= self.config.poll_interval
+
+        failed = self._on_own_connection(check, "idle check", _IDLE_CHECK_SECONDS)
+        if failed is not None:
+            log.debug("worker %s: idle check failed (%s)", self.owner, failed)
+        return answer[0]
+
+    def _on_own_connection(
+        self, work: Callable[[DbConnection], None], purpose: str, budget: float
+    ) -> Exception | None:
+        """Run ``work`` on a connection of its own, spawned on the runtime (a thread, or a
+        task of the loop), within ``budget`` seconds; returns what it raised, if anything.
+        The connection is closed after it."""
+        lane = Lane(self._driver, f"sqla_queue {purpose}")
+        done = Event()
+        failure: list[Exception] = []
+
+        def run() -> None:
             try:
                 conn = lane.connect()
-                with self._driver.deadline(conn, _IDLE_CHECK_SECONDS):
-                    seconds = self._ops.next_due(conn)
-                answer[0] = seconds is not None and seconds <= self.config.poll_interval
-            except Exception as exc:  # noqa: BLE001 - idle as far as the worker can tell
-                log.debug("worker %s: idle check failed (%s)", self.owner, exc)
+                with self._driver.deadline(conn, budget):
+                    work(conn)
+            except Exception as exc:  # noqa: BLE001 - the caller says what it means
+                failure.append(exc)
             finally:
                 lane.reset()
                 done.set()
 
-        self._driver.runtime.spawn(check, "sqla_queue-idle-check")
-        done.wait(_IDLE_CHECK_SECONDS + 0.5)
-        return answer[0]
+        self._driver.runtime.spawn(run, f"sqla_queue-{purpose.replace(' ', '-')}")
+        done.wait(budget + 0.5)
+        return failure[0] if failure else None
 
     def on_signal(self, signum: int) -> None:
         """What SIGTERM/SIGINT do to a running worker: the first asks for a graceful stop,
@@ -469,28 +485,19 @@ class Worker:
         """Release ``held`` on a connection of its own, in chunks, within a deadline of
         a second plus a second per 2,000 jobs (what is not handed back by then returns
         after its lease)."""
-        lane = Lane(self._driver, "sqla_queue shutdown")
-        done = Event()
         budget = _HAND_BACK_SECONDS + len(held) * _HAND_BACK_PER_JOB
         left = [len(held)]
 
-        def hand_back() -> None:
-            try:
-                conn = lane.connect()
-                with self._driver.deadline(conn, budget):
-                    for first in range(0, len(held), _HAND_BACK_CHUNK):
-                        chunk = held[first:first + _HAND_BACK_CHUNK]
-                        self._completer.release_now(conn, chunk, refund=refund)
-                        left[0] -= len(chunk)
-            except Exception as exc:  # noqa: BLE001 - their leases will expire instead
-                log.warning("worker %s: could not hand back %d of %d job(s) (%s); they return after their lease",
-                            self.owner, left[0], len(held), exc)
-            finally:
-                lane.reset()
-                done.set()
+        def hand_back(conn: DbConnection) -> None:
+            for first in range(0, len(held), _HAND_BACK_CHUNK):
+                chunk = held[first:first + _HAND_BACK_CHUNK]
+                self._completer.release_now(conn, chunk, refund=refund)
+                left[0] -= len(chunk)
 
-        self._driver.runtime.spawn(hand_back, "sqla_queue-hand-back")
-        done.wait(budget + 0.5)
+        failed = self._on_own_connection(hand_back, "hand back", budget)
+        if failed is not None:  # their leases will expire instead
+            log.warning("worker %s: could not hand back %d of %d job(s) (%s); they return after their lease",
+                        self.owner, left[0], len(held), failed)
         self.ledger.lose(held)  # a handler still running must not complete after hand-back
 
     @property

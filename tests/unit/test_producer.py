@@ -40,16 +40,24 @@ def _producer(ops: FakeOps, signal: WorkSignal, config: WorkerConfig) -> Produce
     return Producer(ctx)
 
 
+def _paused(
+    monkeypatch: pytest.MonkeyPatch, pause: float, poll: float
+) -> tuple[CountingOps, WorkSignal, Producer]:
+    """A producer whose lookups of the next due time are ``pause`` apart, polling every
+    ``poll`` seconds, over operations that count the lookups."""
+    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", pause)
+    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", pause)
+    ops = CountingOps()
+    signal = WorkSignal(1)
+    return ops, signal, _producer(ops, signal, WorkerConfig(poll_interval=poll))
+
+
 def test_the_wake_ups_of_one_pause_share_one_lookup_of_the_next_due_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each wake-up may bring a delayed job, whose due time the idle worker must learn;
     at hundreds of wake-ups a second, one lookup per pause serves them all, made at the
     pause's end for the wake-ups that came during it (not at the poll)."""
     pause = 1.0
-    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", pause)
-    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", pause)
-    ops = CountingOps()
-    signal = WorkSignal(1)
-    producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
+    ops, signal, producer = _paused(monkeypatch, pause, poll=60.0)
     conn = FakeConn()
 
     signal.wake()
@@ -77,11 +85,7 @@ def test_polls_within_the_pause_schedule_no_lookup_so_an_idle_worker_stays_quiet
     """A poll brings no news of delayed jobs: within the pause it leaves no due time
     behind (a worker whose every poll did would never look idle to
     ``run(until_idle=True)``)."""
-    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", 30.0)
-    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", 30.0)
-    ops = CountingOps()
-    signal = WorkSignal(1)
-    producer = _producer(ops, signal, WorkerConfig(poll_interval=0.01))
+    ops, signal, producer = _paused(monkeypatch, 30.0, poll=0.01)
     signal.wake()
     producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
     for _ in range(3):  # each ends at the poll
@@ -97,11 +101,7 @@ def test_a_due_time_whose_claim_found_nothing_looks_again_at_the_pause_s_end(
     machine it can come a moment early, and its claim finds the job not due yet. Within the
     pause that must leave a lookup at the pause's end, not wait for the poll."""
     pause = 0.3
-    monkeypatch.setattr(producer_module, "NEXT_DUE_PAUSE", pause)
-    monkeypatch.setattr(producer_module, "MAX_NEXT_DUE_PAUSE", pause)
-    ops = CountingOps()
-    signal = WorkSignal(1)
-    producer = _producer(ops, signal, WorkerConfig(poll_interval=60.0))
+    ops, signal, producer = _paused(monkeypatch, pause, poll=60.0)
     signal.wake()
     producer.wait_for_work(FakeConn())  # type: ignore[arg-type]
     assert len(ops.lookups) == 1
