@@ -34,11 +34,13 @@ from .errors import (
     JobCancelled,
     LeaseLost,
     NotAQueueModel,
+    QueuesTableNotDeclared,
     RetryLater,
     Snooze,
     SqlaQueueError,
     UnknownTask,
 )
+from .flow import queues_table
 from .model import (
     FINISHED_STATUSES,
     UNIQUE_ACTIVE,
@@ -51,6 +53,7 @@ from .model import (
     archive_table,
     queue_table,
 )
+from .pause import pause, resume
 from .periodic import Schedule, schedules_table
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
@@ -79,6 +82,7 @@ __all__ = [
     "LeaseLost",
     "NotAQueueModel",
     "QueueSession",
+    "QueuesTableNotDeclared",
     "RetryLater",
     "Snooze",
     "Schedule",
@@ -101,7 +105,10 @@ __all__ = [
     "enqueue_many",
     "enqueue_values",
     "notify_on_commit",
+    "pause",
     "queue_table",
+    "queues_table",
+    "resume",
     "schedules_table",
 ]
 

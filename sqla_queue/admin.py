@@ -19,7 +19,10 @@ from sqlalchemy import BigInteger, Connection, Engine, Row, SmallInteger, func, 
 from . import sql as q
 from .cancel import cancel as _cancel
 from .driver import WorkerStartError
+from .flow import declared_queues_table
 from .model import JobStatus, queue_table, table_problem, translated_schema
+from .pause import pause as _pause
+from .pause import resume as _resume
 from .periodic import Schedule, schedules_table
 
 __all__ = [
@@ -41,11 +44,14 @@ __all__ = [
     "key_holders",
     "lease_owners",
     "list_jobs",
+    "pause_queues",
+    "paused_queues",
     "parse_job_id",
     "queue_depth",
     "queue_overview",
     "prune",
     "requeue",
+    "resume_queues",
     "stats_json",
     "sweep",
 ]
@@ -271,18 +277,43 @@ def prune(
             return total
 
 
+def pause_queues(engine: Engine, model: Any, queues: Sequence[str]) -> list[tuple[str, bool]]:
+    """Pause ``queues`` (:func:`sqla_queue.pause`) in one transaction of its own: each
+    queue with whether this call paused it (False: it was paused already)."""
+    with engine.begin() as conn:
+        return [(queue, _pause(conn, model, queue)) for queue in dict.fromkeys(queues)]
+
+
+def resume_queues(engine: Engine, model: Any, queues: Sequence[str]) -> list[tuple[str, bool]]:
+    """Resume ``queues`` (:func:`sqla_queue.resume`), as :func:`pause_queues` pauses them."""
+    with engine.begin() as conn:
+        return [(queue, _resume(conn, model, queue)) for queue in dict.fromkeys(queues)]
+
+
+def paused_queues(engine: Engine, model: Any) -> dict[str, datetime]:
+    """Each paused queue of ``model``'s table and since when; empty when the table has no
+    queues table declared (nothing can be paused)."""
+    if declared_queues_table(queue_table(model).table) is None:
+        return {}
+    with engine.connect() as conn:
+        return {row.queue: row.paused_at for row in conn.execute(q.paused_queues(model))}
+
+
 def format_stats(engine: Engine, model: Any) -> str:
-    """Jobs per queue and status, and the oldest runnable job's age, as a text table."""
+    """Jobs per queue and status, and the oldest runnable job's age, as a text table;
+    then the paused queues, if any."""
     with engine.connect() as conn:
         rows = conn.execute(q.queue_stats(model)).all()
+    paused = paused_queues(engine, model)
+    note = "".join(f"\npaused: {queue} (since {_moment(at)})" for queue, at in paused.items())
     if not rows:
-        return "(no jobs)"
+        return "(no jobs)" + note
     header = ("queue", "status", "jobs", "oldest runnable")
     table = [header] + [(r.queue, r.status, str(r.jobs), _age(r.oldest_runnable_age)) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return "\n".join(lines) + note
 
 
 def format_schedules(

@@ -1,4 +1,4 @@
-"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, prune, list schedules.
+"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, pause, prune, list schedules.
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
@@ -536,6 +536,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    changed = _on_admin_target(args, lambda engine, model: admin.pause_queues(engine, model, args.queue))
+    for queue, paused in changed:
+        print(f"paused {queue}" if paused else f"{queue} was paused already")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    changed = _on_admin_target(args, lambda engine, model: admin.resume_queues(engine, model, args.queue))
+    for queue, resumed in changed:
+        print(f"resumed {queue}" if resumed else f"{queue} was not paused")
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     def jobs(engine: Engine, model: Any, filters: admin.JobFilters) -> str:
         before = None
@@ -764,6 +778,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--queue", type=queue_name, action="append", help="every unfinished job of this queue (repeatable)"
     )
     cancel.set_defaults(func=cmd_cancel)
+
+    for name, verb, func in (("pause", "stop claiming", cmd_pause), ("resume", "claim again", cmd_resume)):
+        sub = admin(name, f"{verb} the jobs of a queue, on every worker (running jobs finish)")
+        sub.add_argument(
+            "--queue", type=queue_name, action="append", required=True, help=f"the queue to {name} (repeatable)"
+        )
+        sub.set_defaults(func=func)
 
     jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
     filters(jobs, statuses=[s.value for s in JobStatus], ids=False)

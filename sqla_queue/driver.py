@@ -35,6 +35,7 @@ from sqlalchemy.util.concurrency import await_only
 
 from .dbapi import CompileOnceError, SchemaMapKey, Statement, compile_statement, reraise_as_sqlalchemy, schema_map_key
 from .errors import SqlaQueueError
+from .flow import declared_queues_table
 from .model import REQUIRED_COLUMNS, constraint_name, notify_channel, table_problem, translated_schema, unique_jobs
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 from .sql._notify import notify_sql
@@ -577,6 +578,11 @@ class Driver:
                 index = conn.query(
                     INDEX_SQL, (qualified.as_string(None), constraint_name(table.name, "unique_idx"))
                 ) if present and unique_jobs(table) is not None else None
+                controls = declared_queues_table(table)
+                controls_missing = controls is not None and not conn.query(
+                    "SELECT to_regclass(%s) IS NOT NULL",
+                    (pgsql.Identifier(*([schema, controls.name] if schema else [controls.name])).as_string(None),),
+                )[0][0]
             name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
@@ -584,6 +590,11 @@ class Driver:
         if problem is None and index is not None:
             # A unique index the model no longer describes would skip or refuse keyed jobs.
             problem = unique_index_problem(table, index[0] if index else None, name)
+        if problem is None and controls_missing:
+            problem = (
+                f"table {name!r} has a queues table declared (sqla_queue.queues_table), but "
+                f"{constraint_name(table.name, 'queues')!r} does not exist in that database: create it, or migrate"
+            )
         if problem is not None:
             raise WorkerStartError(problem)
         return types

@@ -67,6 +67,11 @@ class JobCancelled(SqlaQueueError):
         self.reason = reason
 
 
+class QueuesTableNotDeclared(SqlaQueueError, LookupError):
+    """A pause or resume names a queue table without a declared
+    :func:`~sqla_queue.queues_table`: its workers would not read the pause."""
+
+
 class UnknownTask(SqlaQueueError, LookupError):
     """A task row names a task that is not registered with the worker's :class:`Tasks`."""
 

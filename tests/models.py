@@ -9,7 +9,15 @@ from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDec
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
-from sqla_queue import UNIQUE_EVER, IdempotencyKeyMixin, JobMixin, TaskMixin, UniqueJobs, schedules_table
+from sqla_queue import (
+    UNIQUE_EVER,
+    IdempotencyKeyMixin,
+    JobMixin,
+    TaskMixin,
+    UniqueJobs,
+    queues_table,
+    schedules_table,
+)
 
 
 class Base(DeclarativeBase):
@@ -65,6 +73,8 @@ class Task(Base, TaskMixin):
 #: The watermark tables of the periodic jobs of the tables that have schedules.
 TASK_SCHEDULES = schedules_table(Task)
 REPORT_SCHEDULES = schedules_table(ReportJob)
+#: The task table's queues can be paused: its claims read this table (the others' do not).
+TASK_QUEUES = queues_table(Task)
 
 
 class UuidJob(Base, JobMixin):

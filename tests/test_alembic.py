@@ -806,6 +806,36 @@ def test_autogenerate_adds_the_schedules_table_to_an_existing_queue(
     assert "tasks_schedules" not in schema(project.url)
 
 
+QUEUES = """
+    from sqla_queue import queues_table
+
+    queues_table(Task)
+"""
+
+
+@pytest.mark.system
+def test_autogenerate_adds_the_queues_table_to_an_existing_queue(project: Project, new_database: NewDatabase) -> None:
+    """Pauses added to a deployed queue: autogenerate creates the queues table, the same
+    as create_all, and nothing else; downgrade drops it."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    project.models(models(more=QUEUES))
+    migration = project.autogenerate("queues")
+    upgrade = project.upgrade_body(migration)
+    assert "op.create_table('tasks_queues'" in upgrade
+    assert upgrade.count("op.create_table(") == 1 and "create_index" not in upgrade
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    migrated = schema(project.url)
+    assert migrated == schema(reference)
+    assert set(migrated["tasks_queues"]["columns"]) == {"queue", "paused_at", "updated_at"}
+    project.alembic("check")
+    project.alembic("downgrade", "-1")
+    assert "tasks_queues" not in schema(project.url)
+
+
 @pytest.mark.system
 def test_a_changed_unique_declaration_is_migrated_by_autogenerate(project: Project, new_database: NewDatabase) -> None:
     """``__queue_unique__`` changed on an existing table: the index's columns stay, its

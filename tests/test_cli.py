@@ -117,8 +117,8 @@ def test_console_script_help_lists_the_commands() -> None:
         [sys.executable, "-m", "sqla_queue.cli", "--help"], capture_output=True, text=True, cwd=REPO, check=True
     )
     commands = (
-        "worker", "sweep", "stats", "requeue", "cancel", "prune", "jobs", "show", "delete", "dashboard", "schedules",
-        "alembic",
+        "worker", "sweep", "stats", "requeue", "cancel", "pause", "resume", "prune", "jobs", "show", "delete",
+        "dashboard", "schedules", "alembic",
     )
     for command in commands:
         assert command in result.stdout
@@ -277,7 +277,7 @@ def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 def test_help_is_plain_text() -> None:
     parsers = _parsers(build_parser())
-    assert len(parsers) == 14  # the main parser, its twelve commands, alembic init
+    assert len(parsers) == 16  # the main parser, its fourteen commands, alembic init
     for parser in parsers:
         text = parser.format_help()
         for markup in ("``", ":class:", ":func:", ":mod:", ":meth:"):

@@ -92,6 +92,10 @@ def test_every_snippet_include_is_inside_a_code_block(page: Path) -> None:
 NOT_FROM_A_FILE: dict[tuple[str, str], str] = {
     ("guides/periodic.md", "INSERT INTO tasks_schedules"):
         "the statement claim_schedule_tick() renders, shown to explain it; tests/test_periodic.py runs the builder",
+    ("guides/flow.md", "... WHERE status = 'pending'"):
+        "the one-queue claim's condition, abridged; tests/test_pause.py runs every claim shape",
+    ("guides/flow.md", "Result  One-Time Filter"):
+        "the plan it gets, abridged; tests/test_pause.py asserts the one-time filter",
     ("reference/sql.md", "UPDATE email_jobs SET status='running'"):
         "the claim statement as compiled, shown to explain it; tests/test_sql.py runs the builder",
     ("internals/job-life.md", "enqueue / enqueue_many"):

@@ -55,7 +55,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from .. import admin
 from .. import sql as q
-from ..model import JobStatus, QueueTable, queue_table
+from ..flow import declared_queues_table
+from ..model import JobStatus, QueueTable, check_queue, queue_table
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
 
@@ -72,7 +73,7 @@ _CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
-_ACTIONS = ("requeue", "cancel", "delete", "requeue_matching")
+_ACTIONS = ("requeue", "cancel", "delete", "requeue_matching", "pause", "resume")
 _STATUSES = frozenset(s.value for s in JobStatus)
 #: A list shows the first characters of a JSON value stored uncompressed in at most
 #: this many bytes (the last ones of a text of at most ``_PREVIEW_TEXT_BYTES``), and only
@@ -98,6 +99,11 @@ class _Table:
     @property
     def has_payload(self) -> bool:
         return "payload" in self.qt.c
+
+    @property
+    def pausable(self) -> bool:
+        """Whether its queues can be paused: it has a declared queues table."""
+        return declared_queues_table(self.qt.table) is not None
 
 
 class _Settings:
@@ -215,7 +221,10 @@ def dashboard_blueprint(
     @bp.get("/")
     def overview() -> str:
         engine = settings.engine
-        sections = [(table, admin.queue_overview(engine, table.model)) for table in settings.tables.values()]
+        sections = [
+            (table, admin.queue_overview(engine, table.model), admin.paused_queues(engine, table.model))
+            for table in settings.tables.values()
+        ]
         return render_template(
             "sqla_queue_dashboard/overview.html",
             sections=sections,
@@ -295,6 +304,19 @@ def dashboard_blueprint(
         if verb not in _ACTIONS:
             abort(400, f"unknown action {verb!r}")
         ids = [_job_id(entry, value) for value in request.form.getlist("id")]
+        if verb in ("pause", "resume"):
+            if not entry.pausable:
+                abort(400, "this table has no queues table (sqla_queue.queues_table): its queues cannot be paused")
+            queue = request.form.get("queue", "")
+            try:
+                check_queue(queue)
+            except ValueError as exc:
+                abort(400, str(exc))
+            change = admin.pause_queues if verb == "pause" else admin.resume_queues
+            ((_, changed),) = change(settings.engine, entry.model, [queue])
+            done = "paused" if verb == "pause" else "resumed"
+            flash(f"{done} queue {queue}" if changed else f"queue {queue} was {done} already", "ok")
+            return redirect(url_for(".overview"))
         if verb == "requeue_matching":
             # Every dead letter the dead-letter page's filter shows, on every page of it.
             form = request.form

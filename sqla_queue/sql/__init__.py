@@ -29,6 +29,7 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #   _retention.py    requeue, delete, prune, archive
 #   _unique.py       the keyed insert, a key's holder, the rows that keep their key
 #   _schedules.py    the watermark of each periodic schedule
+#   _flow.py         pausing and resuming a queue, and the condition every claim adds
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
@@ -78,6 +79,7 @@ from ._base import QueueModel as QueueModel
 from ._base import _queue_names as _queue_names
 from ._base import delay_from_insert, has_timeouts, seconds_interval, still_fresh
 from ._claim import claim, claim_candidates, claim_template, fail_unclaimable
+from ._flow import pause_queue, paused_queues, resume_queue
 from ._inspect import DEPTH_STATUSES as DEPTH_STATUSES
 from ._inspect import (
     finished_per_minute,
@@ -158,6 +160,8 @@ __all__ = [
     "listening_workers",
     "next_run_after",
     "owned_tokens",
+    "pause_queue",
+    "paused_queues",
     "prune_finished",
     "queue_depth",
     "prune_lock_key",
@@ -166,6 +170,7 @@ __all__ = [
     "release_lost_claims",
     "release_many_if_owner",
     "requeue_failed",
+    "resume_queue",
     "retry_if_owner",
     "retry_many_if_owner",
     "schedule_states",

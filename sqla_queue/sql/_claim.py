@@ -64,6 +64,7 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
+from ._flow import unpaused
 
 
 def claim(
@@ -144,11 +145,11 @@ def _claim(
     if after and names is not None and len(names) > 1:
         claimable = _claimable_after_each_queue(qt, conditions, order, limit, names)
     elif after:
-        claimable = _claimable_after(qt, [*conditions, *_queue_filter(qt, names)], order, limit)
+        claimable = _claimable_after(qt, [*conditions, *_queue_filter(qt, names), *unpaused(qt, names)], order, limit)
     elif names is None or len(names) == 1:
         claimable = (
             select(qt.pk)
-            .where(*conditions, *_queue_filter(qt, names))
+            .where(*conditions, *_queue_filter(qt, names), *unpaused(qt, names))
             .order_by(*order)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -157,7 +158,7 @@ def _claim(
         served = func.unnest(_queue_array(qt, names)).table_valued("name").render_derived(name="served")
         per_queue = (
             select(qt.pk, c.priority, c.run_after)
-            .where(*conditions, c.queue == served.c.name)
+            .where(*conditions, c.queue == served.c.name, *unpaused(qt, served=served.c.name))
             .order_by(*order)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -241,7 +242,7 @@ def _claimable_after_each_queue(
     later = tuple_(c.run_after, qt.pk) > tuple_(served.c.after_run_after, served.c.after_key)
     parts = [
         select(qt.pk, c.priority, c.run_after)
-        .where(*conditions, c.queue == served.c.name, *where)
+        .where(*conditions, c.queue == served.c.name, *unpaused(qt, served=served.c.name), *where)
         # The queue first, one value here: the order of <table>_claim_queue_idx, which
         # reads this queue's entries alone (the all-queues index would read every
         # queue's, a backlog of a queue not served included).
@@ -362,6 +363,7 @@ def claim_candidates(
             c.run_after <= func.now(),
             c.isolated if isolated else not_(c.isolated),
             *_queue_filter(qt, queues),
+            *unpaused(qt, _queue_names(queues)),
             qt.pk != all_(_param(SKIP_PARAM, ARRAY(qt.pk.type))),
         )
         .order_by(c.priority.desc(), c.run_after, qt.pk)

@@ -31,7 +31,18 @@ from sqlalchemy.sql import table as _sql_table
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..model import FINISHED_STATUSES, JobStatus, QueueTable, notify_channel, queue_table, status_literal
-from ._base import PENDING, RUNNING, QueueModel, _kind_filter, _pk_in, _queue_filter, _status, seconds_interval
+from ._base import (
+    PENDING,
+    RUNNING,
+    QueueModel,
+    _kind_filter,
+    _pk_in,
+    _queue_filter,
+    _queue_names,
+    _status,
+    seconds_interval,
+)
+from ._flow import unpaused
 
 _PG_PREPARER: Final = PGIdentifierPreparer(PGDialect())  # type: ignore[no-untyped-call]
 
@@ -44,7 +55,7 @@ def isolated_waiting(model: QueueModel, *, queues: Sequence[str] | None = None) 
         select(qt.pk)
         .where(
             _status(qt, PENDING), c.isolated, c.run_after <= func.now(), *_queue_filter(qt, queues),
-            *_kind_filter(qt),
+            *unpaused(qt, _queue_names(queues)), *_kind_filter(qt),
         )
         .limit(1)
     )

@@ -50,6 +50,7 @@ from ._base import (
     _owner_match,
     _param,
     _queue_filter,
+    _queue_names,
     _seconds,
     _status,
     _token_fence,
@@ -60,6 +61,7 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
+from ._flow import unpaused
 
 
 def extend_leases_if_owner(
@@ -310,6 +312,7 @@ def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) ->
             func.isfinite(c.run_after),  # 'infinity' never falls due (and cannot be subtracted)
             or_(c.run_after > now, not_(c.isolated)),
             *_queue_filter(qt, queues),
+            *unpaused(qt, _queue_names(queues)),
             *_kind_filter(qt),
         )
         .order_by(c.run_after)

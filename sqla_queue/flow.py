@@ -1,0 +1,80 @@
+"""Flow control declared beside a queue table: the queues table, where a queue is paused.
+
+:func:`queues_table` adds ``<table>_queues`` to the model's metadata, one row per queue
+that was ever paused (``paused_at`` set while it is). Declaring it is what makes every
+claim of that queue table honour pauses: the claim statements read it (see
+:func:`~sqla_queue.sql.unpaused`), so a pause holds from the commit of the transaction
+that made it, on every worker, with no message to be lost. A queue table without it
+claims as before, at no cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from sqlalchemy import Column, DateTime, Table, func
+
+from .errors import QueuesTableNotDeclared
+from .model import constraint_name, queue_table
+
+__all__ = ["queues_table"]
+
+_INFO_KEY: Final = "sqla_queue.queues_table"
+
+
+def queues_table(model: Any) -> Table:
+    """The control table of ``model``'s queue table: one row per queue paused at least
+    once, ``paused_at`` set while it is paused. Named ``<table>_queues``, in the queue
+    table's schema and ``MetaData`` (so ``create_all`` and Alembic autogenerate see it).
+
+    Call it beside the model (``queues_table(EmailJob)``), in the module every worker
+    imports: from then on the claims of this queue table skip paused queues, and
+    :func:`~sqla_queue.pause` can pause them. It returns the same Table on every call,
+    and follows the queue table into whatever schema a ``schema_translate_map`` puts it.
+    """
+    table = queue_table(model).table
+    found = declared_queues_table(table)
+    if found is not None:
+        return found
+    name = constraint_name(table.name, "queues")
+    key = f"{table.schema}.{name}" if table.schema else name
+    existing = table.metadata.tables.get(key)
+    if existing is not None:
+        table.info[_INFO_KEY] = existing
+        return existing
+    made = Table(
+        name,
+        table.metadata,
+        Column("queue", table.c.queue.type, primary_key=True),
+        # Set while the queue is paused: no claim takes its jobs.
+        Column("paused_at", DateTime(timezone=True)),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        schema=table.schema,
+    )
+    table.info[_INFO_KEY] = made
+    return made
+
+
+def declared_queues_table(table: Table) -> Table | None:
+    """The queues table :func:`queues_table` declared for the queue ``table``, if any."""
+    found: Table | None = table.info.get(_INFO_KEY)
+    return found
+
+
+
+def required_queues_table(model: Any) -> Table:
+    """The declared queues table of ``model``'s queue table, or
+    :class:`~sqla_queue.errors.QueuesTableNotDeclared`: a pause is refused rather than
+    written where workers that never declared the table would not read it."""
+    qt = queue_table(model)
+    found = declared_queues_table(qt.table)
+    if found is None:
+        raise QueuesTableNotDeclared(
+            f"{qt.table.name!r} has no queues table: call sqla_queue.queues_table({_model_name(model)}) beside "
+            f"the model, in the module every worker imports, then create or migrate it (Alembic autogenerate adds it)"
+        )
+    return found
+
+
+def _model_name(model: Any) -> str:
+    return getattr(model, "__name__", None) or "Model"
