@@ -55,6 +55,7 @@ from .model import (
 )
 from .pause import pause, resume
 from .periodic import Schedule, schedules_table
+from .rules import Concurrency
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
@@ -67,6 +68,7 @@ __all__ = [
     "Backoff",
     "BulkRowError",
     "ClaimToken",
+    "Concurrency",
     "DeadLetter",
     "EnqueueError",
     "Enqueued",

@@ -56,6 +56,28 @@ log = logging.getLogger("sqla_queue.worker")
 #: the plans makes the next execution plan for the table as it is now.
 REPLAN_INTERVAL = 10.0
 _DISCARD_PLANS = b"DISCARD PLANS"
+#: Longest wait of a claim for the turn of a table with flow rules (``lock_timeout``;
+#: less when the statement deadline is shorter): past it the claim fails as any claim
+#: does, and the executor tries again later.
+FLOW_LOCK_TIMEOUT = 5.0
+#: Longest time a claim's transaction of a table with flow rules may sit idle between
+#: its statements (``idle_in_transaction_session_timeout``): a worker stopped in it
+#: (SIGSTOP, a paused VM) has it ended by the server, which releases the turn.
+FLOW_IDLE_TIMEOUT = 3.0
+_COMMIT = b"COMMIT"
+_ROLLBACK = b"ROLLBACK"
+
+
+def take_turn(lock: int, deadline: float) -> bytes:
+    """``BEGIN``, the claim transaction's own timeouts, and its wait for the advisory lock
+    ``lock``, at most :data:`FLOW_LOCK_TIMEOUT` or half the statement ``deadline``: one
+    simple-protocol query (one round trip), for :meth:`DbConnection.fetch_claimed`."""
+    wait = max(1, int(min(FLOW_LOCK_TIMEOUT, deadline / 2) * 1000))
+    return (
+        f"BEGIN; SET LOCAL lock_timeout = '{wait}ms'; "
+        f"SET LOCAL idle_in_transaction_session_timeout = '{int(FLOW_IDLE_TIMEOUT * 1000)}ms'; "
+        f"SELECT pg_advisory_xact_lock({int(lock)})"
+    ).encode()
 
 
 
@@ -135,15 +157,40 @@ class DbConnection:
         return cur.fetchall() if cur.pgresult is not None and cur.description else []
 
     def fetch_claimed(
-        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int
+        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int, turn: bytes | None = None
     ) -> list[tuple[Any, ...] | RowError]:
         """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`, with
-        the values of its columns ``pk_index`` and ``attempt_index`` (the caller's to know)."""
+        the values of its columns ``pk_index`` and ``attempt_index`` (the caller's to know).
+
+        ``turn`` (:func:`take_turn`): the claim takes turns (a table with flow rules), in
+        a transaction that first waits for an advisory lock, so the claim's snapshot,
+        taken after it, sees every earlier claim committed; committed before the rows
+        are returned."""
         cur = self._cursor
         if self._replan_due():
             cur.execute(_DISCARD_PLANS)
-        cur.execute(stmt.sql, stmt.params(values))
-        return self._claimed_rows(cur, pk_index, attempt_index)
+        if turn is None:
+            cur.execute(stmt.sql, stmt.params(values))
+            return self._claimed_rows(cur, pk_index, attempt_index)
+        try:
+            cur.execute(turn)
+            cur.execute(stmt.sql, stmt.params(values))
+            rows = self._claimed_rows(cur, pk_index, attempt_index)
+            cur.execute(_COMMIT)
+        except BaseException:
+            self._roll_back()
+            raise
+        return rows
+
+    def _roll_back(self) -> None:
+        """End a failed transaction of the driver's own; a broken connection is left as
+        it is (its transaction ends with it)."""
+        if self.broken:
+            return
+        try:
+            self.raw.execute(_ROLLBACK)
+        except Exception:  # the connection is then broken, and discarded
+            log.debug("%s: rollback failed", self.purpose, exc_info=True)
 
     def _claimed_rows(
         self, cur: psycopg.Cursor[Any], pk_index: int, attempt_index: int
@@ -241,17 +288,36 @@ class AsyncDbConnection(DbConnection):
         return await cur.fetchall() if cur.pgresult is not None and cur.description else []
 
     def fetch_claimed(
-        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int
+        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int, turn: bytes | None = None
     ) -> list[tuple[Any, ...] | RowError]:
-        return await_only(self._fetch_claimed(stmt.sql, stmt.params(values), pk_index, attempt_index))
+        return await_only(self._fetch_claimed(stmt.sql, stmt.params(values), pk_index, attempt_index, turn))
 
     async def _fetch_claimed(
-        self, sql: str, params: Mapping[str, Any], pk_index: int, attempt_index: int
+        self, sql: str, params: Mapping[str, Any], pk_index: int, attempt_index: int, turn: bytes | None
     ) -> list[tuple[Any, ...] | RowError]:
+        cur = self._cursor
         if self._replan_due():
-            await self._cursor.execute(_DISCARD_PLANS)
-        await self._cursor.execute(sql, params)
-        return await self._aclaimed_rows(self._cursor, pk_index, attempt_index)
+            await cur.execute(_DISCARD_PLANS)
+        if turn is None:
+            await cur.execute(sql, params)
+            return await self._aclaimed_rows(cur, pk_index, attempt_index)
+        try:
+            await cur.execute(turn)
+            await cur.execute(sql, params)
+            rows = await self._aclaimed_rows(cur, pk_index, attempt_index)
+            await cur.execute(_COMMIT)
+        except BaseException:
+            await self._aroll_back()
+            raise
+        return rows
+
+    async def _aroll_back(self) -> None:
+        if self.broken:
+            return
+        try:
+            await self.raw.execute(_ROLLBACK)
+        except Exception:  # the connection is then broken, and discarded
+            log.debug("%s: rollback failed", self.purpose, exc_info=True)
 
     @staticmethod
     async def _aclaimed_rows(

@@ -48,6 +48,7 @@ from sqlalchemy.sql.naming import conv
 
 from .cache import plans
 from .errors import EnqueueError, NotAQueueModel
+from .rules import FlowRule, check_rules
 
 __all__ = [
     "ClaimToken",
@@ -72,6 +73,7 @@ DEFAULT_MAX_ATTEMPTS: Final = 20
 _INFO_KEY: Final = "sqla_queue"
 _UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
 _WAKE_INFO_KEY: Final = "sqla_queue.wake"
+_FLOW_INFO_KEY: Final = "sqla_queue.flow"
 #: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
 #: (the default), or sent after it, coalesced (see :mod:`sqla_queue.enqueue.waker`).
 WAKE_WITH_COMMIT: Final = "with_commit"
@@ -414,6 +416,11 @@ def _attach_schema_objects(table: Table) -> None:
     )
     # The sweeper's lookup of expired leases.
     Index(conv(constraint_name(name, "lease_idx")), c.lease_expires_at, postgresql_where=running)
+    for rule in flow_rules(table):
+        if rule.key is not None:
+            # A rule's claims count the running jobs of each candidate's key with it
+            # (a rule without a key counts every running job: lease_idx).
+            Index(conv(constraint_name(name, f"running_{rule.key}_idx")), c[rule.key], postgresql_where=running)
     unique = table.info.get(_UNIQUE_INFO_KEY)
     if isinstance(unique, UniqueJobs):
         # Unique jobs: a duplicate is skipped by INSERT … ON CONFLICT DO NOTHING against it.
@@ -454,7 +461,15 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
             f"{cls.__qualname__}.__queue_wake__ must be one of {', '.join(map(repr, WAKE_MODES))}, got {wake!r}"
         )
     table.info[_WAKE_INFO_KEY] = wake
+    flow = getattr(cls, "__queue_flow__", ())
+    table.info[_FLOW_INFO_KEY] = check_rules(cls.__qualname__, flow, table.c.keys())
     _attach_schema_objects(table)
+
+
+def flow_rules(table: Table) -> tuple[FlowRule, ...]:
+    """The flow rules of a queue model's table (its ``__queue_flow__``; empty: none)."""
+    found: tuple[FlowRule, ...] = table.info.get(_FLOW_INFO_KEY, ())
+    return found
 
 
 def wake_mode(table: Table) -> str:

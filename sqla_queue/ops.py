@@ -24,9 +24,9 @@ from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
 from sqlalchemy import Connection
 
 from . import sql as q
-from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError
+from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError, take_turn
 from .loader import RowLoader
-from .model import TIMEOUT_COLUMNS, queue_table, translated_schema
+from .model import TIMEOUT_COLUMNS, flow_rules, queue_table, translated_schema
 from .periodic import Schedule, schedules_table
 from .sql import ClaimToken, is_solitary
 
@@ -346,7 +346,13 @@ class QueueOps:
         #: several queues start each after a key of its own, in the order of the queues given.
         self._cursor_claims: tuple[Statement, Statement] | None = None
         self._cursor_queues = list(dict.fromkeys(queues)) if queues is not None and len(set(queues)) > 1 else None
-        self.claims_after = _integer_key(qt.pk)
+        #: A table with flow rules: its claims take turns on this advisory lock, and start
+        #: from the head (the rules pass over full keys there; see sql.flow_lock).
+        self._flow_turn = (
+            take_turn(q.flow_lock_key(table, driver.schema_translate_map), self.statement_deadline)
+            if flow_rules(table) else None
+        )
+        self.claims_after = _integer_key(qt.pk) and self._flow_turn is None
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:
             self._cursor_claims = (
@@ -461,7 +467,9 @@ class QueueOps:
         assert request.statement is not None and request.values is not None
         began = time.perf_counter()
         with self.driver.deadline(conn, self.statement_deadline):
-            rows = conn.fetch_claimed(request.statement, request.values, self._pk_index, self._attempt_index)
+            rows = conn.fetch_claimed(
+                request.statement, request.values, self._pk_index, self._attempt_index, self._flow_turn
+            )
         self._note(rows, request, time.perf_counter() - began)
         return self._claimed(rows, request.isolated)
 
@@ -499,7 +507,7 @@ class QueueOps:
         pk, attempt = self._pk_index, self._attempt_index
         began = time.perf_counter()
         with self.driver.deadline(conn, self.statement_deadline):
-            rows = conn.fetch_claimed(stmt, values, pk, attempt)
+            rows = conn.fetch_claimed(stmt, values, pk, attempt, self._flow_turn)
         took = time.perf_counter() - began
         claimed: list[tuple[Any, ...] | RowError] = []
         keep = claimed.append

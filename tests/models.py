@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, TypeDecorator, Uuid, func
+from sqlalchemy import CheckConstraint, DateTime, ForeignKey, Index, String, Text, TypeDecorator, Uuid, func
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 
 from sqla_queue import (
     UNIQUE_EVER,
+    Concurrency,
     IdempotencyKeyMixin,
     JobMixin,
     TaskMixin,
@@ -77,6 +79,29 @@ REPORT_SCHEDULES = schedules_table(ReportJob)
 TASK_QUEUES = queues_table(Task)
 
 
+class AccountJob(Base, JobMixin):
+    """Flow rules: one running job per account (jobs without an account are not limited)."""
+
+    __tablename__ = "account_jobs"
+    __queue_flow__ = Concurrency(1, key="account")
+
+    account: Mapped[str | None] = mapped_column(String(50))
+    #: What the flow app's handler does: work this long; SIGKILL its process on attempt 1.
+    work_seconds: Mapped[float] = mapped_column(default=0.0)
+    kill: Mapped[bool] = mapped_column(default=False)
+
+
+class ShardJob(Base, JobMixin):
+    """Flow rules: three running jobs per account, four per queue, six in the table."""
+
+    __tablename__ = "shard_jobs"
+    __queue_flow__ = (Concurrency(3, key="account"), Concurrency(4, key="queue"), Concurrency(6))
+
+    account: Mapped[str | None] = mapped_column(String(50))
+    work_seconds: Mapped[float] = mapped_column(default=0.0)
+    kill: Mapped[bool] = mapped_column(default=False)
+
+
 class UuidJob(Base, JobMixin):
     """A queue table whose primary key the user chose."""
 
@@ -108,6 +133,21 @@ class Effect(Base):
     job_id: Mapped[int] = mapped_column(index=True)
     worker: Mapped[str] = mapped_column(String(200))
     note: Mapped[str] = mapped_column(String(200), default="")
+
+
+class FlowRun(Base):
+    """One handler run of a job with flow rules, from its start to its end (NULL: its
+    process was killed), timed by the server's clock: what the handlers count."""
+
+    __tablename__ = "flow_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(index=True)
+    account: Mapped[str | None] = mapped_column(String(50))
+    queue: Mapped[str] = mapped_column(String(50))
+    pid: Mapped[int]
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.clock_timestamp())
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class UniqueKey(Base):

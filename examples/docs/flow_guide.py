@@ -3,9 +3,14 @@ the caller's transaction, a worker that leaves the paused queue's jobs alone, a 
 
 from __future__ import annotations
 
+import threading
+import time
+
 from sqlalchemy import func, select
 
 from _db import database_url
+
+_lock = threading.Lock()
 
 # isort: split
 # --8<-- [start:declare]
@@ -25,8 +30,41 @@ queues_table(ExportJob)  # beside the model: adds export_jobs_queues; every clai
 # --8<-- [end:declare]
 
 
+# --8<-- [start:concurrency]
+from sqlalchemy.orm import mapped_column
+
+from sqla_queue import Concurrency
+
+
+class SyncJob(Base, JobMixin):
+    __tablename__ = "sync_jobs"
+    __queue_flow__ = (
+        Concurrency(1, key="account_id"),  # one running sync per account
+        Concurrency(50, key="queue"),  # at most 50 running per queue
+    )
+    account_id: Mapped[int | None] = mapped_column()  # NULL: not limited per account
+# --8<-- [end:concurrency]
+
+
 def run(job: ExportJob) -> None:
     """The handler: a stand-in."""
+
+
+#: The most syncs of one account running at once, as the handler saw them.
+running: dict[int, int] = {}
+most = 0
+
+
+def sync(job: SyncJob) -> None:
+    """Counts the syncs of its account running at once, for the check below."""
+    global most
+    account = job.account_id or 0
+    with _lock:
+        running[account] = running.get(account, 0) + 1
+        most = max(most, running[account])
+    time.sleep(0.01)  # the sync's work
+    with _lock:
+        running[account] -= 1
 
 
 def main(url: str) -> None:
@@ -60,8 +98,14 @@ def main(url: str) -> None:
     with engine.connect() as conn:
         done = conn.scalar(select(func.count()).where(ExportJob.status == "done"))
     assert done == 2, done
+    with Sessions() as session:
+        for n in range(30):
+            session.enqueue(SyncJob(account_id=n % 3))
+        session.commit()
+    Worker(engine, SyncJob, sync, concurrency=8).run(until_idle=True)
+    assert most == 1, most
     engine.dispose()
-    print("paused queue left alone, then run once resumed")
+    print("paused queue left alone, then run once resumed; one sync per account at a time")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #   _retention.py    requeue, delete, prune, archive
 #   _unique.py       the keyed insert, a key's holder, the rows that keep their key
 #   _schedules.py    the watermark of each periodic schedule
-#   _flow.py         pausing and resuming a queue, and the condition every claim adds
+#   _flow.py         pausing and resuming a queue, the condition every claim adds, and the
+#                    claim under concurrency rules (and the lock its claims take turns on)
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
@@ -79,7 +80,8 @@ from ._base import QueueModel as QueueModel
 from ._base import _queue_names as _queue_names
 from ._base import delay_from_insert, has_timeouts, seconds_interval, still_fresh
 from ._claim import claim, claim_candidates, claim_template, fail_unclaimable
-from ._flow import pause_queue, paused_queues, resume_queue
+from ._flow import CANDIDATES_PER_JOB as CANDIDATES_PER_JOB
+from ._flow import flow_lock, flow_lock_key, pause_queue, paused_queues, resume_queue
 from ._inspect import DEPTH_STATUSES as DEPTH_STATUSES
 from ._inspect import (
     finished_per_minute,
@@ -148,6 +150,8 @@ __all__ = [
     "fail_many_if_owner",
     "fail_unclaimable",
     "finished_per_minute",
+    "flow_lock",
+    "flow_lock_key",
     "get_job",
     "has_timeouts",
     "insert_unique",

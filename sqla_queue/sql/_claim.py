@@ -28,7 +28,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.dml import ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement, Grouping
 
-from ..model import QueueTable, queue_table, status_literal
+from ..model import QueueTable, flow_rules, queue_table, status_literal
 from ._base import (
     AFTER_KEY_PARAM,
     AFTER_KEYS_PARAM,
@@ -64,7 +64,7 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
-from ._flow import unpaused
+from ._flow import claimable_within_limits, unpaused
 
 
 def claim(
@@ -142,7 +142,12 @@ def _claim(
     ]
     names = _queue_names(queues)
     order = (c.priority.desc(), c.run_after, qt.pk)
-    if after and names is not None and len(names) > 1:
+    rules = flow_rules(qt.table)
+    if rules and after:
+        raise ValueError("a table with __queue_flow__ rules is claimed from the head: after=True does not apply")
+    if rules:
+        claimable = claimable_within_limits(qt, conditions, order, limit, names, rules)
+    elif after and names is not None and len(names) > 1:
         claimable = _claimable_after_each_queue(qt, conditions, order, limit, names)
     elif after:
         claimable = _claimable_after(qt, [*conditions, *_queue_filter(qt, names), *unpaused(qt, names)], order, limit)

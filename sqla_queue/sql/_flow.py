@@ -8,16 +8,19 @@ transaction that paused commits.
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
-from sqlalchemy import Select, exists, literal, select
+from sqlalchemy import BigInteger, Select, Subquery, Table, exists, func, literal, or_, select, true
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..flow import declared_queues_table, required_queues_table
-from ..model import QueueTable, check_queue
-from ._base import QueueModel, _clock
+from ..model import QueueTable, check_queue, notify_channel, queue_table, status_literal
+from ..rules import Concurrency
+from ._base import RUNNING, QueueModel, _clock, _queue_array, _queue_filter
 
 
 def unpaused(
@@ -86,3 +89,122 @@ def paused_queues(model: QueueModel) -> Select[Any]:
         .order_by(table.c.queue)
     )
 
+
+
+# -- concurrency limits ----------------------------------------------------------------
+
+#: How many candidates per job asked for a claim under concurrency rules reads: rows of a
+#: key already at its limit are passed over in the scan, but several candidates of one
+#: key can still fill a batch of which only the first fits.
+CANDIDATES_PER_JOB: Final = 4
+
+
+def flow_lock_key(table: Table, schema_translate_map: Mapping[str | None, str | None] | None = None) -> int:
+    """The transaction-level advisory lock a claim of ``table`` (a table with flow rules)
+    takes before it claims: a 64-bit number from the table's channel name, so the same in
+    every process, and one per schema a ``schema_translate_map`` puts the table in."""
+    digest = hashlib.sha1(f"sqla_queue.flow:{notify_channel(table, schema_translate_map)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def flow_lock(
+    model: QueueModel, *, schema_translate_map: Mapping[str | None, str | None] | None = None
+) -> Select[Any]:
+    """``SELECT pg_advisory_xact_lock(<the table's flow lock>)``: run it first in the
+    transaction of a claim of a table with ``__queue_flow__`` rules, as the worker does,
+    then the claim, then commit. Claims that take turns this way each count the running
+    jobs every earlier claim committed, which is what makes the limits strict."""
+    table = queue_table(model).table
+    return select(func.pg_advisory_xact_lock(literal(flow_lock_key(table, schema_translate_map), BigInteger())))
+
+
+def _running(qt: QueueTable) -> Any:
+    return qt.table.alias("running_jobs")
+
+
+def _busy(qt: QueueTable, rule: Concurrency, key: ColumnElement[Any] | None) -> ColumnElement[int]:
+    """How many jobs run now under ``rule``: of the key ``key`` (a column of the row the
+    count is for), or of the whole table (a rule without a key: computed once)."""
+    running = _running(qt)
+    count = select(func.count()).select_from(running).where(running.c.status == status_literal(RUNNING))
+    if rule.key is not None:
+        assert key is not None
+        count = count.where(running.c[rule.key] == key)
+    return count.scalar_subquery()
+
+
+def room(qt: QueueTable, rules: Sequence[Concurrency]) -> list[ColumnElement[bool]]:
+    """The candidates' condition under ``rules``: their key is below its limit (a NULL
+    key is not limited). The scan passes over the rows of a full key."""
+    conditions: list[ColumnElement[bool]] = []
+    for rule in rules:
+        if rule.key is None:
+            conditions.append(_busy(qt, rule, None) < rule.limit)
+        else:
+            key = qt.c[rule.key]
+            conditions.append(or_(key.is_(None), _busy(qt, rule, key) < rule.limit))
+    return conditions
+
+
+def key_columns(qt: QueueTable, rules: Sequence[Concurrency]) -> list[ColumnElement[Any]]:
+    """The columns a claim under ``rules`` carries from its candidates to their ranking."""
+    return [qt.c[name] for name in dict.fromkeys(rule.key for rule in rules if rule.key is not None)]
+
+
+def within_limits(
+    qt: QueueTable, candidates: Subquery, rules: Sequence[Concurrency], limit: int | ColumnElement[int]
+) -> Select[Any]:
+    """The keys of ``candidates`` (pk, priority, run_after and the rules' key columns, in
+    any order) that fit: each ranked within its key in the claim's order, and kept while
+    its rank plus the jobs of its key running now stays within the limit; the best
+    ``limit`` of them."""
+    pk = candidates.c[qt.pk.name]
+    order = (candidates.c.priority.desc(), candidates.c.run_after, pk)
+    ranks: list[ColumnElement[Any]] = []
+    for n, rule in enumerate(rules):
+        key = candidates.c[rule.key] if rule.key is not None else None
+        rank = func.row_number().over(partition_by=key, order_by=order) if key is not None else func.row_number().over(
+            order_by=order)
+        ranks.append((rank + _busy(qt, rule, key)).label(f"flow_{n}"))
+    ranked = select(*candidates.c, *ranks).subquery("ranked")
+    fits: list[ColumnElement[bool]] = []
+    for n, rule in enumerate(rules):
+        taken = ranked.c[f"flow_{n}"] <= rule.limit
+        fits.append(taken if rule.key is None else or_(ranked.c[rule.key].is_(None), taken))
+    rpk = ranked.c[qt.pk.name]
+    return select(rpk).where(*fits).order_by(ranked.c.priority.desc(), ranked.c.run_after, rpk).limit(limit)
+
+
+def claimable_within_limits(
+    qt: QueueTable, conditions: Sequence[ColumnElement[bool]], order: Sequence[ColumnElement[Any]],
+    limit: int | ColumnElement[int], names: list[str] | None, rules: Sequence[Concurrency],
+) -> Select[Any]:
+    """The claim's keys under concurrency rules: the head of the queues served, as
+    without rules, passing over the rows whose key is at its limit; up to
+    :data:`CANDIDATES_PER_JOB` candidates per job asked, then those that fit
+    (:func:`within_limits`). Only strict when claims take turns (:func:`flow_lock`)."""
+    c = qt.c
+    carried = [qt.pk, c.priority, c.run_after, *key_columns(qt, rules)]
+    where = [*conditions, *room(qt, rules)]
+    many = limit * CANDIDATES_PER_JOB
+    if names is None or len(names) == 1:
+        candidates = (
+            select(*carried)
+            .where(*where, *_queue_filter(qt, names), *unpaused(qt, names))
+            .order_by(*order)
+            .limit(many)
+            .with_for_update(skip_locked=True)
+            .subquery("candidates")
+        )
+    else:
+        served = func.unnest(_queue_array(qt, names)).table_valued("name").render_derived(name="served")
+        per_queue = (
+            select(*carried)
+            .where(*where, c.queue == served.c.name, *unpaused(qt, served=served.c.name))
+            .order_by(*order)
+            .limit(many)
+            .with_for_update(skip_locked=True)
+            .lateral("per_queue")
+        )
+        candidates = select(*per_queue.c).select_from(served).join(per_queue, true()).subquery("candidates")
+    return within_limits(qt, candidates, rules, limit)
