@@ -55,7 +55,7 @@ from .model import (
 )
 from .pause import pause, resume
 from .periodic import Schedule, schedules_table
-from .rules import Concurrency
+from .rules import Concurrency, RateLimit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
@@ -85,6 +85,7 @@ __all__ = [
     "NotAQueueModel",
     "QueueSession",
     "QueuesTableNotDeclared",
+    "RateLimit",
     "RetryLater",
     "Snooze",
     "Schedule",

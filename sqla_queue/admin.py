@@ -20,7 +20,7 @@ from . import sql as q
 from .cancel import cancel as _cancel
 from .driver import WorkerStartError
 from .flow import declared_queues_table
-from .model import JobStatus, queue_table, table_problem, translated_schema
+from .model import JobStatus, flow_rules, queue_table, table_problem, translated_schema
 from .pause import pause as _pause
 from .pause import resume as _resume
 from .periodic import Schedule, schedules_table
@@ -32,6 +32,7 @@ __all__ = [
     "QueueCount",
     "QueueDepth",
     "QueueSummary",
+    "RuleView",
     "cancel",
     "cancel_jobs",
     "check_table",
@@ -39,6 +40,7 @@ __all__ = [
     "format_job",
     "format_jobs",
     "format_schedules",
+    "flow_view",
     "format_stats",
     "get_job",
     "key_holders",
@@ -299,6 +301,29 @@ def paused_queues(engine: Engine, model: Any) -> dict[str, datetime]:
         return {row.queue: row.paused_at for row in conn.execute(q.paused_queues(model))}
 
 
+@dataclass(frozen=True)
+class RuleView:
+    """One flow rule of a queue table, in words, and the keys nearest its limit now."""
+
+    rule: str
+    busiest: list[tuple[Any, int]]
+
+
+def flow_view(engine: Engine, model: Any) -> list[RuleView]:
+    """The table's concurrency rules, each with its busiest keys (running jobs per key;
+    for a rule without a key, the running jobs of the table)."""
+    rules = flow_rules(queue_table(model).table)
+    if not rules:
+        return []
+    views = []
+    with engine.connect() as conn:
+        for rule in rules:
+            busiest = [(r.key, r.running) for r in conn.execute(q.running_per_key(model, rule.key))]
+            scope = f"per {rule.key}" if rule.key is not None else "in the table"
+            views.append(RuleView(f"at most {rule.limit} running {scope}", busiest))
+    return views
+
+
 def format_stats(engine: Engine, model: Any) -> str:
     """Jobs per queue and status, and the oldest runnable job's age, as a text table;
     then the paused queues, if any."""
@@ -306,6 +331,9 @@ def format_stats(engine: Engine, model: Any) -> str:
         rows = conn.execute(q.queue_stats(model)).all()
     paused = paused_queues(engine, model)
     note = "".join(f"\npaused: {queue} (since {_moment(at)})" for queue, at in paused.items())
+    for view in flow_view(engine, model):
+        busiest = ", ".join(f"{n}" if key is None else f"{key} {n}" for key, n in view.busiest) or "none running"
+        note += f"\nrule: {view.rule} (busiest now: {busiest})"
     if not rows:
         return "(no jobs)" + note
     header = ("queue", "status", "jobs", "oldest runnable")

@@ -48,7 +48,7 @@ from sqlalchemy.sql.naming import conv
 
 from .cache import plans
 from .errors import EnqueueError, NotAQueueModel
-from .rules import FlowRule, check_rules
+from .rules import FlowRule, RateLimit, check_rules
 
 __all__ = [
     "ClaimToken",
@@ -417,7 +417,12 @@ def _attach_schema_objects(table: Table) -> None:
     # The sweeper's lookup of expired leases.
     Index(conv(constraint_name(name, "lease_idx")), c.lease_expires_at, postgresql_where=running)
     for rule in flow_rules(table):
-        if rule.key is not None:
+        if isinstance(rule, RateLimit):
+            # A rate limit's claims count the jobs of each key started within its period.
+            keyed = [c[rule.key]] if rule.key is not None else []
+            suffix = f"starts_{rule.key}_idx" if rule.key is not None else "starts_idx"
+            Index(conv(constraint_name(name, suffix)), *keyed, c.started_at)
+        elif rule.key is not None:
             # A rule's claims count the running jobs of each candidate's key with it
             # (a rule without a key counts every running job: lease_idx).
             Index(conv(constraint_name(name, f"running_{rule.key}_idx")), c[rule.key], postgresql_where=running)

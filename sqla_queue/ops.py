@@ -28,6 +28,7 @@ from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError,
 from .loader import RowLoader
 from .model import TIMEOUT_COLUMNS, flow_rules, queue_table, translated_schema
 from .periodic import Schedule, schedules_table
+from .rules import takes_turns
 from .sql import ClaimToken, is_solitary
 
 __all__ = [
@@ -350,9 +351,9 @@ class QueueOps:
         #: from the head (the rules pass over full keys there; see sql.flow_lock).
         self._flow_turn = (
             take_turn(q.flow_lock_key(table, driver.schema_translate_map), self.statement_deadline)
-            if flow_rules(table) else None
+            if takes_turns(flow_rules(table)) else None
         )
-        self.claims_after = _integer_key(qt.pk) and self._flow_turn is None
+        self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:
             self._cursor_claims = (

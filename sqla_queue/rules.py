@@ -13,11 +13,16 @@ its keys are columns of the table, and adds the index each rule's claims count w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Final, TypeAlias
 
-__all__ = ["Concurrency", "FlowRule", "MAX_CONCURRENCY", "check_rules"]
+__all__ = [
+    "MAX_CONCURRENCY", "MAX_RATE_PERIOD", "Concurrency", "FlowRule", "RateLimit", "check_retention", "check_rules",
+    "takes_turns",
+]
 
 #: The largest limit a rule may set: a claim counts at most this many running jobs.
 MAX_CONCURRENCY: Final = 1_000_000
@@ -43,25 +48,95 @@ class Concurrency:
             raise TypeError(f"Concurrency key must be a column name or None, got {self.key!r}")
 
 
-FlowRule: TypeAlias = Concurrency
+#: The longest period of a rate limit: a day (finished rows must be kept that long).
+MAX_RATE_PERIOD: Final = 86_400.0
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """At most ``limit`` starts (claims) in any ``per`` seconds (a number or a timedelta),
+    per value of the column ``key`` (``key="queue"``: per queue; None: in the whole table).
+
+    Counted over the rows' own start times (``started_at``, set by each claim): a sliding
+    window, which bounds each claim's size by what is left in it. ``strict=True``: claims
+    take turns (as under a :class:`Concurrency` rule), and a job is not started again
+    within ``per`` of its own previous start (a retry or a snooze waits until then, since
+    its new start would replace the old one in the count), so no window ever holds more
+    than ``limit`` starts. Otherwise concurrent claims can each see the same count: see
+    the flow control guide for the bound. Jobs whose key is NULL are not limited. Finished
+    rows are the count: keep them (retention) at least ``per``."""
+
+    limit: int
+    per: timedelta | float
+    key: str | None = None
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or not 1 <= self.limit <= MAX_CONCURRENCY:
+            raise ValueError(f"RateLimit limit must be an integer from 1 to {MAX_CONCURRENCY}, got {self.limit!r}")
+        seconds = self.per.total_seconds() if isinstance(self.per, timedelta) else self.per
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or not (
+            0.001 <= seconds <= MAX_RATE_PERIOD
+        ):
+            raise ValueError(
+                f"RateLimit per must be a duration from 1 ms to {MAX_RATE_PERIOD:.0f} s, got {self.per!r}"
+            )
+        object.__setattr__(self, "per", float(seconds))
+        if self.key is not None and (not isinstance(self.key, str) or not self.key):
+            raise TypeError(f"RateLimit key must be a column name or None, got {self.key!r}")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"RateLimit strict must be a bool, got {self.strict!r}")
+
+    @property
+    def seconds(self) -> float:
+        """``per`` in seconds."""
+        per = self.per
+        return per.total_seconds() if isinstance(per, timedelta) else float(per)
+
+
+FlowRule: TypeAlias = Concurrency | RateLimit
+
+
+def takes_turns(rules: Iterable[FlowRule]) -> bool:
+    """Whether claims under ``rules`` must take turns: a concurrency rule, or a strict
+    rate limit."""
+    return any(isinstance(rule, Concurrency) or rule.strict for rule in rules)
 
 
 def check_rules(owner: str, rules: object, columns: Iterable[str]) -> tuple[FlowRule, ...]:
     """``rules`` (one rule or an iterable of them) as a tuple, each key a column of
     ``columns``, no key limited twice; ``owner`` names the model in the errors."""
-    if isinstance(rules, Concurrency):
+    if isinstance(rules, Concurrency | RateLimit):
         rules = (rules,)
     if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
         raise TypeError(f"{owner}.__queue_flow__ must be a sqla_queue flow rule or a tuple of them, got {rules!r}")
     found = tuple(rules)
     names = set(columns)
-    seen: set[str | None] = set()
+    seen: set[tuple[type, str | None]] = set()
     for rule in found:
-        if not isinstance(rule, Concurrency):
+        if not isinstance(rule, Concurrency | RateLimit):
             raise TypeError(f"{owner}.__queue_flow__ holds {rule!r}, which is not a sqla_queue flow rule")
+        kind = type(rule).__name__
         if rule.key is not None and rule.key not in names:
-            raise ValueError(f"{owner}.__queue_flow__: Concurrency key {rule.key!r} is not a column of the table")
-        if rule.key in seen:
-            raise ValueError(f"{owner}.__queue_flow__ limits key {rule.key!r} twice: give it one Concurrency")
-        seen.add(rule.key)
+            raise ValueError(f"{owner}.__queue_flow__: {kind} key {rule.key!r} is not a column of the table")
+        if (type(rule), rule.key) in seen:
+            raise ValueError(f"{owner}.__queue_flow__ limits key {rule.key!r} twice: give it one {kind}")
+        if isinstance(rule, RateLimit) and "started_at" not in names:
+            raise ValueError(f"{owner}.__queue_flow__: a RateLimit counts started_at, which the table lacks")
+        seen.add((type(rule), rule.key))
     return found
+
+
+def check_retention(owner: str, rules: Iterable[FlowRule], ages: dict[str, float]) -> None:
+    """Refuse a retention that would prune finished rows a rate limit still counts: every
+    age must be at least the longest rate period."""
+    periods = [rule.seconds for rule in rules if isinstance(rule, RateLimit)]
+    if not periods or not ages:
+        return
+    longest = max(periods)
+    short = {status: age for status, age in ages.items() if age < longest}
+    if short:
+        raise ValueError(
+            f"retention {short} is shorter than the {longest:g} s period of {owner}'s RateLimit: finished rows "
+            f"count as starts until then; keep them at least that long"
+        )

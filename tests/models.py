@@ -15,6 +15,7 @@ from sqla_queue import (
     Concurrency,
     IdempotencyKeyMixin,
     JobMixin,
+    RateLimit,
     TaskMixin,
     UniqueJobs,
     queues_table,
@@ -100,6 +101,16 @@ class ShardJob(Base, JobMixin):
     account: Mapped[str | None] = mapped_column(String(50))
     work_seconds: Mapped[float] = mapped_column(default=0.0)
     kill: Mapped[bool] = mapped_column(default=False)
+
+
+class RatedJob(Base, JobMixin):
+    """Flow rules: at most five starts per account in any half second, strictly, and
+    twenty per queue in any second (the default mode)."""
+
+    __tablename__ = "rated_jobs"
+    __queue_flow__ = (RateLimit(5, per=0.5, key="account", strict=True), RateLimit(20, per=1.0, key="queue"))
+
+    account: Mapped[str | None] = mapped_column(String(50))
 
 
 class UuidJob(Base, JobMixin):

@@ -357,3 +357,26 @@ def test_a_worker_behind_a_held_turn_claims_once_it_is_free(engine: Engine, star
 def _rows(engine: Engine, ids: list[int]) -> list[Any]:
     with engine.connect() as conn:
         return list(conn.execute(select(ACCOUNTS).where(ACCOUNTS.c.id.in_(ids))))
+
+
+# -- what operators see ------------------------------------------------------------------
+
+
+def test_stats_and_the_dashboard_show_each_rule_and_its_busiest_keys(engine: Engine, server: Any, capsys: Any) -> None:
+    from sqla_queue.cli import main
+
+    add(engine, SHARDS, [{"account": "<b>x</b>", "status": "running"}] * 2 + [{"account": "y", "status": "running"}])
+    url = server.url.render_as_string(hide_password=False)
+    assert main(["stats", "tests.models:ShardJob", "--url", url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "rule: at most 3 running per account (busiest now: <b>x</b> 2, y 1)" in out
+    assert "rule: at most 4 running per queue (busiest now: default 3)" in out
+    assert "rule: at most 6 running in the table (busiest now: 3)" in out
+    pytest.importorskip("flask")
+    from sqla_queue.dashboard import create_app
+
+    app = create_app(engine, [ShardJob, EmailJob])
+    with app.test_client() as client:
+        page = client.get("/").get_data(as_text=True)
+    assert "at most 3 running per account: busiest now" in page and "<b>&lt;b&gt;x&lt;/b&gt;</b> 2" in page
+    assert page.count('class="rules"') == 1  # the email table has no rules

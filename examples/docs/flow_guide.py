@@ -46,6 +46,20 @@ class SyncJob(Base, JobMixin):
 # --8<-- [end:concurrency]
 
 
+# --8<-- [start:rate]
+from sqla_queue import RateLimit
+
+
+class WebhookJob(Base, JobMixin):
+    __tablename__ = "webhook_jobs"
+    __queue_flow__ = (
+        RateLimit(10, per=1.0, key="host", strict=True),  # 10 calls a second per host
+        RateLimit(1000, per=60.0),  # and 1,000 a minute in all
+    )
+    host: Mapped[str]
+# --8<-- [end:rate]
+
+
 def run(job: ExportJob) -> None:
     """The handler: a stand-in."""
 
@@ -104,8 +118,16 @@ def main(url: str) -> None:
         session.commit()
     Worker(engine, SyncJob, sync, concurrency=8).run(until_idle=True)
     assert most == 1, most
+    with Sessions() as session:
+        for _ in range(25):
+            session.enqueue(WebhookJob(host="api.example.com"))
+        session.commit()
+    Worker(engine, WebhookJob, lambda job: None, concurrency=8).run(until_idle=True)
+    with engine.connect() as conn:
+        starts = sorted(conn.scalars(select(func.extract("epoch", WebhookJob.started_at))))
+    assert all(starts[i + 10] - starts[i] >= 1.0 for i in range(len(starts) - 10)), starts  # 10 a second
     engine.dispose()
-    print("paused queue left alone, then run once resumed; one sync per account at a time")
+    print("paused queue left alone, then run once resumed; one sync per account at a time; 10 calls a second")
 
 
 if __name__ == "__main__":

@@ -222,7 +222,12 @@ def dashboard_blueprint(
     def overview() -> str:
         engine = settings.engine
         sections = [
-            (table, admin.queue_overview(engine, table.model), admin.paused_queues(engine, table.model))
+            (
+                table,
+                admin.queue_overview(engine, table.model),
+                admin.paused_queues(engine, table.model),
+                admin.flow_view(engine, table.model),
+            )
             for table in settings.tables.values()
         ]
         return render_template(

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
-from sqlalchemy import BigInteger, Select, Subquery, Table, exists, func, literal, or_, select, true
+from sqlalchemy import BigInteger, Select, Subquery, Table, case, exists, func, literal, or_, select, true
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..flow import declared_queues_table, required_queues_table
-from ..model import QueueTable, check_queue, notify_channel, queue_table, status_literal
-from ..rules import Concurrency
-from ._base import RUNNING, QueueModel, _clock, _queue_array, _queue_filter
+from ..model import QueueTable, check_queue, flow_rules, notify_channel, queue_table, status_literal
+from ..rules import Concurrency, FlowRule, RateLimit
+from ._base import PENDING, RUNNING, QueueModel, _clock, _queue_array, _queue_filter, seconds_interval
 
 
 def unpaused(
@@ -118,41 +118,51 @@ def flow_lock(
     return select(func.pg_advisory_xact_lock(literal(flow_lock_key(table, schema_translate_map), BigInteger())))
 
 
-def _running(qt: QueueTable) -> Any:
-    return qt.table.alias("running_jobs")
+def _others(qt: QueueTable) -> Any:
+    return qt.table.alias("counted_jobs")
 
 
-def _busy(qt: QueueTable, rule: Concurrency, key: ColumnElement[Any] | None) -> ColumnElement[int]:
-    """How many jobs run now under ``rule``: of the key ``key`` (a column of the row the
-    count is for), or of the whole table (a rule without a key: computed once)."""
-    running = _running(qt)
-    count = select(func.count()).select_from(running).where(running.c.status == status_literal(RUNNING))
+def _counted(qt: QueueTable, rule: FlowRule, key: ColumnElement[Any] | None) -> ColumnElement[int]:
+    """What ``rule`` counts now, of the key ``key`` (a column of the row the count is
+    for) or of the whole table (a rule without a key: computed once): the running jobs
+    (:class:`Concurrency`), or the jobs started within its period (:class:`RateLimit`,
+    whatever their status since)."""
+    others = _others(qt)
+    count = select(func.count()).select_from(others)
+    if isinstance(rule, Concurrency):
+        count = count.where(others.c.status == status_literal(RUNNING))
+    else:
+        count = count.where(others.c.started_at > _clock() - seconds_interval(rule.seconds))
     if rule.key is not None:
         assert key is not None
-        count = count.where(running.c[rule.key] == key)
+        count = count.where(others.c[rule.key] == key)
     return count.scalar_subquery()
 
 
-def room(qt: QueueTable, rules: Sequence[Concurrency]) -> list[ColumnElement[bool]]:
+def room(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[bool]]:
     """The candidates' condition under ``rules``: their key is below its limit (a NULL
-    key is not limited). The scan passes over the rows of a full key."""
+    key is not limited), and, under a strict rate limit, their own last start left its
+    period. The scan passes over the rows of a full key."""
     conditions: list[ColumnElement[bool]] = []
     for rule in rules:
         if rule.key is None:
-            conditions.append(_busy(qt, rule, None) < rule.limit)
+            conditions.append(_counted(qt, rule, None) < rule.limit)
         else:
             key = qt.c[rule.key]
-            conditions.append(or_(key.is_(None), _busy(qt, rule, key) < rule.limit))
+            conditions.append(or_(key.is_(None), _counted(qt, rule, key) < rule.limit))
+        if isinstance(rule, RateLimit) and rule.strict:
+            started = qt.c.started_at
+            conditions.append(or_(started.is_(None), started <= _clock() - seconds_interval(rule.seconds)))
     return conditions
 
 
-def key_columns(qt: QueueTable, rules: Sequence[Concurrency]) -> list[ColumnElement[Any]]:
+def key_columns(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[Any]]:
     """The columns a claim under ``rules`` carries from its candidates to their ranking."""
     return [qt.c[name] for name in dict.fromkeys(rule.key for rule in rules if rule.key is not None)]
 
 
 def within_limits(
-    qt: QueueTable, candidates: Subquery, rules: Sequence[Concurrency], limit: int | ColumnElement[int]
+    qt: QueueTable, candidates: Subquery, rules: Sequence[FlowRule], limit: int | ColumnElement[int]
 ) -> Select[Any]:
     """The keys of ``candidates`` (pk, priority, run_after and the rules' key columns, in
     any order) that fit: each ranked within its key in the claim's order, and kept while
@@ -165,7 +175,7 @@ def within_limits(
         key = candidates.c[rule.key] if rule.key is not None else None
         rank = func.row_number().over(partition_by=key, order_by=order) if key is not None else func.row_number().over(
             order_by=order)
-        ranks.append((rank + _busy(qt, rule, key)).label(f"flow_{n}"))
+        ranks.append((rank + _counted(qt, rule, key)).label(f"flow_{n}"))
     ranked = select(*candidates.c, *ranks).subquery("ranked")
     fits: list[ColumnElement[bool]] = []
     for n, rule in enumerate(rules):
@@ -177,7 +187,7 @@ def within_limits(
 
 def claimable_within_limits(
     qt: QueueTable, conditions: Sequence[ColumnElement[bool]], order: Sequence[ColumnElement[Any]],
-    limit: int | ColumnElement[int], names: list[str] | None, rules: Sequence[Concurrency],
+    limit: int | ColumnElement[int], names: list[str] | None, rules: Sequence[FlowRule],
 ) -> Select[Any]:
     """The claim's keys under concurrency rules: the head of the queues served, as
     without rules, passing over the rows whose key is at its limit; up to
@@ -208,3 +218,46 @@ def claimable_within_limits(
         )
         candidates = select(*per_queue.c).select_from(served).join(per_queue, true()).subquery("candidates")
     return within_limits(qt, candidates, rules, limit)
+
+
+def running_per_key(model: QueueModel, key: str | None, *, limit: int = 5) -> Select[Any]:
+    """``(key, running)`` of the ``limit`` keys of column ``key`` with the most running
+    jobs, most first (``key=None``: one row, the running jobs of the table): what a
+    concurrency rule's limit is compared with, as the dashboard and ``sqla-queue
+    stats`` show it. Served by the rule's index."""
+    qt = queue_table(model)
+    running = func.count().label("running")
+    if key is None:
+        whole = select(literal(None).label("key"), running).where(qt.c.status == status_literal(RUNNING))
+        return cast("Select[Any]", whole)
+    column = qt.c[key]
+    return (
+        select(column.label("key"), running)
+        .where(qt.c.status == status_literal(RUNNING), column.is_not(None))
+        .group_by(column)
+        .order_by(running.desc(), column)
+        .limit(limit)
+    )
+
+
+def next_free_start(qt: QueueTable, names: list[str] | None) -> ColumnElement[Any] | None:
+    """When the soonest rate limit's window lets a start in again, while a due job of the
+    queues ``names`` waits (NULL otherwise): an idle worker wakes then rather than at its
+    next poll. None for a table without rate limits."""
+    rates = [rule for rule in flow_rules(qt.table) if isinstance(rule, RateLimit)]
+    if not rates:
+        return None
+    others = _others(qt)
+    frees = [
+        select(func.min(others.c.started_at) + seconds_interval(rule.seconds))
+        .where(others.c.started_at > _clock() - seconds_interval(rule.seconds))
+        .scalar_subquery()
+        for rule in rates
+    ]
+    due = exists(
+        select(qt.pk).where(
+            qt.c.status == status_literal(PENDING), qt.c.run_after <= func.now(), *_queue_filter(qt, names)
+        )
+    )
+    free = frees[0] if len(frees) == 1 else func.least(*frees)
+    return case((due, free), else_=None)

@@ -61,7 +61,7 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
-from ._flow import unpaused
+from ._flow import next_free_start, unpaused
 
 
 def extend_leases_if_owner(
@@ -319,4 +319,8 @@ def next_run_after(model: QueueModel, *, queues: Sequence[str] | None = None) ->
         .limit(1)
         .scalar_subquery()
     )
-    return select(func.extract("epoch", soonest - now))
+    free = next_free_start(qt, _queue_names(queues))
+    due: ColumnElement[Any] = soonest
+    if free is not None:  # LEAST ignores NULL: whichever comes first
+        due = func.least(soonest, free, type_=c.run_after.type)
+    return select(func.extract("epoch", due - now))

@@ -42,9 +42,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from ..driver import DbConnection, Driver, WorkerStartError
 from ..enqueue.session import QueueSession
 from ..enqueue.values import enqueue_values
-from ..model import ClaimToken, QueueTable, queue_table
+from ..model import ClaimToken, QueueTable, flow_rules, queue_table
 from ..ops import QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
+from ..rules import check_retention
 from ..runtime import Event, is_async_callable
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
 from .completer import Completer
@@ -196,6 +197,7 @@ class Worker:
             else None
         )
         ages = cfg.retention_ages
+        check_retention(self._qt.table.name, flow_rules(self._qt.table), ages)
         self.pruner = (
             Pruner(ctx, RetentionOps(driver, self._qt.mapped_class, ages, limit=cfg.retention_batch)) if ages else None
         )
