@@ -46,7 +46,7 @@ def test_a_rate_limit_is_a_checked_value() -> None:
     assert rule.seconds == 60.0 and not rule.strict
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="RateLimit limit"):
-            RateLimit(bad, per=1)
+            RateLimit(bad, per=1)  # type: ignore[arg-type]
     for per in (0, -1, float("nan"), 10**6, "1s"):
         with pytest.raises(ValueError, match="RateLimit per"):
             RateLimit(1, per=per)  # type: ignore[arg-type]
@@ -147,4 +147,4 @@ def test_a_model_without_started_at_cannot_declare_a_rate_limit() -> None:
         class Old(Other, JobMixin):
             __tablename__ = "old_rated_jobs"
             __queue_flow__ = RateLimit(1, per=1)
-            started_at = None  # type: ignore[assignment]
+            started_at = None
