@@ -1,5 +1,6 @@
 """Flow control's cost: a worker draining jobs spread over 1,000 keys, with a
-concurrency rule on the key and without one.
+concurrency rule on the key and without one; and how close a rate limit's achieved
+rate comes to its limit.
 
     python benchmarks/flow.py [--quick] [--url URL] [--jobs N] [--rounds R]
 
@@ -10,6 +11,12 @@ executors each, default batch, a no-op handler) drain them, the two tables in tu
 alternating which goes first. Reported: jobs/s and the worker processes' CPU per job,
 medians of the rounds, and the ratio of the rule's rate to the plain one (the target:
 at least 0.7).
+
+**Rate**: a table with ``RateLimit(RATE, per=1.0)`` (strict, then the default mode)
+and more jobs than ``RATE_WINDOWS`` seconds let start; one worker process drains it.
+The achieved rate is the starts within the first ``RATE_WINDOWS`` whole seconds after
+the first start, over that time, from the rows' ``started_at`` (the target: within 5 %
+of the limit, never above it in strict mode).
 
 It reuses ``benchmarks/run.py``'s scratch database and process helpers.
 """
@@ -32,9 +39,11 @@ from sqlalchemy import BigInteger, create_engine, make_url
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from sqla_queue import Concurrency, JobMixin, Worker
+from sqla_queue import Concurrency, JobMixin, RateLimit, Worker
 
 KEYS = 1000
+RATE = 500
+RATE_WINDOWS = 8
 
 
 class Base(DeclarativeBase):
@@ -52,7 +61,21 @@ class KeyedJob(Base, JobMixin):
     account: Mapped[int] = mapped_column(BigInteger)
 
 
-MODELS = {"plain": PlainJob, "keyed": KeyedJob}
+class StrictRatedJob(Base, JobMixin):
+    __tablename__ = "flow_strict_rated_jobs"
+    __queue_flow__ = RateLimit(RATE, per=1.0, strict=True)
+    account: Mapped[int] = mapped_column(BigInteger)
+
+
+class RatedJob(Base, JobMixin):
+    __tablename__ = "flow_rated_jobs"
+    __queue_flow__ = RateLimit(RATE, per=1.0)
+    account: Mapped[int] = mapped_column(BigInteger)
+
+
+MODELS: dict[str, Any] = {
+    "plain": PlainJob, "keyed": KeyedJob, "strict rate": StrictRatedJob, "rate": RatedJob,
+}
 
 
 def _child(kind: str, url_text: str, concurrency: int, ready: Any, go: Any, stop: Any) -> None:
@@ -115,6 +138,24 @@ def drain(url: URL, kind: str, jobs: int, processes: int) -> tuple[float, float]
     return jobs / elapsed, cpu / jobs * 1e6
 
 
+def achieved_rate(url: URL, kind: str, processes: int, windows: int = RATE_WINDOWS) -> tuple[float, int]:
+    """Starts per second within the first ``windows`` whole seconds after the first
+    start, and the most starts of any one-second window, from ``started_at``."""
+    jobs = RATE * (windows + 2)
+    drain(url, kind, jobs, processes)
+    table = MODELS[kind].__tablename__
+    with bench.raw_connect(url, autocommit=True) as conn:
+        starts = sorted(float(r[0]) for r in conn.execute(f"SELECT extract(epoch FROM started_at) FROM {table}"))
+    first = starts[0]
+    within = sum(1 for t in starts if t < first + windows)
+    most, low = 0, 0
+    for high, moment in enumerate(starts):
+        while moment - starts[low] >= 1.0:
+            low += 1
+        most = max(most, high - low + 1)
+    return within / windows, most
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
@@ -126,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs, rounds = (2000, 1) if args.quick else (args.jobs, args.rounds)
     rates: dict[str, list[float]] = {k: [] for k in MODELS}
     cpus: dict[str, list[float]] = {k: [] for k in MODELS}
+    rate_rows: dict[str, list[tuple[float, int]]] = {"strict rate": [], "rate": []}
     with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
         engine = create_engine(url)
         Base.metadata.create_all(engine)
@@ -136,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                 rates[kind].append(rate)
                 cpus[kind].append(cpu)
                 bench.say(f"  round {r + 1} {kind}: {rate:,.0f} jobs/s, {cpu:,.0f} µs CPU/job")
+        for r in range(1 if args.quick else 2):
+            for kind in rate_rows:
+                rate_rows[kind].append(achieved_rate(url, kind, args.processes, 2 if args.quick else RATE_WINDOWS))
+                bench.say(f"  rate round {r + 1} {kind}: {rate_rows[kind][-1]}")
     plain, keyed = (statistics.median(rates[k]) for k in ("plain", "keyed"))
     print(f"\n## Flow control: {jobs:,} jobs over {KEYS:,} keys, {args.processes} worker process(es) x 4\n")
     print("| table | jobs/s (median; range) | CPU µs/job (median) |")
@@ -144,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {statistics.median(rates[kind]):,.0f} ({min(rates[kind]):,.0f}-{max(rates[kind]):,.0f}) "
               f"| {statistics.median(cpus[kind]):,.0f} |")
     print(f"\nratio with the rule to without: {keyed / plain:.2f} (target at least 0.70)")
+    if rate_rows:
+        print(f"\n## Rate limits: RateLimit({RATE}, per=1.0), {args.processes} worker process(es) x 4\n")
+        print("| mode | achieved starts/s (rounds) | ratio to the limit | most starts in any second |")
+        print("|---|---:|---:|---:|")
+        for kind, results in rate_rows.items():
+            achieved = [r[0] for r in results]
+            print(f"| {kind} | {statistics.median(achieved):,.0f} ({', '.join(f'{a:,.0f}' for a in achieved)}) "
+                  f"| {statistics.median(achieved) / RATE:.3f} | {max(r[1] for r in results)} |")
     return 0
 
 

@@ -55,7 +55,7 @@ from .model import (
 )
 from .pause import pause, resume
 from .periodic import Schedule, schedules_table
-from .rules import Concurrency, RateLimit
+from .rules import Concurrency, InOrder, RateLimit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
 from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
@@ -74,6 +74,7 @@ __all__ = [
     "Enqueued",
     "EnqueuedMany",
     "IdempotencyKeyMixin",
+    "InOrder",
     "InvalidPayload",
     "JobCancelled",
     "JobContext",

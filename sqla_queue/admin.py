@@ -24,6 +24,7 @@ from .model import JobStatus, flow_rules, queue_table, table_problem, translated
 from .pause import pause as _pause
 from .pause import resume as _resume
 from .periodic import Schedule, schedules_table
+from .rules import Concurrency, FlowRule, RateLimit
 
 __all__ = [
     "JobFilters",
@@ -40,6 +41,7 @@ __all__ = [
     "format_job",
     "format_jobs",
     "format_schedules",
+    "describe_rule",
     "flow_view",
     "format_stats",
     "get_job",
@@ -310,18 +312,28 @@ class RuleView:
 
 
 def flow_view(engine: Engine, model: Any) -> list[RuleView]:
-    """The table's concurrency rules, each with its busiest keys (running jobs per key;
-    for a rule without a key, the running jobs of the table)."""
+    """The table's flow rules, each in words with its busiest keys (what the rule counts,
+    per key; for a rule without a key, the table's count)."""
     rules = flow_rules(queue_table(model).table)
     if not rules:
         return []
     views = []
     with engine.connect() as conn:
         for rule in rules:
-            busiest = [(r.key, r.running) for r in conn.execute(q.running_per_key(model, rule.key))]
-            scope = f"per {rule.key}" if rule.key is not None else "in the table"
-            views.append(RuleView(f"at most {rule.limit} running {scope}", busiest))
+            busiest = [(key, int(n)) for key, n in conn.execute(q.rule_counts(model, rule))]
+            views.append(RuleView(describe_rule(rule), busiest))
     return views
+
+
+def describe_rule(rule: FlowRule) -> str:
+    """A flow rule in words: ``at most 3 running per account``."""
+    scope = f"per {rule.key}" if rule.key is not None else "in the table"
+    if isinstance(rule, Concurrency):
+        return f"at most {rule.limit} running {scope}"
+    if isinstance(rule, RateLimit):
+        return f"at most {rule.limit} starts in {rule.seconds:g} s {scope}{' (strict)' if rule.strict else ''}"
+    blocks = "a dead letter blocks its key" if rule.on_dead_letter == "block" else "a dead letter is skipped"
+    return f"one at a time in enqueue order {scope} ({blocks}; pending shown)"
 
 
 def format_stats(engine: Engine, model: Any) -> str:

@@ -48,7 +48,7 @@ from sqlalchemy.sql.naming import conv
 
 from .cache import plans
 from .errors import EnqueueError, NotAQueueModel
-from .rules import FlowRule, RateLimit, check_rules
+from .rules import FlowRule, InOrder, RateLimit, check_rules
 
 __all__ = [
     "ClaimToken",
@@ -417,7 +417,17 @@ def _attach_schema_objects(table: Table) -> None:
     # The sweeper's lookup of expired leases.
     Index(conv(constraint_name(name, "lease_idx")), c.lease_expires_at, postgresql_where=running)
     for rule in flow_rules(table):
-        if isinstance(rule, RateLimit):
+        if isinstance(rule, InOrder):
+            # A candidate's earlier jobs of its key that hold it back, found by this.
+            holding = [JobStatus.PENDING, JobStatus.RUNNING]
+            if rule.on_dead_letter == "block":
+                holding.append(JobStatus.FAILED)
+            Index(
+                conv(constraint_name(name, f"order_{rule.key}_idx")),
+                c[rule.key], c.created_at, *pk,
+                postgresql_where=or_(*(c.status == status_literal(s) for s in holding)),
+            )
+        elif isinstance(rule, RateLimit):
             # A rate limit's claims count the jobs of each key started within its period.
             keyed = [c[rule.key]] if rule.key is not None else []
             suffix = f"starts_{rule.key}_idx" if rule.key is not None else "starts_idx"

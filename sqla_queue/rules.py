@@ -20,7 +20,8 @@ from datetime import timedelta
 from typing import Final, TypeAlias
 
 __all__ = [
-    "MAX_CONCURRENCY", "MAX_RATE_PERIOD", "Concurrency", "FlowRule", "RateLimit", "check_retention", "check_rules",
+    "MAX_CONCURRENCY", "MAX_RATE_PERIOD", "ON_DEAD_LETTER", "Concurrency", "FlowRule", "InOrder", "RateLimit",
+    "check_retention", "check_rules", "rate_periods",
     "takes_turns",
 ]
 
@@ -94,19 +95,45 @@ class RateLimit:
         return per.total_seconds() if isinstance(per, timedelta) else float(per)
 
 
-FlowRule: TypeAlias = Concurrency | RateLimit
+#: What a dead-lettered job does to the jobs of its key after it, under :class:`InOrder`.
+ON_DEAD_LETTER: Final = ("block", "skip")
+
+
+@dataclass(frozen=True)
+class InOrder:
+    """The jobs of one value of the column ``key`` run one at a time, in enqueue order
+    (``created_at``, then the primary key): a job is claimed only when no earlier job of
+    its key is pending or running, so a key's head that waits (a retry's backoff, a
+    snooze, a delay) holds back the rest, and the claim never slides past it.
+
+    ``on_dead_letter``: a head that ends ``failed`` ``"block"``s its key until it is
+    requeued, deleted or cancelled (the default: the next job may depend on it), or lets
+    the next one run (``"skip"``). A cancelled head never blocks. Jobs whose key is NULL
+    are not ordered."""
+
+    key: str
+    on_dead_letter: str = "block"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise TypeError(f"InOrder key must be a column name, got {self.key!r}")
+        if self.on_dead_letter not in ON_DEAD_LETTER:
+            raise ValueError(f"InOrder on_dead_letter must be 'block' or 'skip', got {self.on_dead_letter!r}")
+
+
+FlowRule: TypeAlias = Concurrency | RateLimit | InOrder
 
 
 def takes_turns(rules: Iterable[FlowRule]) -> bool:
     """Whether claims under ``rules`` must take turns: a concurrency rule, or a strict
     rate limit."""
-    return any(isinstance(rule, Concurrency) or rule.strict for rule in rules)
+    return any(isinstance(rule, Concurrency) or (isinstance(rule, RateLimit) and rule.strict) for rule in rules)
 
 
 def check_rules(owner: str, rules: object, columns: Iterable[str]) -> tuple[FlowRule, ...]:
     """``rules`` (one rule or an iterable of them) as a tuple, each key a column of
     ``columns``, no key limited twice; ``owner`` names the model in the errors."""
-    if isinstance(rules, Concurrency | RateLimit):
+    if isinstance(rules, Concurrency | RateLimit | InOrder):
         rules = (rules,)
     if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
         raise TypeError(f"{owner}.__queue_flow__ must be a sqla_queue flow rule or a tuple of them, got {rules!r}")
@@ -114,7 +141,7 @@ def check_rules(owner: str, rules: object, columns: Iterable[str]) -> tuple[Flow
     names = set(columns)
     seen: set[tuple[type, str | None]] = set()
     for rule in found:
-        if not isinstance(rule, Concurrency | RateLimit):
+        if not isinstance(rule, Concurrency | RateLimit | InOrder):
             raise TypeError(f"{owner}.__queue_flow__ holds {rule!r}, which is not a sqla_queue flow rule")
         kind = type(rule).__name__
         if rule.key is not None and rule.key not in names:
@@ -127,10 +154,15 @@ def check_rules(owner: str, rules: object, columns: Iterable[str]) -> tuple[Flow
     return found
 
 
+def rate_periods(rules: Iterable[FlowRule]) -> list[float]:
+    """The periods, in seconds, of the rate limits among ``rules``."""
+    return [rule.seconds for rule in rules if isinstance(rule, RateLimit)]
+
+
 def check_retention(owner: str, rules: Iterable[FlowRule], ages: dict[str, float]) -> None:
     """Refuse a retention that would prune finished rows a rate limit still counts: every
     age must be at least the longest rate period."""
-    periods = [rule.seconds for rule in rules if isinstance(rule, RateLimit)]
+    periods = rate_periods(rules)
     if not periods or not ages:
         return
     longest = max(periods)

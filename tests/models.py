@@ -14,6 +14,7 @@ from sqla_queue import (
     UNIQUE_EVER,
     Concurrency,
     IdempotencyKeyMixin,
+    InOrder,
     JobMixin,
     RateLimit,
     TaskMixin,
@@ -109,6 +110,27 @@ class RatedJob(Base, JobMixin):
 
     __tablename__ = "rated_jobs"
     __queue_flow__ = (RateLimit(5, per=0.5, key="account", strict=True), RateLimit(20, per=1.0, key="queue"))
+
+    account: Mapped[str | None] = mapped_column(String(50))
+
+
+class OrderedJob(Base, JobMixin):
+    """Flow rules: the jobs of one account run one at a time, in enqueue order; a dead
+    letter blocks its account."""
+
+    __tablename__ = "ordered_jobs"
+    __queue_flow__ = InOrder(key="account")
+
+    account: Mapped[str | None] = mapped_column(String(50))
+    work_seconds: Mapped[float] = mapped_column(default=0.0)
+    kill: Mapped[bool] = mapped_column(default=False)
+
+
+class SkippingOrderedJob(Base, JobMixin):
+    """As ``OrderedJob``, but a dead letter lets the next job of its account run."""
+
+    __tablename__ = "skipping_ordered_jobs"
+    __queue_flow__ = InOrder(key="account", on_dead_letter="skip")
 
     account: Mapped[str | None] = mapped_column(String(50))
 

@@ -153,6 +153,24 @@ def test_quick_unique_enqueue_run_prints_both_rates(server: Server) -> None:
     assert "rows/s" in result.stdout and "ratio:" in result.stdout
 
 
+@pytest.mark.timeout(180)
+def test_quick_flow_run_prints_both_tables(server: Server) -> None:
+    """``benchmarks/flow.py --quick``: the drains with and without a concurrency rule,
+    and the achieved rate of both rate limit modes; a strict limit is never exceeded."""
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("flow.py")), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "ratio with the rule to without:" in result.stdout, result.stdout
+    strict = next(line for line in result.stdout.splitlines() if line.startswith("| strict rate |"))
+    assert int(strict.split(" | ")[-1].rstrip(" |")) <= 500, strict
+
+
 #: The first cells of the rows of ``pressure.py --quick``.
 PRESSURE_ROWS = (
     "2 producers, one job per transaction, session.enqueue(): wake-up with_commit / none |",

@@ -51,7 +51,7 @@ def finish(engine: Engine, table: Any, ids: list[int]) -> None:
 
 def test_rules_are_read_from_the_model() -> None:
     assert flow_rules(table_of(AccountJob)) == (Concurrency(1, key="account"),)
-    assert [r.limit for r in flow_rules(SHARDS)] == [3, 4, 6]
+    assert [r.limit for r in flow_rules(SHARDS) if isinstance(r, Concurrency)] == [3, 4, 6]
     assert flow_rules(table_of(EmailJob)) == ()
 
 

@@ -81,7 +81,7 @@ from ._base import _queue_names as _queue_names
 from ._base import delay_from_insert, has_timeouts, seconds_interval, still_fresh
 from ._claim import claim, claim_candidates, claim_template, fail_unclaimable
 from ._flow import CANDIDATES_PER_JOB as CANDIDATES_PER_JOB
-from ._flow import flow_lock, flow_lock_key, pause_queue, paused_queues, resume_queue, running_per_key
+from ._flow import flow_lock, flow_lock_key, pause_queue, paused_queues, resume_queue, rule_counts
 from ._inspect import DEPTH_STATUSES as DEPTH_STATUSES
 from ._inspect import (
     finished_per_minute,
@@ -175,9 +175,9 @@ __all__ = [
     "release_many_if_owner",
     "requeue_failed",
     "resume_queue",
+    "rule_counts",
     "retry_if_owner",
     "retry_many_if_owner",
-    "running_per_key",
     "schedule_states",
     "schedule_tick_template",
     "seconds_interval",

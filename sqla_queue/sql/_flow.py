@@ -12,15 +12,15 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, cast
 
-from sqlalchemy import BigInteger, Select, Subquery, Table, case, exists, func, literal, or_, select, true
+from sqlalchemy import BigInteger, Select, Subquery, Table, case, exists, func, literal, or_, select, true, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..flow import declared_queues_table, required_queues_table
 from ..model import QueueTable, check_queue, flow_rules, notify_channel, queue_table, status_literal
-from ..rules import Concurrency, FlowRule, RateLimit
-from ._base import PENDING, RUNNING, QueueModel, _clock, _queue_array, _queue_filter, seconds_interval
+from ..rules import Concurrency, FlowRule, InOrder, RateLimit
+from ._base import FAILED, PENDING, RUNNING, QueueModel, _clock, _queue_array, _queue_filter, seconds_interval
 
 
 def unpaused(
@@ -122,7 +122,7 @@ def _others(qt: QueueTable) -> Any:
     return qt.table.alias("counted_jobs")
 
 
-def _counted(qt: QueueTable, rule: FlowRule, key: ColumnElement[Any] | None) -> ColumnElement[int]:
+def _counted(qt: QueueTable, rule: Concurrency | RateLimit, key: ColumnElement[Any] | None) -> ColumnElement[int]:
     """What ``rule`` counts now, of the key ``key`` (a column of the row the count is
     for) or of the whole table (a rule without a key: computed once): the running jobs
     (:class:`Concurrency`), or the jobs started within its period (:class:`RateLimit`,
@@ -139,14 +139,51 @@ def _counted(qt: QueueTable, rule: FlowRule, key: ColumnElement[Any] | None) -> 
     return count.scalar_subquery()
 
 
+def _first_of_its_key(qt: QueueTable, rule: InOrder) -> ColumnElement[bool]:
+    """No earlier job of the row's key (``created_at``, then the primary key) is pending
+    or running (or failed, when dead letters block): the row is its key's head. A NULL
+    key is not ordered. Safe without turns: an earlier job only ever stops holding the
+    row back by finishing, and a snapshot that missed it finishing holds back more."""
+    others = _others(qt)
+    key = qt.c[rule.key]
+    holding = [PENDING, RUNNING, *([FAILED] if rule.on_dead_letter == "block" else [])]
+    earlier = select(others.c[qt.pk.name]).where(
+        others.c[rule.key] == key,
+        or_(*(others.c.status == status_literal(s) for s in holding)),
+        tuple_(others.c.created_at, others.c[qt.pk.name]) < tuple_(qt.c.created_at, qt.pk),
+    )
+    return or_(key.is_(None), ~exists(earlier))
+
+
+def _full_keys(qt: QueueTable, rule: Concurrency) -> Select[Any]:
+    """The keys of ``rule`` whose running jobs reach its limit (an uncorrelated subquery:
+    one pass over the running jobs by the rule's index)."""
+    assert rule.key is not None
+    others = _others(qt)
+    key = others.c[rule.key]
+    return (
+        select(key)
+        .where(others.c.status == status_literal(RUNNING), key.is_not(None))
+        .group_by(key)
+        .having(func.count() >= rule.limit)
+    )
+
+
 def room(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[bool]]:
     """The candidates' condition under ``rules``: their key is below its limit (a NULL
     key is not limited), and, under a strict rate limit, their own last start left its
     period. The scan passes over the rows of a full key."""
     conditions: list[ColumnElement[bool]] = []
     for rule in rules:
-        if rule.key is None:
+        if isinstance(rule, InOrder):
+            conditions.append(_first_of_its_key(qt, rule))
+        elif rule.key is None:
             conditions.append(_counted(qt, rule, None) < rule.limit)
+        elif isinstance(rule, Concurrency):
+            # The full keys, found once (running jobs are few): a row of one is passed
+            # over by a hash probe, not a count of its own, however long its backlog.
+            key = qt.c[rule.key]
+            conditions.append(or_(key.is_(None), key.not_in(_full_keys(qt, rule))))
         else:
             key = qt.c[rule.key]
             conditions.append(or_(key.is_(None), _counted(qt, rule, key) < rule.limit))
@@ -158,7 +195,12 @@ def room(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[bool]]
 
 def key_columns(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[Any]]:
     """The columns a claim under ``rules`` carries from its candidates to their ranking."""
-    return [qt.c[name] for name in dict.fromkeys(rule.key for rule in rules if rule.key is not None)]
+    return [qt.c[name] for name in dict.fromkeys(rule.key for rule in _counting(rules) if rule.key is not None)]
+
+
+def _counting(rules: Sequence[FlowRule]) -> list[Concurrency | RateLimit]:
+    """The rules whose limit a claim's candidates are ranked against."""
+    return [rule for rule in rules if isinstance(rule, Concurrency | RateLimit)]
 
 
 def within_limits(
@@ -170,6 +212,7 @@ def within_limits(
     ``limit`` of them."""
     pk = candidates.c[qt.pk.name]
     order = (candidates.c.priority.desc(), candidates.c.run_after, pk)
+    rules = _counting(rules)
     ranks: list[ColumnElement[Any]] = []
     for n, rule in enumerate(rules):
         key = candidates.c[rule.key] if rule.key is not None else None
@@ -220,22 +263,28 @@ def claimable_within_limits(
     return within_limits(qt, candidates, rules, limit)
 
 
-def running_per_key(model: QueueModel, key: str | None, *, limit: int = 5) -> Select[Any]:
-    """``(key, running)`` of the ``limit`` keys of column ``key`` with the most running
-    jobs, most first (``key=None``: one row, the running jobs of the table): what a
-    concurrency rule's limit is compared with, as the dashboard and ``sqla-queue
-    stats`` show it. Served by the rule's index."""
+def rule_counts(model: QueueModel, rule: FlowRule, *, limit: int = 5) -> Select[Any]:
+    """``(key, count)`` of the ``limit`` keys nearest ``rule``'s limit, busiest first:
+    running jobs (:class:`~sqla_queue.Concurrency`), starts within the period
+    (:class:`~sqla_queue.RateLimit`), or jobs waiting their turn
+    (:class:`~sqla_queue.InOrder`: pending). A rule without a key gives one row, the
+    table's count, its key NULL. What the dashboard and ``sqla-queue stats`` show."""
     qt = queue_table(model)
-    running = func.count().label("running")
-    if key is None:
-        whole = select(literal(None).label("key"), running).where(qt.c.status == status_literal(RUNNING))
-        return cast("Select[Any]", whole)
-    column = qt.c[key]
+    count = func.count().label("count")
+    if isinstance(rule, Concurrency):
+        where = qt.c.status == status_literal(RUNNING)
+    elif isinstance(rule, RateLimit):
+        where = qt.c.started_at > _clock() - seconds_interval(rule.seconds)
+    else:
+        where = qt.c.status == status_literal(PENDING)
+    if rule.key is None:
+        return cast("Select[Any]", select(literal(None).label("key"), count).where(where))
+    column = qt.c[rule.key]
     return (
-        select(column.label("key"), running)
-        .where(qt.c.status == status_literal(RUNNING), column.is_not(None))
+        select(column.label("key"), count)
+        .where(where, column.is_not(None))
         .group_by(column)
-        .order_by(running.desc(), column)
+        .order_by(count.desc(), column)
         .limit(limit)
     )
 

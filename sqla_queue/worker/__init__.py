@@ -45,7 +45,7 @@ from ..enqueue.values import enqueue_values
 from ..model import ClaimToken, QueueTable, flow_rules, queue_table
 from ..ops import QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
-from ..rules import check_retention
+from ..rules import check_retention, rate_periods
 from ..runtime import Event, is_async_callable
 from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
 from .completer import Completer
@@ -375,9 +375,13 @@ class Worker:
         it either)."""
         answer = [False]
 
+        # Jobs a rate limit holds back are due when its window frees a start: within
+        # its period, which may be longer than the poll.
+        horizon = max([self.config.poll_interval, *rate_periods(flow_rules(self._qt.table))])
+
         def check(conn: DbConnection) -> None:
             seconds = self._ops.next_due(conn)
-            answer[0] = seconds is not None and seconds <= self.config.poll_interval
+            answer[0] = seconds is not None and seconds <= horizon
 
         failed = self._on_own_connection(check, "idle check", _IDLE_CHECK_SECONDS)
         if failed is not None:
