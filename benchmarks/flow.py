@@ -98,7 +98,7 @@ def drain(url: URL, kind: str, jobs: int, processes: int) -> tuple[float, float]
     table = MODELS[kind].__tablename__
     with bench.raw_connect(url, autocommit=True) as conn:
         conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
-        conn.execute(f"INSERT INTO {table} (account) SELECT i % {KEYS} FROM generate_series(1, %s) AS i", (jobs,))
+        conn.execute(f"INSERT INTO {table} (account) SELECT i %% {KEYS} FROM generate_series(1, %s) AS i", (jobs,))
         conn.execute(f"VACUUM ANALYZE {table}")
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()

@@ -436,6 +436,10 @@ def _attach_schema_objects(table: Table) -> None:
             # A rule's claims count the running jobs of each candidate's key with it
             # (a rule without a key counts every running job: lease_idx).
             Index(conv(constraint_name(name, f"running_{rule.key}_idx")), c[rule.key], postgresql_where=running)
+            if rule.fair:
+                # A fair claim walks the keys with pending jobs, then each key's jobs in order.
+                Index(conv(constraint_name(name, f"fair_{rule.key}_idx")), c[rule.key], *order,
+                      postgresql_where=pending)
     unique = table.info.get(_UNIQUE_INFO_KEY)
     if isinstance(unique, UniqueJobs):
         # Unique jobs: a duplicate is skipped by INSERT … ON CONFLICT DO NOTHING against it.

@@ -114,6 +114,15 @@ class RatedJob(Base, JobMixin):
     account: Mapped[str | None] = mapped_column(String(50))
 
 
+class TenantJob(Base, JobMixin):
+    """Flow rules: two running jobs per tenant, claimed fairly (round the tenants)."""
+
+    __tablename__ = "tenant_jobs"
+    __queue_flow__ = Concurrency(2, key="tenant", fair=True)
+
+    tenant: Mapped[str | None] = mapped_column(String(50))
+
+
 class OrderedJob(Base, JobMixin):
     """Flow rules: the jobs of one account run one at a time, in enqueue order; a dead
     letter blocks its account."""

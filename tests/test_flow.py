@@ -8,6 +8,7 @@ queue, six in all. Jobs without an account are not limited by the per-account ru
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter, defaultdict
@@ -23,7 +24,7 @@ from sqla_queue.model import flow_rules
 
 from . import models
 from .helpers import table_of, wait_for
-from .models import AccountJob, EmailJob, FlowRun, ShardJob
+from .models import AccountJob, EmailJob, FlowRun, ShardJob, TenantJob
 
 ACCOUNTS = table_of(AccountJob)
 SHARDS = table_of(ShardJob)
@@ -380,3 +381,80 @@ def test_stats_and_the_dashboard_show_each_rule_and_its_busiest_keys(engine: Eng
         page = client.get("/").get_data(as_text=True)
     assert "at most 3 running per account: busiest now" in page and "<b>&lt;b&gt;x&lt;/b&gt;</b> 2" in page
     assert page.count('class="rules"') == 1  # the email table has no rules
+
+
+# -- fair claims -------------------------------------------------------------------------
+
+
+def test_a_fair_rule_needs_a_key_and_is_one_per_table() -> None:
+    with pytest.raises(ValueError, match="needs a key"):
+        Concurrency(2, fair=True)
+    with pytest.raises(TypeError, match="fair must be a bool"):
+        Concurrency(2, key="x", fair=1)  # type: ignore[arg-type]
+
+    class Other(DeclarativeBase):
+        pass
+
+    with pytest.raises(ValueError, match="two fair"):
+
+        class TwoFair(Other, JobMixin):
+            __tablename__ = "two_fair_jobs"
+            __queue_flow__ = (Concurrency(1, key="a", fair=True), Concurrency(1, key="b", fair=True))
+            a: Mapped[str | None] = mapped_column()
+            b: Mapped[str | None] = mapped_column()
+
+
+TENANTS = table_of(TenantJob)
+
+
+def load_tenants(engine: Engine, jobs: dict[str | None, int]) -> None:
+    with engine.begin() as conn:
+        for tenant, n in jobs.items():
+            conn.execute(text("INSERT INTO tenant_jobs (tenant) SELECT :t FROM generate_series(1, :n)"),
+                         {"t": tenant, "n": n})
+        conn.execute(text("ANALYZE tenant_jobs"))
+
+
+@pytest.mark.parametrize("queues", [None, ("default",), ("default", "other")], ids=["all", "one", "two"])
+def test_a_fair_claim_takes_up_to_the_limit_of_every_tenant(engine: Engine, queues: Any) -> None:
+    load_tenants(engine, {"big": 500, "small": 3, "tiny": 1, None: 2})
+    taken = Counter(r.tenant for r in claim(engine, TenantJob, "w1", limit=20, queues=queues))
+    assert taken == {"big": 2, "small": 2, "tiny": 1, None: 2}
+    second = Counter(r.tenant for r in claim(engine, TenantJob, "w2", limit=20, queues=queues))
+    assert second == {None: 0} or second == Counter()  # every tenant is at its limit; NULL ones are all taken
+
+
+def test_a_fair_claim_reads_a_few_rows_per_tenant_however_long_a_backlog(engine: Engine) -> None:
+    """The big tenant's 20,000 jobs ahead in the order are not read: its key is walked
+    once, and at most its limit of rows fetched."""
+    load_tenants(engine, {"big": 20_000, "small": 5})
+    compiled = q.claim(TenantJob, owner="me", limit=10).compile(dialect=engine.dialect)
+    with engine.connect() as conn:
+        conn.execute(q.flow_lock(TenantJob))
+        plan = "\n".join(conn.exec_driver_sql(
+            "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + compiled.string, compiled.construct_params()).scalars())
+        conn.rollback()
+    scans = [line for line in plan.splitlines() if "tenant_jobs_fair_tenant_idx on tenant_jobs " in line]
+    assert scans, plan
+    counts = re.findall(r"actual rows=([\d.]+) loops=(\d+)", "\n".join(scans))
+    read = sum(float(n) * float(loops) for n, loops in counts)
+    assert read <= 10, plan
+
+
+def test_a_small_tenant_beside_a_big_one_finishes_first(engine: Engine, start_worker: Any) -> None:
+    """100 jobs of one tenant, enqueued after 5,000 of another: two of each run at once,
+    so the small tenant's jobs are done while most of the big one's wait."""
+    load_tenants(engine, {"big": 5_000})
+    load_tenants(engine, {"small": 100})
+    start_worker(handler=lambda job: None, model=TenantJob, concurrency=4, batch_size=4)
+
+    def small_done() -> bool:
+        with engine.connect() as conn:
+            done = select(func.count()).where(TENANTS.c.tenant == "small", TENANTS.c.status == "done")
+            return conn.scalar(done) == 100
+
+    wait_for(small_done, timeout=60, what="the small tenant's jobs done")
+    with engine.connect() as conn:
+        waiting = select(func.count()).where(TENANTS.c.tenant == "big", TENANTS.c.status == "pending")
+        big_left = conn.scalar(waiting) or 0
+    assert big_left >= 4_000, big_left

@@ -16,11 +16,12 @@ import pytest
 from sqlalchemy import Engine, func, insert, text
 from sqlalchemy.orm import Session
 
-from sqla_queue import QueueSession, WorkerStartError, enqueue_values
+from sqla_queue import QueueSession, WorkerStartError, enqueue_values, pause
+from sqla_queue import sql as q
 from sqla_queue.model import notify_channel
 
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, wait_for
-from .models import Task
+from .models import TASK_QUEUES, Task
 from .workers import FAST, TASKS
 
 TENANTS = ("tenant_a", "tenant_b")
@@ -38,10 +39,26 @@ def tenants(engine: Engine) -> Iterator[Engine]:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
             conn.execute(text(f"CREATE SCHEMA {name}"))
         TASKS.create(tenant(engine, name))
+        TASK_QUEUES.create(tenant(engine, name))  # the task table's queues can be paused
     yield engine
     with engine.begin() as conn:
         for name in TENANTS:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
+
+
+def test_a_pause_holds_in_its_tenants_schema_only(tenants: Engine) -> None:
+    """The queues table follows the queue table into each tenant's schema: a queue
+    paused in one tenant is claimed as usual in another."""
+    for name in TENANTS:
+        with tenant(tenants, name).begin() as conn:
+            conn.execute(insert(TASKS).values(task="work", payload={}, queue="x"))
+    with tenant(tenants, "tenant_a").begin() as conn:
+        assert pause(conn, Task, "x") is True
+    claimed = {}
+    for name in TENANTS:
+        with tenant(tenants, name).begin() as conn:
+            claimed[name] = len(conn.execute(q.claim(Task, owner="me", queues=["x"])).all())
+    assert claimed == {"tenant_a": 0, "tenant_b": 1}
 
 
 def rows_in(engine: Engine, schema: str | None) -> list[Any]:

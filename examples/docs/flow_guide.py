@@ -60,6 +60,26 @@ class WebhookJob(Base, JobMixin):
 # --8<-- [end:rate]
 
 
+# --8<-- [start:in-order]
+from sqla_queue import InOrder
+
+
+class LedgerJob(Base, JobMixin):
+    __tablename__ = "ledger_jobs"
+    __queue_flow__ = InOrder(key="account_id")  # one at a time per account, in order
+    account_id: Mapped[int]
+    entry: Mapped[str]
+# --8<-- [end:in-order]
+
+#: The entries each account's jobs applied, in the order they ran.
+applied: dict[int, list[str]] = {}
+
+
+def apply_entry(job: LedgerJob) -> None:
+    with _lock:
+        applied.setdefault(job.account_id, []).append(job.entry)
+
+
 def run(job: ExportJob) -> None:
     """The handler: a stand-in."""
 
@@ -126,8 +146,14 @@ def main(url: str) -> None:
     with engine.connect() as conn:
         starts = sorted(conn.scalars(select(func.extract("epoch", WebhookJob.started_at))))
     assert all(starts[i + 10] - starts[i] >= 1.0 for i in range(len(starts) - 10)), starts  # 10 a second
+    with Sessions() as session:
+        for n in range(12):
+            session.enqueue(LedgerJob(account_id=n % 2, entry=f"entry {n}"))
+        session.commit()
+    Worker(engine, LedgerJob, apply_entry, concurrency=8).run(until_idle=True)
+    assert applied == {a: [f"entry {n}" for n in range(12) if n % 2 == a] for a in (0, 1)}, applied
     engine.dispose()
-    print("paused queue left alone, then run once resumed; one sync per account at a time; 10 calls a second")
+    print("paused queue left alone, then resumed; one sync per account at a time; 10 calls a second; ledgers in order")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,21 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, cast
 
-from sqlalchemy import BigInteger, Select, Subquery, Table, case, exists, func, literal, or_, select, true, tuple_
+from sqlalchemy import (
+    BigInteger,
+    Select,
+    Subquery,
+    Table,
+    case,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+    tuple_,
+    union_all,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
@@ -240,7 +254,11 @@ def claimable_within_limits(
     carried = [qt.pk, c.priority, c.run_after, *key_columns(qt, rules)]
     where = [*conditions, *room(qt, rules)]
     many = limit * CANDIDATES_PER_JOB
-    if names is None or len(names) == 1:
+    fair = next((rule for rule in rules if isinstance(rule, Concurrency) and rule.fair), None)
+    if fair is not None:
+        candidates = _round_the_keys(qt, fair, carried, [*where, *_queue_filter(qt, names), *unpaused(qt, names)],
+                                     order, many)
+    elif names is None or len(names) == 1:
         candidates = (
             select(*carried)
             .where(*where, *_queue_filter(qt, names), *unpaused(qt, names))
@@ -261,6 +279,45 @@ def claimable_within_limits(
         )
         candidates = select(*per_queue.c).select_from(served).join(per_queue, true()).subquery("candidates")
     return within_limits(qt, candidates, rules, limit)
+
+
+def _round_the_keys(
+    qt: QueueTable, rule: Concurrency, carried: Sequence[ColumnElement[Any]], where: Sequence[ColumnElement[bool]],
+    order: Sequence[ColumnElement[Any]], many: ColumnElement[int] | int,
+) -> Subquery:
+    """A fair claim's candidates: every key of ``rule`` with pending jobs, found by a
+    loose index scan (a recursive CTE, one probe of ``<table>_fair_<key>_idx`` per key),
+    and up to ``rule.limit`` of each key's claimable jobs in the claim's order; with the
+    jobs whose key is NULL (not limited), up to ``many``. The cost of a claim grows with
+    the number of keys, not with any one key's backlog."""
+    assert rule.key is not None
+    c = qt.c
+    walker = qt.table.alias("key_walk")
+    wkey = walker.c[rule.key]
+    pending = walker.c.status == status_literal(PENDING)
+    first = select(wkey).where(pending, wkey.is_not(None)).order_by(wkey).limit(1).scalar_subquery()
+    walk = select(first.label("k")).cte("pending_keys", recursive=True)
+    following = select(wkey).where(pending, wkey > walk.c.k).order_by(wkey).limit(1).scalar_subquery()
+    walk = walk.union_all(select(following.label("k")).where(walk.c.k.is_not(None)))
+    key = c[rule.key]
+    per_key = (
+        select(*carried)
+        .where(*where, key == walk.c.k)
+        .order_by(*order)
+        .limit(rule.limit)
+        .with_for_update(skip_locked=True)
+        .lateral("per_key")
+    )
+    keyed = select(*per_key.c).select_from(walk).join(per_key, true()).where(walk.c.k.is_not(None))
+    unkeyed = (
+        select(*carried)
+        .where(*where, key.is_(None))
+        .order_by(*order)
+        .limit(many)
+        .with_for_update(skip_locked=True)
+        .subquery("unkeyed")
+    )
+    return union_all(keyed, select(*unkeyed.c)).subquery("candidates")
 
 
 def rule_counts(model: QueueModel, rule: FlowRule, *, limit: int = 5) -> Select[Any]:
