@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql as pgsql
@@ -68,16 +68,32 @@ _COMMIT = b"COMMIT"
 _ROLLBACK = b"ROLLBACK"
 
 
-def take_turn(lock: int, deadline: float) -> bytes:
-    """``BEGIN``, the claim transaction's own timeouts, and its wait for the advisory lock
-    ``lock``, at most :data:`FLOW_LOCK_TIMEOUT` or half the statement ``deadline``: one
-    simple-protocol query (one round trip), for :meth:`DbConnection.fetch_claimed`."""
-    wait = max(1, int(min(FLOW_LOCK_TIMEOUT, deadline / 2) * 1000))
-    return (
-        f"BEGIN; SET LOCAL lock_timeout = '{wait}ms'; "
-        f"SET LOCAL idle_in_transaction_session_timeout = '{int(FLOW_IDLE_TIMEOUT * 1000)}ms'; "
-        f"SELECT pg_advisory_xact_lock({int(lock)})"
-    ).encode()
+class Turn(NamedTuple):
+    """How a claim of a table with flow rules takes its turn: the advisory lock, and the
+    transaction's bounds (milliseconds)."""
+
+    lock: int
+    lock_timeout_ms: int
+    idle_timeout_ms: int
+
+
+def take_turn(lock: int, deadline: float) -> Turn:
+    """The turn of a claim on advisory lock ``lock``: it waits at most
+    :data:`FLOW_LOCK_TIMEOUT` or half the statement ``deadline``, and its transaction may
+    sit idle :data:`FLOW_IDLE_TIMEOUT`; for :meth:`DbConnection.fetch_claimed`."""
+    return Turn(lock, max(1, int(min(FLOW_LOCK_TIMEOUT, deadline / 2) * 1000)), int(FLOW_IDLE_TIMEOUT * 1000))
+
+
+#: The turn's one statement after BEGIN: its bounds (this transaction only), then the lock.
+_TURN = (
+    "SELECT set_config('lock_timeout', %s, true), "
+    "set_config('idle_in_transaction_session_timeout', %s, true), pg_advisory_xact_lock(%s)"
+)
+_BEGIN = b"BEGIN"
+
+
+def _turn_params(turn: Turn) -> tuple[str, str, int]:
+    return f"{turn.lock_timeout_ms}ms", f"{turn.idle_timeout_ms}ms", turn.lock
 
 
 
@@ -157,7 +173,7 @@ class DbConnection:
         return cur.fetchall() if cur.pgresult is not None and cur.description else []
 
     def fetch_claimed(
-        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int, turn: bytes | None = None
+        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int, turn: Turn | None = None
     ) -> list[tuple[Any, ...] | RowError]:
         """Run a claim; a row psycopg cannot read comes back as a :class:`RowError`, with
         the values of its columns ``pk_index`` and ``attempt_index`` (the caller's to know).
@@ -172,15 +188,19 @@ class DbConnection:
         if turn is None:
             cur.execute(stmt.sql, stmt.params(values))
             return self._claimed_rows(cur, pk_index, attempt_index)
+        raw = self.raw
         try:
-            cur.execute(turn)
-            cur.execute(stmt.sql, stmt.params(values))
-            rows = self._claimed_rows(cur, pk_index, attempt_index)
-            cur.execute(_COMMIT)
+            # One pipeline: the server runs the four back to back, so the lock is held
+            # for their execution only, never while this process waits for its GIL.
+            with raw.pipeline():
+                raw.execute(_BEGIN)
+                raw.execute(_TURN, _turn_params(turn))
+                cur.execute(stmt.sql, stmt.params(values))
+                raw.execute(_COMMIT)
         except BaseException:
             self._roll_back()
             raise
-        return rows
+        return self._claimed_rows(cur, pk_index, attempt_index)
 
     def _roll_back(self) -> None:
         """End a failed transaction of the driver's own; a broken connection is left as
@@ -288,12 +308,12 @@ class AsyncDbConnection(DbConnection):
         return await cur.fetchall() if cur.pgresult is not None and cur.description else []
 
     def fetch_claimed(
-        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int, turn: bytes | None = None
+        self, stmt: Statement, values: Mapping[str, Any], pk_index: int, attempt_index: int, turn: Turn | None = None
     ) -> list[tuple[Any, ...] | RowError]:
         return await_only(self._fetch_claimed(stmt.sql, stmt.params(values), pk_index, attempt_index, turn))
 
     async def _fetch_claimed(
-        self, sql: str, params: Mapping[str, Any], pk_index: int, attempt_index: int, turn: bytes | None
+        self, sql: str, params: Mapping[str, Any], pk_index: int, attempt_index: int, turn: Turn | None
     ) -> list[tuple[Any, ...] | RowError]:
         cur = self._cursor
         if self._replan_due():
@@ -301,15 +321,17 @@ class AsyncDbConnection(DbConnection):
         if turn is None:
             await cur.execute(sql, params)
             return await self._aclaimed_rows(cur, pk_index, attempt_index)
+        raw = self.raw
         try:
-            await cur.execute(turn)
-            await cur.execute(sql, params)
-            rows = await self._aclaimed_rows(cur, pk_index, attempt_index)
-            await cur.execute(_COMMIT)
+            async with raw.pipeline():
+                await raw.execute(_BEGIN)
+                await raw.execute(_TURN, _turn_params(turn))
+                await cur.execute(sql, params)
+                await raw.execute(_COMMIT)
         except BaseException:
             await self._aroll_back()
             raise
-        return rows
+        return await self._aclaimed_rows(cur, pk_index, attempt_index)
 
     async def _aroll_back(self) -> None:
         if self.broken:

@@ -497,6 +497,11 @@ class QueueOps:
         """Record ``tokens`` done under ``request.owner`` and run the claim ``request``,
         in one statement: one round trip, one transaction, one commit. Returns the tokens
         completed and the rows claimed. Under the deadline as :meth:`fetch_claimed`."""
+        if self._flow_turn is not None:
+            # A claim that takes turns holds the table's lock while it runs: the
+            # completion commits first, on its own, so the lock is held for the claim
+            # only, and the claim's count sees the keys the completion freed.
+            return self.complete(conn, request.owner, tokens), self.fetch_claimed(conn, request)
         stmt = request.after_completion
         assert stmt is not None and request.values is not None
         done: dict[Any, str] = {}  # keyed by plain (pk, attempt) tuples: equal to the tokens

@@ -318,24 +318,49 @@ def test_eight_processes_killed_now_and_then_never_run_more_than_the_limits(
 
 
 def test_a_claim_waits_for_its_turn_a_bounded_time(engine: Engine, server: Any) -> None:
-    """The turn's transaction bounds its wait for the lock (``lock_timeout``) and its own
-    idle time (``idle_in_transaction_session_timeout``: a claimer frozen inside it has
-    it ended by the server, which releases the lock)."""
+    """A claim's turn waits for the lock at most its ``lock_timeout``, and a failed turn
+    is rolled back: the connection claims again at once."""
     import psycopg
 
-    from sqla_queue.driver import FLOW_IDLE_TIMEOUT, take_turn
+    from sqla_queue.driver import Driver, take_turn
 
-    turn = take_turn(q.flow_lock_key(ACCOUNTS), deadline=1.0)
-    with psycopg.connect(server.conninfo, autocommit=True) as conn:
-        conn.execute(turn)
-        assert conn.execute("SHOW lock_timeout").fetchone() == ("500ms",)
-        assert conn.execute("SHOW idle_in_transaction_session_timeout").fetchone() == (f"{int(FLOW_IDLE_TIMEOUT)}s",)
-        with psycopg.connect(server.conninfo, autocommit=True) as other, pytest.raises(
-            psycopg.errors.LockNotAvailable
-        ):
-            other.execute(take_turn(q.flow_lock_key(ACCOUNTS), deadline=0.2))
-        conn.execute("COMMIT")
-        assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)  # SET LOCAL: that transaction only
+    driver = Driver(engine)
+    conn = driver.connect("test")
+    try:
+        stmt = driver.compile(q.claim_template(AccountJob))
+        values = {q.OWNER_PARAM: "me", q.LIMIT_PARAM: 5, q.LEASE_PARAM: 30.0}
+        turn = take_turn(q.flow_lock_key(ACCOUNTS), deadline=1.0)
+        assert turn.lock_timeout_ms == 500 and take_turn(1, deadline=60).lock_timeout_ms == 5000
+        with engine.begin() as holder:
+            holder.execute(q.flow_lock(AccountJob))
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                conn.fetch_claimed(stmt, values, 0, 1, turn)
+        assert conn.raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        add(engine, ACCOUNTS, [{"account": "a"}])
+        assert len(conn.fetch_claimed(stmt, values, 0, 1, turn)) == 1
+    finally:
+        conn.close()
+
+
+def test_a_claimer_frozen_in_its_turn_loses_it(server: Any) -> None:
+    """A claimer stopped inside its turn's transaction (SIGSTOP, a paused VM) has it
+    ended by the server after the turn's idle timeout, which frees the lock."""
+    import psycopg
+
+    from sqla_queue.driver import _TURN, Turn, _turn_params
+
+    key = q.flow_lock_key(ACCOUNTS)
+    frozen = psycopg.connect(server.conninfo, autocommit=True)
+    frozen.execute("BEGIN")
+    frozen.execute(_TURN, _turn_params(Turn(key, 1000, 300)))  # then it stops talking
+    with psycopg.connect(server.conninfo, autocommit=True) as other:
+        other.execute("SET lock_timeout = '20s'")
+        other.execute("BEGIN")
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (key,))  # granted once the server ends the other
+        other.execute("COMMIT")
+    with pytest.raises(psycopg.Error, match="idle-in-transaction timeout"):
+        frozen.execute("SELECT 1")
+    frozen.close()
 
 
 def test_a_worker_behind_a_held_turn_claims_once_it_is_free(engine: Engine, start_worker: Any) -> None:
