@@ -428,10 +428,11 @@ def _attach_schema_objects(table: Table) -> None:
                 postgresql_where=or_(*(c.status == status_literal(s) for s in holding)),
             )
         elif isinstance(rule, RateLimit):
-            # A rate limit's claims count the jobs of each key started within its period.
+            # A rate limit's claims count the jobs started within its period (per key):
+            # a range of started_at, the window, read once per claim.
             keyed = [c[rule.key]] if rule.key is not None else []
             suffix = f"starts_{rule.key}_idx" if rule.key is not None else "starts_idx"
-            Index(conv(constraint_name(name, suffix)), *keyed, c.started_at)
+            Index(conv(constraint_name(name, suffix)), c.started_at, *keyed)
         elif rule.key is not None:
             # A rule's claims count the running jobs of each candidate's key with it
             # (a rule without a key counts every running job: lease_idx).

@@ -89,8 +89,8 @@ class AccountJob(Base, JobMixin):
 
     account: Mapped[str | None] = mapped_column(String(50))
     #: What the flow app's handler does: work this long; SIGKILL its process on attempt 1.
-    work_seconds: Mapped[float] = mapped_column(default=0.0)
-    kill: Mapped[bool] = mapped_column(default=False)
+    work_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    kill: Mapped[bool] = mapped_column(default=False, server_default="false")
 
 
 class ShardJob(Base, JobMixin):
@@ -100,8 +100,8 @@ class ShardJob(Base, JobMixin):
     __queue_flow__ = (Concurrency(3, key="account"), Concurrency(4, key="queue"), Concurrency(6))
 
     account: Mapped[str | None] = mapped_column(String(50))
-    work_seconds: Mapped[float] = mapped_column(default=0.0)
-    kill: Mapped[bool] = mapped_column(default=False)
+    work_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    kill: Mapped[bool] = mapped_column(default=False, server_default="false")
 
 
 class RatedJob(Base, JobMixin):
@@ -112,6 +112,8 @@ class RatedJob(Base, JobMixin):
     __queue_flow__ = (RateLimit(5, per=0.5, key="account", strict=True), RateLimit(20, per=1.0, key="queue"))
 
     account: Mapped[str | None] = mapped_column(String(50))
+    work_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    kill: Mapped[bool] = mapped_column(default=False, server_default="false")
 
 
 class TenantJob(Base, JobMixin):
@@ -131,8 +133,8 @@ class OrderedJob(Base, JobMixin):
     __queue_flow__ = InOrder(key="account")
 
     account: Mapped[str | None] = mapped_column(String(50))
-    work_seconds: Mapped[float] = mapped_column(default=0.0)
-    kill: Mapped[bool] = mapped_column(default=False)
+    work_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    kill: Mapped[bool] = mapped_column(default=False, server_default="false")
 
 
 class SkippingOrderedJob(Base, JobMixin):

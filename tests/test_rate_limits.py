@@ -57,8 +57,8 @@ def test_a_rate_limit_is_a_checked_value() -> None:
 
 def test_each_rate_limit_gets_an_index_of_starts() -> None:
     names = {str(i.name): [c.name for c in i.columns] for i in RATED.indexes}
-    assert names["rated_jobs_starts_account_idx"] == ["account", "started_at"]
-    assert names["rated_jobs_starts_queue_idx"] == ["queue", "started_at"]
+    assert names["rated_jobs_starts_account_idx"] == ["started_at", "account"]
+    assert names["rated_jobs_starts_queue_idx"] == ["started_at", "queue"]
 
 
 def test_a_claim_takes_what_is_left_in_the_window(engine: Engine) -> None:
@@ -148,3 +148,23 @@ def test_a_model_without_started_at_cannot_declare_a_rate_limit() -> None:
             __tablename__ = "old_rated_jobs"
             __queue_flow__ = RateLimit(1, per=1)
             started_at = None
+
+
+@pytest.mark.system
+def test_eight_processes_never_start_more_than_the_strict_rate(engine: Engine, worker_processes: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight worker processes of two executors, sixty jobs of two accounts: in the rows'
+    start times (the server's clock), no half second holds more than five starts of one
+    account, and no second more than twenty of the queue (the default mode: its claims
+    take their turns with the strict rule's)."""
+    monkeypatch.setenv("SQLA_QUEUE_TEST_FLOW_MODEL", "RatedJob")
+    flags = ("--concurrency", "2", "--poll-interval", "0.5s")
+    for _ in range(8):
+        worker_processes(*flags, target="tests.flow_app:make_worker")
+    ids = add(engine, [{"account": "ab"[i % 2]} for i in range(60)])
+    wait_for(lambda: _done(engine, ids), timeout=60, what="every job done")
+    with engine.connect() as conn:
+        rows = conn.execute(select(RATED.c.account, func.extract("epoch", RATED.c.started_at))).all()
+    for account in "ab":
+        assert _windows([float(t) for a, t in rows if a == account], 0.5) <= 5
+    assert _windows([float(t) for _, t in rows], 1.0) <= 20

@@ -134,6 +134,11 @@ def flow_lock(
     return select(func.pg_advisory_xact_lock(literal(flow_lock_key(table, schema_translate_map), BigInteger())))
 
 
+def _window_start(rule: RateLimit) -> ColumnElement[Any]:
+    """Where a rate limit's window starts: ``now() - per``."""
+    return func.now() - seconds_interval(rule.seconds)
+
+
 def _others(qt: QueueTable) -> Any:
     return qt.table.alias("counted_jobs")
 
@@ -148,7 +153,10 @@ def _counted(qt: QueueTable, rule: Concurrency | RateLimit, key: ColumnElement[A
     if isinstance(rule, Concurrency):
         count = count.where(others.c.status == status_literal(RUNNING))
     else:
-        count = count.where(others.c.started_at > _clock() - seconds_interval(rule.seconds))
+        # now(), not the clock: a stable bound is an index condition on (key, started_at),
+        # where clock_timestamp() would filter every start the key ever had. It is the
+        # transaction's start, a moment before the claim: the window counts a little more.
+        count = count.where(others.c.started_at > _window_start(rule))
     if rule.key is not None:
         assert key is not None
         count = count.where(others.c[rule.key] == key)
@@ -171,18 +179,34 @@ def _first_of_its_key(qt: QueueTable, rule: InOrder) -> ColumnElement[bool]:
     return or_(key.is_(None), ~exists(earlier))
 
 
-def _full_keys(qt: QueueTable, rule: Concurrency) -> Select[Any]:
-    """The keys of ``rule`` whose running jobs reach its limit (an uncorrelated subquery:
-    one pass over the running jobs by the rule's index)."""
+def _window_counts(qt: QueueTable, rule: RateLimit) -> Select[Any]:
+    """``(key, started)``: each key's starts within ``rule``'s window, by a range of its
+    index on ``(started_at, key)``."""
     assert rule.key is not None
     others = _others(qt)
     key = others.c[rule.key]
     return (
-        select(key)
-        .where(others.c.status == status_literal(RUNNING), key.is_not(None))
+        select(key.label("key"), func.count().label("started"))
+        .where(others.c.started_at > _window_start(rule), key.is_not(None))
         .group_by(key)
-        .having(func.count() >= rule.limit)
     )
+
+
+def _full_keys(qt: QueueTable, rule: Concurrency | RateLimit) -> Select[Any]:
+    """The keys of ``rule`` at its limit: their running jobs (:class:`Concurrency`), or
+    their starts within the window (:class:`RateLimit`). An uncorrelated subquery, one
+    pass over those rows by the rule's index (they are few: at most the limit per key),
+    so a row of a full key costs the scan a hash probe, not a count of its own, however
+    long its key's backlog."""
+    assert rule.key is not None
+    others = _others(qt)
+    key = others.c[rule.key]
+    counted = (
+        others.c.status == status_literal(RUNNING)
+        if isinstance(rule, Concurrency)
+        else others.c.started_at > _window_start(rule)
+    )
+    return select(key).where(counted, key.is_not(None)).group_by(key).having(func.count() >= rule.limit)
 
 
 def room(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[bool]]:
@@ -195,14 +219,9 @@ def room(qt: QueueTable, rules: Sequence[FlowRule]) -> list[ColumnElement[bool]]
             conditions.append(_first_of_its_key(qt, rule))
         elif rule.key is None:
             conditions.append(_counted(qt, rule, None) < rule.limit)
-        elif isinstance(rule, Concurrency):
-            # The full keys, found once (running jobs are few): a row of one is passed
-            # over by a hash probe, not a count of its own, however long its backlog.
-            key = qt.c[rule.key]
-            conditions.append(or_(key.is_(None), key.not_in(_full_keys(qt, rule))))
         else:
             key = qt.c[rule.key]
-            conditions.append(or_(key.is_(None), _counted(qt, rule, key) < rule.limit))
+            conditions.append(or_(key.is_(None), key.not_in(_full_keys(qt, rule))))
         if isinstance(rule, RateLimit) and rule.strict:
             started = qt.c.started_at
             conditions.append(or_(started.is_(None), started <= _clock() - seconds_interval(rule.seconds)))
@@ -230,12 +249,21 @@ def within_limits(
     order = (candidates.c.priority.desc(), candidates.c.run_after, pk)
     rules = _counting(rules)
     ranks: list[ColumnElement[Any]] = []
+    source: Any = candidates
     for n, rule in enumerate(rules):
         key = candidates.c[rule.key] if rule.key is not None else None
         rank = func.row_number().over(partition_by=key, order_by=order) if key is not None else func.row_number().over(
             order_by=order)
-        ranks.append((rank + _counted(qt, rule, key)).label(f"flow_{n}"))
-    ranked = select(*candidates.c, *ranks).subquery("ranked")
+        if isinstance(rule, RateLimit) and key is not None:
+            # A window's starts per key, counted once and joined: its index leads with
+            # started_at, so a count per candidate would read the whole window each time.
+            starts = _window_counts(qt, rule).subquery(f"window_{n}")
+            source = source.outerjoin(starts, starts.c.key == key)
+            now: ColumnElement[Any] = func.coalesce(starts.c.started, 0)
+        else:
+            now = _counted(qt, rule, key)
+        ranks.append((rank + now).label(f"flow_{n}"))
+    ranked = select(*candidates.c, *ranks).select_from(source).subquery("ranked")
     fits: list[ColumnElement[bool]] = []
     for n, rule in enumerate(rules):
         taken = ranked.c[f"flow_{n}"] <= rule.limit
@@ -333,7 +361,7 @@ def rule_counts(model: QueueModel, rule: FlowRule, *, limit: int = 5) -> Select[
     if isinstance(rule, Concurrency):
         where = qt.c.status == status_literal(RUNNING)
     elif isinstance(rule, RateLimit):
-        where = qt.c.started_at > _clock() - seconds_interval(rule.seconds)
+        where = qt.c.started_at > _window_start(rule)
     else:
         where = qt.c.status == status_literal(PENDING)
     if rule.key is None:
@@ -358,7 +386,7 @@ def next_free_start(qt: QueueTable, names: list[str] | None) -> ColumnElement[An
     others = _others(qt)
     frees = [
         select(func.min(others.c.started_at) + seconds_interval(rule.seconds))
-        .where(others.c.started_at > _clock() - seconds_interval(rule.seconds))
+        .where(others.c.started_at > _window_start(rule))
         .scalar_subquery()
         for rule in rates
     ]
