@@ -96,6 +96,14 @@ NOT_FROM_A_FILE: dict[tuple[str, str], str] = {
         "the one-queue claim's condition, abridged; tests/test_pause.py runs every claim shape",
     ("guides/flow.md", "Result  One-Time Filter"):
         "the plan it gets, abridged; tests/test_pause.py asserts the one-time filter",
+    ("reference/sql.md", "Update on account_jobs"):
+        "a plan PostgreSQL printed, abridged, shown to explain it; tests/test_flow.py runs the claim",
+    ("reference/sql.md", "->  Index Scan using rated_jobs_claim_idx"):
+        "a plan PostgreSQL printed, abridged; tests/test_rate_limits.py runs the claim",
+    ("reference/sql.md", "->  Index Scan using ordered_jobs_claim_idx"):
+        "a plan PostgreSQL printed, abridged; tests/test_in_order.py runs the claim",
+    ("reference/sql.md", "CTE pending_keys"):
+        "a plan PostgreSQL printed, abridged; tests/test_flow.py asserts the rows a fair claim reads",
     ("reference/sql.md", "UPDATE email_jobs SET status='running'"):
         "the claim statement as compiled, shown to explain it; tests/test_sql.py runs the builder",
     ("internals/job-life.md", "enqueue / enqueue_many"):
