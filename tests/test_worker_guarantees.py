@@ -906,9 +906,9 @@ def test_no_beat_for_a_whole_lease_stops_claiming_and_loses_what_is_held(
                 sleep(0.02)  # the handler takes its time: until its lease is given up
             returned.set()
 
-    (job_id,) = add(Sessions, "stalls")
     worker = start_worker(tasks, concurrency=2, lease=1, heartbeat_interval=0.2, sweep_interval=0.2)
-    box.append(worker)
+    box.append(worker)  # before the job exists: its handler reads the worker's counters
+    (job_id,) = add(Sessions, "stalls")
     assert running.wait(10)
     with held_lock(engine, "ACCESS EXCLUSIVE"):  # no statement reaches the table for a while
         wait_for(lambda: worker.stats.lost == 1, timeout=10, what="the held job counted lost")
