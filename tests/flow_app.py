@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, func, insert, update
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from sqla_queue import AsyncWorker, Worker
 
@@ -38,7 +39,7 @@ def make_worker() -> Worker | AsyncWorker:
     connect_args = {"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")}
     if os.environ.get("SQLA_QUEUE_TEST_RUNTIME") == "asyncio":
         engine = create_async_engine(url, connect_args=connect_args)
-        log = create_async_engine(url)
+        log = create_async_engine(url, poolclass=NullPool)  # a connection per write, none kept
 
         async def run_async(job: Any) -> None:
             async with log.begin() as conn:
@@ -51,7 +52,7 @@ def make_worker() -> Worker | AsyncWorker:
 
         return AsyncWorker(engine, model, run_async)
     sync_engine = create_engine(url, connect_args=connect_args)
-    log_sync = create_engine(url)
+    log_sync = create_engine(url, poolclass=NullPool)
 
     def run(job: Any) -> None:
         with log_sync.begin() as conn:

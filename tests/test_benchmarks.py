@@ -16,7 +16,7 @@ import pytest
 
 from .helpers import Server
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("many_connections")]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
 PEERS_SCRIPT = SCRIPT.with_name("peers.py")
