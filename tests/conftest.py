@@ -249,22 +249,6 @@ def listener(server: Server) -> Iterator[psycopg.Connection[tuple[object, ...]]]
 
 
 @pytest.fixture
-def many_connections() -> Iterator[None]:
-    """Tests that open dozens of connections at once (eight worker processes, the
-    benchmark harnesses) take turns across the suite's test processes: together they
-    would pass the server's ``max_connections`` (100 by default)."""
-    import fcntl
-    import tempfile
-
-    with open(Path(tempfile.gettempdir()) / "sqla_queue_tests_many_connections.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-@pytest.fixture
 def worker_processes(tmp_path: object, runtime: Any) -> Iterator[object]:
     """Start worker processes of the test's runtime with ``start(*cli_args)``; all are
     killed after the test."""

@@ -16,7 +16,9 @@ import pytest
 
 from .helpers import Server
 
-pytestmark = [pytest.mark.system, pytest.mark.usefixtures("many_connections")]
+#: With the eight-process tests, in one test process (``--dist loadgroup``): together
+#: they would pass the server's max_connections.
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("many_connections")]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
 PEERS_SCRIPT = SCRIPT.with_name("peers.py")

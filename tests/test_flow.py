@@ -281,7 +281,7 @@ def _handler_overlap(engine: Engine, deaths: dict[int, float]) -> dict[tuple[str
 @pytest.mark.parametrize(("model", "limits"), [("AccountJob", {"account": 1}),
                                                ("ShardJob", {"account": 3, "queue": 4, "all": 6})],
                          ids=["one per account", "three per account, four per queue, six in all"])
-@pytest.mark.usefixtures("many_connections")
+@pytest.mark.xdist_group("many_connections")  # with the benchmark tests: see test_benchmarks.py
 def test_eight_processes_killed_now_and_then_never_run_more_than_the_limits(
     engine: Engine, worker_processes: Any, monkeypatch: pytest.MonkeyPatch, model: str, limits: dict[str, int]
 ) -> None:

@@ -151,7 +151,7 @@ def test_a_model_without_started_at_cannot_declare_a_rate_limit() -> None:
 
 
 @pytest.mark.system
-@pytest.mark.usefixtures("many_connections")
+@pytest.mark.xdist_group("many_connections")  # with the benchmark tests: see test_benchmarks.py
 def test_eight_processes_never_start_more_than_the_strict_rate(engine: Engine, worker_processes: Any,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight worker processes of two executors, sixty jobs of two accounts: in the rows'
