@@ -15,7 +15,7 @@ from typing import Any, Final
 from sqlalchemy import Column, DateTime, Table, func
 
 from .errors import QueuesTableNotDeclared
-from .model import constraint_name, queue_table
+from .model import companion_table, queue_table
 
 __all__ = ["queues_table"]
 
@@ -33,26 +33,15 @@ def queues_table(model: Any) -> Table:
     and follows the queue table into whatever schema a ``schema_translate_map`` puts it.
     """
     table = queue_table(model).table
-    found = declared_queues_table(table)
-    if found is not None:
-        return found
-    name = constraint_name(table.name, "queues")
-    key = f"{table.schema}.{name}" if table.schema else name
-    existing = table.metadata.tables.get(key)
-    if existing is not None:
-        table.info[_INFO_KEY] = existing
-        return existing
-    made = Table(
-        name,
-        table.metadata,
+    return companion_table(
+        table,
+        "queues",
+        _INFO_KEY,
         Column("queue", table.c.queue.type, primary_key=True),
         # Set while the queue is paused: no claim takes its jobs.
         Column("paused_at", DateTime(timezone=True)),
         Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-        schema=table.schema,
     )
-    table.info[_INFO_KEY] = made
-    return made
 
 
 def declared_queues_table(table: Table) -> Table | None:

@@ -541,6 +541,20 @@ def queue_table(model: Any) -> QueueTable:
     return plans.put((_QUEUE_TABLE, table), resolved)
 
 
+def companion_table(table: Table, suffix: str, info_key: str, *columns: Column[Any]) -> Table:
+    """``<table>_<suffix>``, a table of the library's beside the queue ``table`` (in its
+    schema and ``MetaData``), made once and remembered in ``table.info[info_key]``; one of
+    that name already in the metadata is taken as it is."""
+    found: Table | None = table.info.get(info_key)
+    if found is not None:
+        return found
+    name = constraint_name(table.name, suffix)
+    existing = table.metadata.tables.get(f"{table.schema}.{name}" if table.schema else name)
+    made = existing if existing is not None else Table(name, table.metadata, *columns, schema=table.schema)
+    table.info[info_key] = made
+    return made
+
+
 def archive_table(model: Any, name: str, metadata: MetaData | None = None) -> Table:
     """A table for :func:`sqla_queue.sql.archive_finished`: the queue table's columns.
 

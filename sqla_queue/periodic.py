@@ -30,7 +30,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from sqlalchemy import Column, DateTime, String, Table, func
 
-from .model import MAX_DELAY_SECONDS, check_max_attempts, check_priority, check_queue, constraint_name, queue_table
+from .model import MAX_DELAY_SECONDS, check_max_attempts, check_priority, check_queue, companion_table, queue_table
 
 __all__ = ["MAX_BACKFILL", "Schedule", "schedules_table"]
 
@@ -276,26 +276,14 @@ def schedules_table(model: Any) -> Table:
     ``schema_translate_map`` puts it, so each tenant's schedules tick on their own, and
     schedule names need only be unique per queue table.
     """
-    table = queue_table(model).table
-    found: Table | None = table.info.get(_INFO_KEY)
-    if found is not None:
-        return found
-    name = constraint_name(table.name, "schedules")
-    key = f"{table.schema}.{name}" if table.schema else name
-    existing = table.metadata.tables.get(key)
-    if existing is not None:
-        table.info[_INFO_KEY] = existing
-        return existing
-    made = Table(
-        name,
-        table.metadata,
+    return companion_table(
+        queue_table(model).table,
+        "schedules",
+        _INFO_KEY,
         Column("name", String(MAX_NAME_LENGTH), primary_key=True),
         # The last tick claimed (and enqueued); a tick is claimed by moving it forward.
         Column("last_tick", DateTime(timezone=True), nullable=False),
         # The value before the last claim: which missed ticks that claim enqueued.
         Column("previous_tick", DateTime(timezone=True)),
         Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-        schema=table.schema,
     )
-    table.info[_INFO_KEY] = made
-    return made
