@@ -201,6 +201,30 @@ class WorkerProcess:
         self._log.close()
 
 
+def run_until_done(
+    engine: Any, table: Table, ids: list[Any], processes: list[WorkerProcess],
+    start: Callable[[], WorkerProcess], *, timeout: float,
+) -> dict[int, float]:
+    """Wait until every job of ``ids`` in ``table`` is done, starting a new worker
+    process (``start()``) in place of any of ``processes`` that exits (a job killed it);
+    the time (``time.time()``) each exited process was found dead, by pid."""
+    from sqlalchemy import func, select
+
+    deaths: dict[int, float] = {}
+    began = time.monotonic()
+    while True:
+        with engine.connect() as conn:
+            done = conn.scalar(select(func.count()).where(table.c.id.in_(ids), table.c.status == "done"))
+        if done == len(ids):
+            return deaths
+        assert time.monotonic() - began < timeout, f"{done} of {len(ids)} done"
+        for n, process in enumerate(processes):
+            if process.proc.poll() is not None:
+                deaths[process.pid] = time.time()
+                processes[n] = start()
+        time.sleep(0.1)  # the supervisor's pace, not a wait for anything
+
+
 def terminate_backend(conninfo: str, pid: int) -> None:
     """End the server process ``pid`` (another connection's) and wait until it is gone,
     as when the server or the network drops that connection."""

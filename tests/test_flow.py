@@ -23,7 +23,7 @@ from sqla_queue import sql as q
 from sqla_queue.model import flow_rules
 
 from . import models
-from .helpers import table_of, wait_for, wait_for_counts
+from .helpers import run_until_done, table_of, wait_for, wait_for_counts
 from .models import AccountJob, EmailJob, FlowRun, ShardJob, TenantJob
 
 ACCOUNTS = table_of(AccountJob)
@@ -296,21 +296,10 @@ def test_eight_processes_killed_now_and_then_never_run_more_than_the_limits(
     processes = [worker_processes(*flags, target="tests.flow_app:make_worker") for _ in range(8)]
     rows = [{"account": f"k{i % 5}", "queue": "ab"[i % 2], "work_seconds": 0.05, "kill": i in (7, 23)}
             for i in range(60)]
-    deaths: dict[int, float] = {}
     with Sampler(engine, table) as sampler:
         ids = add(engine, table, rows)
-        began = time.monotonic()
-        while True:
-            with engine.connect() as conn:
-                done = conn.scalar(select(func.count()).where(table.c.id.in_(ids), table.c.status == "done"))
-            if done == len(ids):
-                break
-            assert time.monotonic() - began < 120, f"{done} of {len(ids)} done"
-            for n, process in enumerate(processes):
-                if process.proc.poll() is not None:  # killed by its job: started again at once
-                    deaths[process.pid] = time.time()
-                    processes[n] = worker_processes(*flags, target="tests.flow_app:make_worker")
-            time.sleep(0.1)  # the supervisor's pace, not a wait for anything
+        deaths = run_until_done(engine, table, ids, processes,
+                                lambda: worker_processes(*flags, target="tests.flow_app:make_worker"), timeout=120)
     assert len(deaths) >= 2, deaths
     handled = _handler_overlap(engine, deaths)
     for scope, limit in limits.items():

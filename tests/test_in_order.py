@@ -19,7 +19,7 @@ from sqlalchemy import Engine, func, insert, select, update
 from sqla_queue import InOrder, RetryLater, Snooze, cancel
 from sqla_queue import sql as q
 
-from .helpers import table_of, wait_for
+from .helpers import run_until_done, table_of, wait_for
 from .models import FlowRun, OrderedJob, SkippingOrderedJob
 
 ORDERED = table_of(OrderedJob)
@@ -158,20 +158,9 @@ def test_a_worker_killed_mid_job_keeps_each_key_in_order(engine: Engine, worker_
              "--sweep-interval", "0.5s", "--poll-interval", "0.5s")
     processes = [worker_processes(*flags, target="tests.flow_app:make_worker") for _ in range(4)]
     ids = add(engine, ORDERED, [{"account": "ab"[i % 2], "work_seconds": 0.02, "kill": i == 4} for i in range(30)])
-    began = time.monotonic()
-    restarted = 0
-    while True:
-        with engine.connect() as conn:
-            done = conn.scalar(select(func.count()).where(ORDERED.c.id.in_(ids), ORDERED.c.status == "done"))
-        if done == len(ids):
-            break
-        assert time.monotonic() - began < 90, f"{done} of {len(ids)} done"
-        for n, process in enumerate(processes):
-            if process.proc.poll() is not None:
-                restarted += 1
-                processes[n] = worker_processes(*flags, target="tests.flow_app:make_worker")
-        time.sleep(0.1)  # the supervisor's pace, not a wait for anything
-    assert restarted >= 1
+    deaths = run_until_done(engine, ORDERED, ids, processes,
+                            lambda: worker_processes(*flags, target="tests.flow_app:make_worker"), timeout=90)
+    assert len(deaths) >= 1
     runs = table_of(FlowRun)
     with engine.connect() as conn:
         rows = conn.execute(select(runs.c.job_id, runs.c.account, runs.c.started_at, runs.c.ended_at)
