@@ -53,7 +53,7 @@ from .model import (
     archive_table,
     queue_table,
 )
-from .pause import pause, resume
+from .pause import pause, resume, set_queue_limits
 from .periodic import Schedule, schedules_table
 from .rules import Concurrency, InOrder, RateLimit
 from .sql import Backoff, ClaimToken
@@ -113,6 +113,7 @@ __all__ = [
     "queue_table",
     "queues_table",
     "resume",
+    "set_queue_limits",
     "schedules_table",
 ]
 

@@ -23,6 +23,7 @@ from .flow import declared_queues_table
 from .model import JobStatus, flow_rules, queue_table, table_problem, translated_schema
 from .pause import pause as _pause
 from .pause import resume as _resume
+from .pause import set_queue_limits as _set_queue_limits
 from .periodic import Schedule, schedules_table
 from .rules import Concurrency, FlowRule, RateLimit
 
@@ -303,6 +304,36 @@ def paused_queues(engine: Engine, model: Any) -> dict[str, datetime]:
         return {row.queue: row.paused_at for row in conn.execute(q.paused_queues(model))}
 
 
+def set_queue_limits(
+    engine: Engine, model: Any, queues: Sequence[str], *, concurrency: int | None, rate: int | None
+) -> None:
+    """Set the limits of ``queues`` (:func:`sqla_queue.set_queue_limits`) in one
+    transaction of its own."""
+    with engine.begin() as conn:
+        for queue in dict.fromkeys(queues):
+            _set_queue_limits(conn, model, queue, concurrency=concurrency, rate=rate)
+
+
+def queue_limits(engine: Engine, model: Any) -> dict[str, tuple[int | None, int | None]]:
+    """``{queue: (concurrency, rate)}`` of each queue with limits of its own set at run
+    time; empty when the table has no queues table declared."""
+    if declared_queues_table(queue_table(model).table) is None:
+        return {}
+    with engine.connect() as conn:
+        return {row.queue: (row.concurrency, row.rate) for row in conn.execute(q.queue_limits(model))}
+
+
+def describe_queue_limits(concurrency: int | None, rate: int | None, rules: Sequence[FlowRule]) -> str:
+    """A queue's own limits in words: ``at most 2 running, at most 50 starts in 1 s``."""
+    words = []
+    if concurrency is not None:
+        words.append(f"at most {concurrency} running")
+    if rate is not None:
+        per = next(r.seconds for r in rules if isinstance(r, RateLimit) and r.key == "queue")
+        words.append(f"at most {rate} starts in {per:g} s")
+    return ", ".join(words)
+
+
 @dataclass(frozen=True)
 class RuleView:
     """One flow rule of a queue table, in words, and the keys nearest its limit now."""
@@ -346,6 +377,9 @@ def format_stats(engine: Engine, model: Any) -> str:
     for view in flow_view(engine, model):
         busiest = ", ".join(f"{n}" if key is None else f"{key} {n}" for key, n in view.busiest) or "none running"
         note += f"\nrule: {view.rule} (busiest now: {busiest})"
+    rules = flow_rules(queue_table(model).table)
+    for queue, (concurrency, rate) in queue_limits(engine, model).items():
+        note += f"\nlimits of queue {queue}: {describe_queue_limits(concurrency, rate, rules)}"
     if not rows:
         return "(no jobs)" + note
     header = ("queue", "status", "jobs", "oldest runnable")

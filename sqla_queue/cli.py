@@ -1,4 +1,4 @@
-"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, pause, prune, list schedules.
+"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, pause, limit, prune, list schedules.
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
@@ -550,6 +550,22 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_limit(args: argparse.Namespace) -> int:
+    def limit(engine: Engine, model: Any) -> None:
+        try:
+            admin.set_queue_limits(engine, model, args.queue, concurrency=args.concurrency, rate=args.rate)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+
+    _on_admin_target(args, limit)
+    def shown(value: int | None) -> str:
+        return "the model's" if value is None else str(value)
+
+    for queue in dict.fromkeys(args.queue):
+        print(f"limits of {queue}: concurrency {shown(args.concurrency)}, rate {shown(args.rate)}")
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     def jobs(engine: Engine, model: Any, filters: admin.JobFilters) -> str:
         before = None
@@ -785,6 +801,15 @@ def build_parser() -> argparse.ArgumentParser:
             "--queue", type=queue_name, action="append", required=True, help=f"the queue to {name} (repeatable)"
         )
         sub.set_defaults(func=func)
+
+    limit = admin("limit", "set a queue's own limits, on every worker, in place of the model's per-queue rules")
+    limit.add_argument("--queue", type=queue_name, action="append", required=True,
+                       help="the queue to set (repeatable)")
+    limit.add_argument("--concurrency", type=positive_int,
+                       help="most running jobs of the queue (its Concurrency(key='queue')); default: the model's")
+    limit.add_argument("--rate", type=positive_int,
+                       help="most starts per the period of the model's RateLimit(key='queue'); default: the model's")
+    limit.set_defaults(func=cmd_limit)
 
     jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
     filters(jobs, statuses=[s.value for s in JobStatus], ids=False)

@@ -667,10 +667,12 @@ class Driver:
                     INDEX_SQL, (qualified.as_string(None), constraint_name(table.name, "unique_idx"))
                 ) if present and unique_jobs(table) is not None else None
                 controls = declared_queues_table(table)
-                controls_missing = controls is not None and not conn.query(
-                    "SELECT to_regclass(%s) IS NOT NULL",
+                # The queues table's columns (none: it does not exist), each checked below.
+                controls_columns = {r[0] for r in conn.query(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
+                    "AND NOT attisdropped",
                     (pgsql.Identifier(*([schema, controls.name] if schema else [controls.name])).as_string(None),),
-                )[0][0]
+                )} if controls is not None else set()
             name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
@@ -678,10 +680,16 @@ class Driver:
         if problem is None and index is not None:
             # A unique index the model no longer describes would skip or refuse keyed jobs.
             problem = unique_index_problem(table, index[0] if index else None, name)
-        if problem is None and controls_missing:
+        if problem is None and controls is not None and not controls_columns:
             problem = (
                 f"table {name!r} has a queues table declared (sqla_queue.queues_table), but "
                 f"{constraint_name(table.name, 'queues')!r} does not exist in that database: create it, or migrate"
+            )
+        elif problem is None and controls is not None and (lacking := set(controls.c.keys()) - controls_columns):
+            problem = (
+                f"the queues table {constraint_name(table.name, 'queues')!r} of {name!r} lacks the column(s) "
+                f"{', '.join(sorted(lacking))}, which this version of sqla_queue reads: migrate it (Alembic "
+                f"autogenerate adds them)"
             )
         if problem is not None:
             raise WorkerStartError(problem)

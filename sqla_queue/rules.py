@@ -21,7 +21,7 @@ from typing import Final, TypeAlias
 
 __all__ = [
     "MAX_CONCURRENCY", "MAX_RATE_PERIOD", "ON_DEAD_LETTER", "Concurrency", "FlowRule", "InOrder", "RateLimit",
-    "check_retention", "check_rules", "rate_periods",
+    "check_queue_limits", "check_retention", "check_rules", "rate_periods",
     "takes_turns",
 ]
 
@@ -166,6 +166,24 @@ def check_rules(owner: str, rules: object, columns: Iterable[str]) -> tuple[Flow
             raise ValueError(f"{owner}.__queue_flow__: a RateLimit counts started_at, which the table lacks")
         seen.add((type(rule), rule.key))
     return found
+
+
+def check_queue_limits(owner: str, rules: Iterable[FlowRule], concurrency: object, rate: object) -> None:
+    """Refuse a queue's limits set at run time that would replace no declared rule, or
+    that are not integers from 1 to :data:`MAX_CONCURRENCY` (None: the model's own).
+    ``concurrency`` replaces the limit of a ``Concurrency(…, key="queue")``, ``rate``
+    that of a ``RateLimit(…, key="queue")`` (its period stays the model's)."""
+    found = tuple(rules)
+    for name, value, kind in (("concurrency", concurrency, Concurrency), ("rate", rate, RateLimit)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONCURRENCY:
+            raise ValueError(f"a queue's {name} must be an integer from 1 to {MAX_CONCURRENCY} or None, got {value!r}")
+        if not any(isinstance(rule, kind) and rule.key == "queue" for rule in found):
+            raise ValueError(
+                f"{owner}.__queue_flow__ declares no {kind.__name__}(…, key=\"queue\"): a queue's {name} set at run "
+                f"time replaces that rule's limit for one queue; declare it (its limit is every other queue's)"
+            )
 
 
 def rate_periods(rules: Iterable[FlowRule]) -> list[float]:

@@ -104,6 +104,10 @@ class ShardJob(Base, JobMixin):
     kill: Mapped[bool] = mapped_column(default=False, server_default="false")
 
 
+#: Its queues can be paused and given limits of their own (Concurrency(4, key="queue")).
+SHARD_QUEUES = queues_table(ShardJob)
+
+
 class RatedJob(Base, JobMixin):
     """Flow rules: at most five starts per account in any half second, strictly, and
     twenty per queue in any second (the default mode)."""
@@ -114,6 +118,10 @@ class RatedJob(Base, JobMixin):
     account: Mapped[str | None] = mapped_column(String(50))
     work_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
     kill: Mapped[bool] = mapped_column(default=False, server_default="false")
+
+
+#: Its queues can be given a rate of their own (RateLimit(20, per=1.0, key="queue")).
+RATED_QUEUES = queues_table(RatedJob)
 
 
 class TenantJob(Base, JobMixin):

@@ -830,7 +830,7 @@ def test_autogenerate_adds_the_queues_table_to_an_existing_queue(project: Projec
     project.create_all(reference)
     migrated = schema(project.url)
     assert migrated == schema(reference)
-    assert set(migrated["tasks_queues"]["columns"]) == {"queue", "paused_at", "updated_at"}
+    assert set(migrated["tasks_queues"]["columns"]) == {"queue", "paused_at", "concurrency", "rate", "updated_at"}
     project.alembic("check")
     project.alembic("downgrade", "-1")
     assert "tasks_queues" not in schema(project.url)

@@ -1,5 +1,6 @@
 """The flow control guide's snippets: a queue table whose queues can be paused, a pause in
-the caller's transaction, a worker that leaves the paused queue's jobs alone, a resume."""
+the caller's transaction, a worker that leaves the paused queue's jobs alone, a resume;
+the rules, and a queue's own limit set at run time."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class SyncJob(Base, JobMixin):
     )
     account_id: Mapped[int | None] = mapped_column()  # NULL: not limited per account
 # --8<-- [end:concurrency]
+
+
+queues_table(SyncJob)  # its queues can be paused, and given limits of their own
 
 
 # --8<-- [start:rate]
@@ -101,6 +105,21 @@ def sync(job: SyncJob) -> None:
         running[account] -= 1
 
 
+#: The most "bulk" syncs running at once, as the handler saw them.
+bulk_running = 0
+bulk_most = 0
+
+
+def bulk_sync(job: SyncJob) -> None:
+    global bulk_running, bulk_most
+    with _lock:
+        bulk_running += 1
+        bulk_most = max(bulk_most, bulk_running)
+    time.sleep(0.01)
+    with _lock:
+        bulk_running -= 1
+
+
 def main(url: str) -> None:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import sessionmaker
@@ -138,6 +157,19 @@ def main(url: str) -> None:
         session.commit()
     Worker(engine, SyncJob, sync, concurrency=8).run(until_idle=True)
     assert most == 1, most
+    # --8<-- [start:queue-limits]
+    from sqla_queue import set_queue_limits
+
+    with Sessions() as session:
+        set_queue_limits(session, SyncJob, "bulk", concurrency=2)  # this queue: 2, not 50
+        session.commit()  # every claim from here on counts against it
+    # --8<-- [end:queue-limits]
+    with Sessions() as session:
+        for _ in range(12):
+            session.enqueue(SyncJob(account_id=None), queue="bulk")
+        session.commit()
+    Worker(engine, SyncJob, bulk_sync, concurrency=8).run(until_idle=True)
+    assert 1 <= bulk_most <= 2, bulk_most
     with Sessions() as session:
         for _ in range(25):
             session.enqueue(WebhookJob(host="api.example.com"))
@@ -153,7 +185,8 @@ def main(url: str) -> None:
     Worker(engine, LedgerJob, apply_entry, concurrency=8).run(until_idle=True)
     assert applied == {a: [f"entry {n}" for n in range(12) if n % 2 == a] for a in (0, 1)}, applied
     engine.dispose()
-    print("paused queue left alone, then resumed; one sync per account at a time; 10 calls a second; ledgers in order")
+    print("paused queue left alone, then resumed; one sync per account at a time; two bulk syncs at a time; "
+          "10 calls a second; ledgers in order")
 
 
 if __name__ == "__main__":

@@ -55,8 +55,10 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from .. import admin
 from .. import sql as q
+from ..errors import QueuesTableNotDeclared
 from ..flow import declared_queues_table
-from ..model import JobStatus, QueueTable, check_queue, queue_table
+from ..model import JobStatus, QueueTable, check_queue, flow_rules, queue_table
+from ..rules import Concurrency, RateLimit
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
 
@@ -73,7 +75,7 @@ _CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; form-action 'self'; "
     "frame-ancestors 'none'; base-uri 'none'"
 )
-_ACTIONS = ("requeue", "cancel", "delete", "requeue_matching", "pause", "resume")
+_ACTIONS = ("requeue", "cancel", "delete", "requeue_matching", "pause", "resume", "limit")
 _STATUSES = frozenset(s.value for s in JobStatus)
 #: A list shows the first characters of a JSON value stored uncompressed in at most
 #: this many bytes (the last ones of a text of at most ``_PREVIEW_TEXT_BYTES``), and only
@@ -104,6 +106,16 @@ class _Table:
     def pausable(self) -> bool:
         """Whether its queues can be paused: it has a declared queues table."""
         return declared_queues_table(self.qt.table) is not None
+
+    @property
+    def queue_rules(self) -> tuple[Concurrency | None, RateLimit | None]:
+        """The model's rules on the queue (``key="queue"``), whose limits a queue can
+        replace at run time when the table has a queues table."""
+        rules = flow_rules(self.qt.table) if self.pausable else ()
+        return (
+            next((r for r in rules if isinstance(r, Concurrency) and r.key == "queue"), None),
+            next((r for r in rules if isinstance(r, RateLimit) and r.key == "queue"), None),
+        )
 
 
 class _Settings:
@@ -227,6 +239,7 @@ def dashboard_blueprint(
                 admin.queue_overview(engine, table.model),
                 admin.paused_queues(engine, table.model),
                 admin.flow_view(engine, table.model),
+                admin.queue_limits(engine, table.model),
             )
             for table in settings.tables.values()
         ]
@@ -321,6 +334,17 @@ def dashboard_blueprint(
             ((_, changed),) = change(settings.engine, entry.model, [queue])
             done = "paused" if verb == "pause" else "resumed"
             flash(f"{done} queue {queue}" if changed else f"queue {queue} was {done} already", "ok")
+            return redirect(url_for(".overview"))
+        if verb == "limit":
+            queue = request.form.get("queue", "")
+            try:
+                check_queue(queue)
+                limits = {name: _limit_field(request.form.get(name, "")) for name in ("concurrency", "rate")}
+                admin.set_queue_limits(settings.engine, entry.model, [queue], **limits)
+            except (ValueError, QueuesTableNotDeclared) as exc:
+                abort(400, str(exc))
+            shown = ", ".join(f"{name} {'the model default' if n is None else n}" for name, n in limits.items())
+            flash(f"limits of queue {queue}: {shown}", "ok")
             return redirect(url_for(".overview"))
         if verb == "requeue_matching":
             # Every dead letter the dead-letter page's filter shows, on every page of it.
@@ -750,3 +774,14 @@ def served_hosts(host: str, trusted_hosts: Sequence[str] | None = None) -> tuple
     names = _trusted_hosts([bare])
     assert names is not None
     return names
+
+
+def _limit_field(value: str) -> int | None:
+    """A limit from the form: blank is the model's (None), else a whole number."""
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"a limit must be a whole number, got {value!r}") from None

@@ -29,8 +29,10 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #   _retention.py    requeue, delete, prune, archive
 #   _unique.py       the keyed insert, a key's holder, the rows that keep their key
 #   _schedules.py    the watermark of each periodic schedule
-#   _flow.py         pausing and resuming a queue, the condition every claim adds, and the
-#                    claim under concurrency rules (and the lock its claims take turns on)
+#   _flow.py         pausing and resuming a queue, per-queue limits set at run time, and the
+#                    condition every claim adds
+#   _limits.py       the claim under flow rules (limits, sequences, fair claims), the lock
+#                    its claims take turns on, and each rule's busiest keys
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
@@ -80,8 +82,7 @@ from ._base import QueueModel as QueueModel
 from ._base import _queue_names as _queue_names
 from ._base import delay_from_insert, has_timeouts, seconds_interval, still_fresh
 from ._claim import claim, claim_candidates, claim_template, fail_unclaimable
-from ._flow import CANDIDATES_PER_JOB as CANDIDATES_PER_JOB
-from ._flow import flow_lock, flow_lock_key, pause_queue, paused_queues, resume_queue, rule_counts
+from ._flow import pause_queue, paused_queues, queue_limits, resume_queue, set_queue_limits
 from ._inspect import DEPTH_STATUSES as DEPTH_STATUSES
 from ._inspect import (
     finished_per_minute,
@@ -106,6 +107,8 @@ from ._leases import (
     sweep_expired,
     token_states,
 )
+from ._limits import CANDIDATES_PER_JOB as CANDIDATES_PER_JOB
+from ._limits import flow_lock, flow_lock_key, rule_counts
 from ._retention import DELETABLE_STATUSES as DELETABLE_STATUSES
 from ._retention import Ages as Ages
 from ._retention import archive_finished, delete_jobs, prune_finished, prune_lock_key, requeue_failed
@@ -168,6 +171,7 @@ __all__ = [
     "paused_queues",
     "prune_finished",
     "queue_depth",
+    "queue_limits",
     "prune_lock_key",
     "queue_stats",
     "release_if_owner",
@@ -181,6 +185,7 @@ __all__ = [
     "schedule_states",
     "schedule_tick_template",
     "seconds_interval",
+    "set_queue_limits",
     "snooze_if_owner",
     "snooze_many_if_owner",
     "still_fresh",

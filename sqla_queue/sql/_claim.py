@@ -64,7 +64,8 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
-from ._flow import claimable_within_limits, unpaused
+from ._flow import unpaused
+from ._limits import claimable_within_limits
 
 
 def claim(

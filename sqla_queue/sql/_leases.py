@@ -61,7 +61,8 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
-from ._flow import next_free_start, unpaused
+from ._flow import unpaused
+from ._limits import next_free_start
 
 
 def extend_leases_if_owner(
