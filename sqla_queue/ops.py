@@ -159,6 +159,11 @@ class Operations(Protocol):
         keys that Python sorts as the server does (integers)."""
 
     @property
+    def claims_take_turns(self) -> bool:
+        """Whether the table's claims take turns (flow rules that count what runs or
+        starts): one at a time per table, each under its lock."""
+
+    @property
     def after_per_queue(self) -> bool:
         """Whether that start is one key per queue served (several queues, each an index
         range of its own), else one key (under None)."""
@@ -353,6 +358,7 @@ class QueueOps:
             take_turn(q.flow_lock_key(table, driver.schema_translate_map), self.statement_deadline)
             if takes_turns(flow_rules(table)) else None
         )
+        self.claims_take_turns = self._flow_turn is not None
         self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:

@@ -106,6 +106,8 @@ class FakeOps:
     #: Claims may start after a key (``claim_request(after=...)``), as on a table with
     #: integer keys; off by default, so a worker's claims take the whole order every time.
     claims_after: bool = False
+    #: Claims take turns, as on a table with flow rules (the worker's batches may grow larger).
+    claims_take_turns: bool = False
 
     @property
     def after_per_queue(self) -> bool:

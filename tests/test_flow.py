@@ -148,6 +148,21 @@ def test_the_worker_claims_take_turns(engine: Engine) -> None:
         assert conn.scalar(select(func.pg_try_advisory_xact_lock(key))) is True
 
 
+def test_the_operations_say_which_tables_claims_take_turns(engine: Engine) -> None:
+    """The worker's batches may grow larger where claims take turns (see WorkerConfig.max_batch)."""
+    from sqla_queue.driver import Driver
+    from sqla_queue.ops import QueueOps
+
+    from .models import OrderedJob, RatedJob
+
+    driver = Driver(engine)
+    turns = {model.__name__: QueueOps(driver, model).claims_take_turns
+             for model in (AccountJob, ShardJob, TenantJob, RatedJob, OrderedJob, EmailJob)}
+    # A sequence and a default-mode rate limit count nothing a claim must see committed.
+    assert turns == {"AccountJob": True, "ShardJob": True, "TenantJob": True, "RatedJob": True,
+                     "OrderedJob": False, "EmailJob": False}
+
+
 def test_cursor_claims_do_not_apply_to_a_table_with_rules() -> None:
     with pytest.raises(ValueError, match="claimed from the head"):
         q.claim_template(ShardJob, after=True)

@@ -939,7 +939,7 @@ def test_held_jobs_stay_bounded_while_completions_stall_and_all_drain_after(engi
     total = 30_000
     execute(engine, "INSERT INTO tasks (task) SELECT 'work' FROM generate_series(1, :n)", n=total)
     worker = start_worker(concurrency=16, lease=10, heartbeat_interval=1)
-    bound = worker.config.concurrency * worker.config.max_batch
+    bound = worker.config.concurrency * worker.config.max_batch()
     samples: list[int] = []
     sampling = Event()
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 from ..model import FINISHED_STATUSES, RESERVED_QUEUE_PREFIX, JobStatus
 from ..periodic import Schedule, check_schedules
@@ -16,6 +16,16 @@ __all__ = ["WorkerConfig", "check_options"]
 
 #: Longest ``name``: the lease owner column also holds a random suffix and the executor's tag.
 MAX_NAME_LENGTH = 150
+
+
+#: The most jobs a thread claims at once by default (``batch_size=None``), sized within
+#: it by the handlers' speed.
+DEFAULT_MAX_BATCH: Final = 32
+#: The same on a table whose flow rules make claims take turns (one claim at a time per
+#: table, under its lock): each turn is a claim's fixed cost paid while every other
+#: claimer waits, so a fast handler's batch may grow larger. A slow handler's batch is
+#: sized by its speed as anywhere (the executor aims a batch at 50 ms of handler time).
+TURN_MAX_BATCH: Final = 128
 
 
 @dataclass(frozen=True)
@@ -29,7 +39,8 @@ class WorkerConfig:
     #: Handler threads; each claims, runs and completes its own jobs on its own connection.
     concurrency: int = 4
     #: Most jobs one thread claims at once. Default: sized by the handlers' speed, up to
-    #: 32 (fast handlers get large batches; slow ones, one job at a time).
+    #: 32, or 128 on a table whose claims take turns (fast handlers get large batches;
+    #: slow ones, one job at a time).
     batch_size: int | None = None
     lease: float = 60.0
     #: Default: a third of the lease.
@@ -148,9 +159,11 @@ class WorkerConfig:
         age = _age("retention", given)
         return {JobStatus.DONE.value: age, JobStatus.CANCELLED.value: age}
 
-    @property
-    def max_batch(self) -> int:
-        return self.batch_size or 32
+    def max_batch(self, takes_turns: bool = False) -> int:
+        """The most jobs one thread claims at once: ``batch_size``, else
+        :data:`DEFAULT_MAX_BATCH`, or :data:`TURN_MAX_BATCH` where the table's claims take
+        turns (``Operations.claims_take_turns``)."""
+        return self.batch_size or (TURN_MAX_BATCH if takes_turns else DEFAULT_MAX_BATCH)
 
     @property
     def effective_heartbeat(self) -> float:

@@ -429,6 +429,7 @@ class ExecutorPool(Service):
         self.executor = executor
         self.completer = completer
         self.complete_then_claim = CompleteThenClaim(ctx.ops, ctx.driver, ctx.ledger, completer)
+        self.max_batch = config.max_batch(ctx.ops.claims_take_turns)
         self.signal = ctx.signal
         self.stats = ctx.stats
         self.hooks = ctx.hooks
@@ -493,7 +494,7 @@ class ExecutorPool(Service):
                 if ran:
                     # Handler time only: the round trip is what a batch amortises, so
                     # counting it would keep small batches small on a slow link.
-                    per_job, limit = batch_size(per_job, busy / ran, self.config.max_batch)
+                    per_job, limit = batch_size(per_job, busy / ran, self.max_batch)
                 if isolated:
                     self.producer.look_for_isolated()
                 if solitary:

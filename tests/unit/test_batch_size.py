@@ -37,3 +37,12 @@ def test_one_odd_job_moves_the_estimate_by_a_third_only() -> None:
 
 def test_a_maximum_of_one_is_respected() -> None:
     assert batch_size(None, 0.00001, max_batch=1)[1] == 1
+
+
+def test_claims_that_take_turns_may_grow_larger_batches_by_default() -> None:
+    from sqla_queue.worker.config import DEFAULT_MAX_BATCH, TURN_MAX_BATCH, WorkerConfig
+
+    assert (DEFAULT_MAX_BATCH, TURN_MAX_BATCH) == (32, 128)
+    assert WorkerConfig().max_batch() == WorkerConfig().max_batch(takes_turns=False) == 32
+    assert WorkerConfig().max_batch(takes_turns=True) == 128
+    assert WorkerConfig(batch_size=5).max_batch(takes_turns=True) == WorkerConfig(batch_size=5).max_batch() == 5
