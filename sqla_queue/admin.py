@@ -136,11 +136,24 @@ class JobPage:
     columns: list[str] = field(default_factory=list)
 
 
+def listed_columns(model: Any) -> list[str]:
+    """The columns :func:`format_jobs` shows: a listing reads those only, never a
+    payload (which may be megabytes per job, and is shown by ``show``)."""
+    qt = queue_table(model)
+    task = ["task"] if "task" in qt.c else []
+    return [qt.pk.name, "queue", "status", *task, "attempts", "max_attempts", "run_after", "last_error"]
+
+
 def list_jobs(
-    engine: Engine, model: Any, filters: JobFilters = JobFilters(), *, before: Any = None, limit: int = 50
+    engine: Engine, model: Any, filters: JobFilters = JobFilters(), *, before: Any = None, limit: int = 50,
+    columns: Sequence[str] | None = None,
 ) -> JobPage:
-    """A page of jobs matching ``filters``, after the key ``before`` (keyset pagination)."""
+    """A page of jobs matching ``filters``, after the key ``before`` (keyset pagination):
+    every column, or ``columns`` only (the key among them)."""
     stmt = q.list_jobs(model, **filters.builder_kwargs(), before=before, limit=limit + 1)
+    if columns is not None:
+        qt = queue_table(model)
+        stmt = stmt.with_only_columns(*(qt.c[name] for name in dict.fromkeys([qt.pk.name, *columns])))
     with engine.connect() as conn:
         result = conn.execute(stmt)
         columns = list(result.keys())
@@ -649,9 +662,7 @@ def format_jobs(model: Any, page: JobPage) -> str:
     error's first line), with the option that shows the next page."""
     if not page.rows:
         return "(no jobs)"
-    qt = queue_table(model)
-    task = ["task"] if "task" in qt.c else []
-    names = [qt.pk.name, "queue", "status", *task, "attempts", "run_after", "last_error"]
+    names = [name for name in listed_columns(model) if name != "max_attempts"]
     table = [tuple(names)]
     for row in page.rows:
         values = row._mapping

@@ -574,7 +574,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 before = admin.parse_job_id(model, args.before)
             except ValueError as exc:
                 raise CommandError(f"argument --before: {exc}") from None
-        page = admin.list_jobs(engine, model, filters, before=before, limit=args.limit)
+        page = admin.list_jobs(engine, model, filters, before=before, limit=args.limit,
+                               columns=admin.listed_columns(model))
         return admin.format_jobs(model, page)
 
     print(_on_admin_target(args, _with_filters(args, jobs)))

@@ -436,7 +436,8 @@ def _jobs_command(name: str | None, limit: int, before: str | None, **options: A
         after = admin.parse_job_id(model, before) if before is not None else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--before") from None
-    page = _usage(lambda: admin.list_jobs(engine, model, filters, before=after, limit=limit))
+    page = _usage(lambda: admin.list_jobs(engine, model, filters, before=after, limit=limit,
+                                          columns=admin.listed_columns(model)))
     click.echo(admin.format_jobs(model, page))
 
 

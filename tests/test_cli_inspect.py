@@ -87,6 +87,26 @@ def test_jobs_filters_by_task(engine: Engine, url: str, capsys: Any) -> None:
     assert "crop" in out
 
 
+def test_jobs_reads_the_listed_columns_only(engine: Engine, url: str, capsys: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing never reads the payloads it does not show (megabytes each, maybe)."""
+    from sqla_queue import admin
+
+    add(engine, TASKS, task="crop", payload={"blob": "x" * 100_000})
+    read: list[list[str]] = []
+    list_jobs = admin.list_jobs
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        page = list_jobs(*args, **kwargs)
+        read.append(page.columns)
+        return page
+
+    monkeypatch.setattr(admin, "list_jobs", spy)
+    assert main(["jobs", TASK_MODEL, "--url", url]) == 0
+    assert "crop" in capsys.readouterr().out
+    assert read == [["id", "queue", "status", "task", "attempts", "max_attempts", "run_after", "last_error"]]
+
+
 def test_task_filter_on_a_typed_table_is_a_usage_error(engine: Engine, url: str, capsys: Any) -> None:
     assert main(["jobs", MODEL, "--url", url, "--task", "x"]) == 2
     assert "has no task column" in capsys.readouterr().err

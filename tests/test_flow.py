@@ -163,6 +163,19 @@ def test_the_operations_say_which_tables_claims_take_turns(engine: Engine) -> No
                      "OrderedJob": False, "EmailJob": False}
 
 
+def test_a_limit_of_one_ranks_without_counting_each_candidates_key() -> None:
+    """At a limit of 1 a key with room has nothing running (room(), in the same
+    snapshot): the claim counts the full keys once, and no candidate's key again. At a
+    limit of 3 (ShardJob's accounts), each candidate's running jobs are counted."""
+    from sqlalchemy.dialects import postgresql
+
+    def counts(model: Any) -> int:
+        return str(q.claim(model, owner="me", limit=5).compile(dialect=postgresql.dialect())).count("count(*)")
+
+    assert counts(AccountJob) == 1  # the full keys' HAVING count(*) >= 1
+    assert counts(ShardJob) > 3  # three rules' full keys, and the correlated counts
+
+
 def test_cursor_claims_do_not_apply_to_a_table_with_rules() -> None:
     with pytest.raises(ValueError, match="claimed from the head"):
         q.claim_template(ShardJob, after=True)

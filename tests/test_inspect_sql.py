@@ -100,6 +100,8 @@ def test_list_jobs_filters_and_pages(engine: Engine) -> None:
     rest = admin.list_jobs(engine, EmailJob, limit=3, before=page.next_before)
     assert [r.id for r in rest.rows] == [a] and rest.next_before is None
     assert "recipient" in page.columns  # every column, the table's own too
+    slim = admin.list_jobs(engine, EmailJob, limit=3, columns=["status", "queue"])
+    assert slim.columns == ["id", "status", "queue"] and [r.id for r in slim.rows] == [d, c, b]
 
 
 def test_list_jobs_by_task(engine: Engine) -> None:
