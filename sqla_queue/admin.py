@@ -337,13 +337,16 @@ def queue_limits(engine: Engine, model: Any) -> dict[str, tuple[int | None, int 
 
 
 def describe_queue_limits(concurrency: int | None, rate: int | None, rules: Sequence[FlowRule]) -> str:
-    """A queue's own limits in words: ``at most 2 running, at most 50 starts in 1 s``."""
+    """A queue's own limits in words: ``at most 2 running, at most 50 starts in 1 s``; a
+    limit whose rule the model no longer declares is said to be unused (claims ignore it)."""
     words = []
     if concurrency is not None:
-        words.append(f"at most {concurrency} running")
+        declared = any(isinstance(r, Concurrency) and r.key == "queue" for r in rules)
+        words.append(f"at most {concurrency} running" + ("" if declared else " (unused: no Concurrency on the queue)"))
     if rate is not None:
-        per = next(r.seconds for r in rules if isinstance(r, RateLimit) and r.key == "queue")
-        words.append(f"at most {rate} starts in {per:g} s")
+        per = next((r.seconds for r in rules if isinstance(r, RateLimit) and r.key == "queue"), None)
+        words.append(f"at most {rate} starts in {per:g} s" if per is not None
+                     else f"{rate} starts (unused: no RateLimit on the queue)")
     return ", ".join(words)
 
 

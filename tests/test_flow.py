@@ -169,8 +169,10 @@ def test_a_limit_of_one_ranks_without_counting_each_candidates_key() -> None:
     limit of 3 (ShardJob's accounts), each candidate's running jobs are counted."""
     from sqlalchemy.dialects import postgresql
 
+    dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+
     def counts(model: Any) -> int:
-        return str(q.claim(model, owner="me", limit=5).compile(dialect=postgresql.dialect())).count("count(*)")
+        return str(q.claim(model, owner="me", limit=5).compile(dialect=dialect)).count("count(*)")
 
     assert counts(AccountJob) == 1  # the full keys' HAVING count(*) >= 1
     assert counts(ShardJob) > 3  # three rules' full keys, and the correlated counts

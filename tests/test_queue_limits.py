@@ -86,6 +86,18 @@ def test_bad_calls_are_refused_before_anything_is_written(engine: Engine) -> Non
     assert limits_now(engine, ShardJob) == {}
 
 
+def test_a_limit_whose_rule_is_gone_is_shown_as_unused() -> None:
+    """A model that dropped its rule on the queue: the claims ignore the queue's row, and
+    stats says so rather than failing."""
+    from sqla_queue.admin import describe_queue_limits
+    from sqla_queue.rules import Concurrency, RateLimit
+
+    assert describe_queue_limits(2, 5, [Concurrency(4, key="queue"), RateLimit(9, per=2.0, key="queue")]) == (
+        "at most 2 running, at most 5 starts in 2 s")
+    assert describe_queue_limits(2, 5, []) == (
+        "at most 2 running (unused: no Concurrency on the queue), 5 starts (unused: no RateLimit on the queue)")
+
+
 # -- the claims --------------------------------------------------------------------------
 
 
