@@ -55,6 +55,7 @@ from .enqueue.bulk import DEFAULT_BATCH_SIZE, Method, enqueue_many
 from .enqueue.options import EnqueueKwargs
 from .enqueue.session import enqueue
 from .enqueue.unique import Enqueued, EnqueuedMany, UniqueKey
+from .errors import QueuesTableNotDeclared
 from .model import JobStatus, queue_table
 from .tasks import Handler, Tasks
 from .worker import Worker, WorkerConfig
@@ -62,6 +63,7 @@ from .worker import Worker, WorkerConfig
 __all__ = ["FlaskQueue"]
 
 J = TypeVar("J")
+T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -421,6 +423,59 @@ def _cancel_command(name: str | None, ids: tuple[str, ...], queues: tuple[str, .
         engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None
     ))
     click.echo(f"cancelled {len(cancelled)} job(s)")
+
+
+def _controls(run: Callable[[], T]) -> T:
+    """``run()``, a refused control a clean error: a model without a queues table (the
+    change would not be read), or a limit no rule has (a usage error)."""
+    try:
+        return run()
+    except QueuesTableNotDeclared as exc:
+        raise click.ClickException(str(exc)) from None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@_queue_commands.command("pause")
+@_name
+@click.option("--queue", "queues", multiple=True, required=True, callback=_queue_names,
+              help="the queue to pause (repeatable)")
+def _pause_command(name: str | None, queues: tuple[str, ...]) -> None:
+    """Stop claiming the jobs of a queue, on every worker (running jobs finish)."""
+    engine, model = _engine_and_model(name)
+    for queue, paused in _controls(lambda: admin.pause_queues(engine, model, queues)):
+        click.echo(f"paused {queue}" if paused else f"{queue} was paused already")
+
+
+@_queue_commands.command("resume")
+@_name
+@click.option("--queue", "queues", multiple=True, required=True, callback=_queue_names,
+              help="the queue to resume (repeatable)")
+def _resume_command(name: str | None, queues: tuple[str, ...]) -> None:
+    """Claim the jobs of a paused queue again, on every worker."""
+    engine, model = _engine_and_model(name)
+    for queue, resumed in _controls(lambda: admin.resume_queues(engine, model, queues)):
+        click.echo(f"resumed {queue}" if resumed else f"{queue} was not paused")
+
+
+@_queue_commands.command("limit")
+@_name
+@click.option("--queue", "queues", multiple=True, required=True, callback=_queue_names,
+              help="the queue to set (repeatable)")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="most running jobs of the queue (its Concurrency(key='queue')); default: the model's")
+@click.option("--rate", type=click.IntRange(min=1),
+              help="most starts per the period of the model's RateLimit(key='queue'); default: the model's")
+def _limit_command(name: str | None, queues: tuple[str, ...], concurrency: int | None, rate: int | None) -> None:
+    """Set a queue's own limits, on every worker, in place of the model's per-queue rules."""
+    engine, model = _engine_and_model(name)
+    _controls(lambda: admin.set_queue_limits(engine, model, queues, concurrency=concurrency, rate=rate))
+
+    def shown(value: int | None) -> str:
+        return "the model's" if value is None else str(value)
+
+    for queue in dict.fromkeys(queues):
+        click.echo(f"limits of {queue}: concurrency {shown(concurrency)}, rate {shown(rate)}")
 
 
 @_queue_commands.command("jobs")

@@ -319,3 +319,41 @@ def test_a_worker_refuses_a_queues_table_without_the_limits_columns(engine: Engi
         worker.stop(grace=1)
     finally:
         _Other.metadata.drop_all(engine)
+
+
+def test_flask_queue_pauses_resumes_and_limits_queues(engine: Engine, server: Server) -> None:
+    """``flask queue pause|resume|limit``: the flags of ``sqla-queue``, one queue and
+    several, and the same refusals."""
+    pytest.importorskip("flask_sqlalchemy")
+    from flask import Flask
+    from flask_sqlalchemy import SQLAlchemy
+
+    from sqla_queue.flask import FlaskQueue
+
+    app = Flask("queue_controls")
+    app.config["SQLALCHEMY_DATABASE_URI"] = server.url.render_as_string(hide_password=False)
+    db = SQLAlchemy(app)
+    queue = FlaskQueue(app, db)
+    queue.add_worker(ShardJob, lambda job: None, name="shards")
+    queue.add_worker(AccountJob, lambda job: None, name="accounts")
+    runner = app.test_cli_runner()
+    try:
+        paused = runner.invoke(args=["queue", "pause", "shards", "--queue", "a", "--queue", "b"])
+        assert paused.exit_code == 0 and paused.output.splitlines() == ["paused a", "paused b"], paused.output
+        with engine.connect() as conn:
+            assert [row.queue for row in conn.execute(q.paused_queues(ShardJob))] == ["a", "b"]
+        resumed = runner.invoke(args=["queue", "resume", "shards", "--queue", "a", "--queue", "c"])
+        assert resumed.output.splitlines() == ["resumed a", "c was not paused"], resumed.output
+        limited = runner.invoke(args=["queue", "limit", "shards", "--queue", "a", "--concurrency", "2"])
+        assert limited.exit_code == 0 and limited.output.strip() == "limits of a: concurrency 2, rate the model's"
+        assert limits_now(engine, ShardJob) == {"a": (2, None)}
+        refused = runner.invoke(args=["queue", "limit", "shards", "--queue", "a", "--rate", "5"])
+        assert refused.exit_code == 2 and "declares no RateLimit" in refused.output, refused.output
+        undeclared = runner.invoke(args=["queue", "pause", "accounts", "--queue", "a"])
+        assert undeclared.exit_code == 1 and "queues_table(AccountJob)" in undeclared.output, undeclared.output
+        assert runner.invoke(args=["queue", "limit", "shards", "--queue", "a", "--concurrency", "0"]).exit_code == 2
+        assert runner.invoke(args=["queue", "pause", "shards"]).exit_code == 2  # --queue is required
+        assert limits_now(engine, ShardJob) == {"a": (2, None)}
+    finally:
+        with app.app_context():
+            db.engine.dispose()
