@@ -32,9 +32,16 @@ from .errors import (
     EnqueueError,
     InvalidPayload,
     JobCancelled,
+    JobCancelledError,
+    JobFailedError,
+    JobNotDoneError,
     LeaseLost,
+    NoSuchJob,
     NotAQueueModel,
     QueuesTableNotDeclared,
+    ResultNotReady,
+    ResultNotStorable,
+    ResultTimeout,
     RetryLater,
     Snooze,
     SqlaQueueError,
@@ -48,6 +55,7 @@ from .model import (
     IdempotencyKeyMixin,
     JobMixin,
     JobStatus,
+    ResultMixin,
     TaskMixin,
     UniqueJobs,
     archive_table,
@@ -55,6 +63,7 @@ from .model import (
 )
 from .pause import pause, resume, set_queue_limits
 from .periodic import Schedule, schedules_table
+from .results import result, wait_for_result
 from .rules import Concurrency, InOrder, RateLimit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
@@ -77,16 +86,24 @@ __all__ = [
     "InOrder",
     "InvalidPayload",
     "JobCancelled",
+    "JobCancelledError",
     "JobContext",
     "JobEvent",
+    "JobFailedError",
     "JobMixin",
+    "JobNotDoneError",
     "JobOutcome",
     "JobStatus",
     "LeaseLost",
+    "NoSuchJob",
     "NotAQueueModel",
     "QueueSession",
     "QueuesTableNotDeclared",
     "RateLimit",
+    "ResultMixin",
+    "ResultNotReady",
+    "ResultNotStorable",
+    "ResultTimeout",
     "RetryLater",
     "Snooze",
     "Schedule",
@@ -112,9 +129,11 @@ __all__ = [
     "pause",
     "queue_table",
     "queues_table",
+    "result",
     "resume",
     "set_queue_limits",
     "schedules_table",
+    "wait_for_result",
 ]
 
 __version__ = "0.1.0"

@@ -87,7 +87,7 @@ def request_cancel(
     transaction (checked arguments: :func:`cancel` is the public call)."""
     if ids is not None and not ids:
         return []
-    rows = bind.execute(cancel_jobs(model, ids=ids, queues=queues)).all()
+    rows: list[Any] = list(bind.execute(cancel_jobs(model, ids=ids, queues=queues)).all())
     running = [row[0] for row in rows if row[1] == JobStatus.RUNNING.value]
     if running:
         conn = bind.connection() if isinstance(bind, Session) else bind

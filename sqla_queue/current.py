@@ -55,9 +55,15 @@ class JobContext:
     """
 
     # One is made for every job a worker runs: slots keep that cheap.
-    __slots__ = ("_active", "_flag", "_message", "_reason", "_task", "deadline", "job", "timeout", "token")
+    __slots__ = (
+        "_active", "_encode_progress", "_flag", "_message", "_reason", "_task", "deadline", "job", "progress_text",
+        "timeout", "token",
+    )
 
-    def __init__(self, job: Any, token: ClaimToken, timeout: float | None, deadline: float | None) -> None:
+    def __init__(
+        self, job: Any, token: ClaimToken, timeout: float | None, deadline: float | None,
+        encode_progress: Callable[[Any], str | None] | None = None,
+    ) -> None:
         self.job = job
         self.token = token
         #: Seconds this attempt may run (None: no deadline).
@@ -71,6 +77,9 @@ class JobContext:
         #: The task awaiting an ``async def`` handler, cancelled when the job stops.
         self._task: asyncio.Task[Any] | None = None
         self._active = False
+        self._encode_progress = encode_progress
+        #: The last progress recorded, as the JSON text the worker writes (None: none).
+        self.progress_text: str | None = None
 
     @property
     def stop_reason(self) -> str | None:
@@ -123,6 +132,23 @@ class JobContext:
         points."""
         if self._reason is not None:
             raise JobCancelled(self._reason, self._message or self._reason)
+
+    def progress(self, value: Any) -> None:
+        """Record ``value`` (a small JSON value: a dict, a number, a text) as the job's
+        progress. It reaches the job's row with the next heartbeat, and with the
+        attempt's outcome, whatever it is; a later call replaces it. It stays after the
+        attempt: a retry finds it in the job's progress column and may resume from it.
+
+        Raises :class:`~sqla_queue.ResultNotStorable` for a value that is not JSON or is
+        longer than 8,192 characters of it, and ``TypeError`` on a table that keeps no
+        progress (see :class:`~sqla_queue.ResultMixin`)."""
+        encode = self._encode_progress
+        if encode is None:
+            raise TypeError(
+                "this job's table keeps no progress: mix sqla_queue.ResultMixin into its model "
+                "(or name a JSON column in __queue_progress__)"
+            )
+        self.progress_text = encode(value)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep up to ``timeout`` seconds, waking at once when the attempt is told to

@@ -816,3 +816,24 @@ def _joined(session: Session, sa: Connection, engine: Engine) -> Session:
 def _first_line(exc: BaseException) -> str:
     text = str(getattr(exc, "orig", None) or exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- a waiter's notifications, on a connection of the engine's own ------------------------
+# For sqla_queue.results: the psycopg connection under a SQLAlchemy one. None from each
+# when the engine's driver is not psycopg: the waiter polls.
+
+
+def notify_payloads(sa: Connection, timeout: float) -> list[str] | None:
+    """The payloads of the notifications ``sa``'s psycopg connection has received, or
+    receives within ``timeout`` seconds (those that arrived during its queries first)."""
+    raw = sa.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection):
+        return None
+    return [n.payload for n in raw.notifies(timeout=max(timeout, 0.0), stop_after=1)]
+
+
+async def notify_payloads_async(raw: Any, timeout: float) -> list[str] | None:
+    """:func:`notify_payloads` for the psycopg ``AsyncConnection`` ``raw``."""
+    if not isinstance(raw, psycopg.AsyncConnection):
+        return None
+    return [n.payload async for n in raw.notifies(timeout=max(timeout, 0.0), stop_after=1)]

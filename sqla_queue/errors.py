@@ -76,6 +76,59 @@ class UnknownTask(SqlaQueueError, LookupError):
     """A task row names a task that is not registered with the worker's :class:`Tasks`."""
 
 
+class ResultNotStorable(SqlaQueueError, ValueError):
+    """A handler returned a value its table cannot keep as the job's result: not JSON, too
+    large (``WorkerConfig.max_result_size``) or not of the result column's type. The
+    attempt fails with this error, as if the handler had raised it (a transactional
+    handler's writes roll back), and is retried with the backoff."""
+
+
+class NoSuchJob(SqlaQueueError, LookupError):
+    """No job has that id in the table (never enqueued, or pruned since it finished)."""
+
+    def __init__(self, job_id: object, table: str) -> None:
+        super().__init__(f"no job {job_id!r} in table {table!r}")
+        self.job_id = job_id
+
+
+class ResultNotReady(SqlaQueueError, LookupError):
+    """:func:`~sqla_queue.result` asked for the result of a job that has not finished."""
+
+    def __init__(self, job_id: object, status: str) -> None:
+        super().__init__(f"job {job_id!r} is {status}: it has no result yet")
+        self.job_id = job_id
+        self.status = status
+
+
+class JobNotDoneError(SqlaQueueError):
+    """A job whose result was asked for ended without one: it failed (the dead letter)
+    or was cancelled. ``status`` says which, ``last_error`` is the job's."""
+
+    def __init__(self, job_id: object, status: str, last_error: str | None) -> None:
+        first = (last_error or "").strip().splitlines()[:1]
+        super().__init__(f"job {job_id!r} ended {status}" + (f": {first[0]}" if first else ""))
+        self.job_id = job_id
+        self.status = status
+        self.last_error = last_error
+
+
+class JobFailedError(JobNotDoneError):
+    """The job ended ``failed``: its attempts were used up, or it was dead-lettered."""
+
+
+class JobCancelledError(JobNotDoneError):
+    """The job was cancelled before it completed."""
+
+
+class ResultTimeout(SqlaQueueError, TimeoutError):
+    """:func:`~sqla_queue.wait_for_result` gave up: the job had not finished in time."""
+
+    def __init__(self, job_id: object, status: str, timeout: float) -> None:
+        super().__init__(f"job {job_id!r} is still {status} after {timeout:g}s")
+        self.job_id = job_id
+        self.status = status
+
+
 class RetryLater(Exception):
     """Raise from a handler to retry the job after ``delay`` instead of the backoff policy.
 

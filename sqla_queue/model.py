@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final, NamedTuple
+from typing import Any, ClassVar, Final, NamedTuple
 
 from sqlalchemy import (
     JSON,
@@ -58,6 +58,7 @@ __all__ = [
     "JobMixin",
     "JobStatus",
     "QueueTable",
+    "ResultMixin",
     "TaskMixin",
     "UNIQUE_ACTIVE",
     "UNIQUE_EVER",
@@ -74,6 +75,8 @@ _INFO_KEY: Final = "sqla_queue"
 _UNIQUE_INFO_KEY: Final = "sqla_queue.unique"
 _WAKE_INFO_KEY: Final = "sqla_queue.wake"
 _FLOW_INFO_KEY: Final = "sqla_queue.flow"
+_RESULT_INFO_KEY: Final = "sqla_queue.result"
+_PROGRESS_INFO_KEY: Final = "sqla_queue.progress"
 #: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
 #: (the default), or sent after it, coalesced (see :mod:`sqla_queue.enqueue.waker`).
 WAKE_WITH_COMMIT: Final = "with_commit"
@@ -303,6 +306,59 @@ class IdempotencyKeyMixin:
     )
 
 
+class ResultMixin:
+    """What a job reports: a ``result`` column that keeps what the handler returned, and a
+    ``progress`` column for what it said along the way. Opt-in, beside :class:`JobMixin`
+    or :class:`TaskMixin`::
+
+        class ReportJob(Base, TaskMixin, ResultMixin):
+            __tablename__ = "report_jobs"
+
+    The worker stores the return value as JSON (JSONB on PostgreSQL) in the same fenced
+    statement that marks the job ``done``, so a result is there exactly when the job is
+    done; :func:`sqla_queue.result` reads it and :func:`sqla_queue.wait_for_result` waits
+    for it. ``current_job().progress(value)`` records a small JSON value, written with
+    the heartbeat and with the attempt's outcome, and kept across retries. A model may
+    keep results in a column of its own and type instead: name it in
+    ``__queue_result__`` (``__queue_result__ = "total_cents"`` for an ``Integer``
+    column); the worker then checks each return value against the column's Python type.
+    ``__queue_progress__`` names the progress column (a JSON one). Opt-in because a
+    table's own ``result`` column is the user's to write.
+    """
+
+    __queue_result__: ClassVar[str] = "result"
+    __queue_progress__: ClassVar[str] = "progress"
+    result: Mapped[Any | None] = mapped_column(
+        JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql"), nullable=True
+    )
+    progress: Mapped[Any | None] = mapped_column(
+        JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql"), nullable=True
+    )
+
+
+def result_column(table: Table) -> Column[Any] | None:
+    """The column a queue table keeps its jobs' results in (its model's
+    ``__queue_result__``), or None: the table keeps none."""
+    name = table.info.get(_RESULT_INFO_KEY)
+    return table.c[name] if isinstance(name, str) and name in table.c else None
+
+
+def progress_column(table: Table) -> Column[Any] | None:
+    """The JSON column a queue table keeps its jobs' progress in (its model's
+    ``__queue_progress__``), or None: the table keeps none."""
+    name = table.info.get(_PROGRESS_INFO_KEY)
+    return table.c[name] if isinstance(name, str) and name in table.c else None
+
+
+def results_channel(table: Table) -> str:
+    """The channel on which the statements that finish jobs of a table that keeps results
+    NOTIFY the finished ids (see :func:`sqla_queue.wait_for_result`). Named after the
+    table as declared, whatever ``schema_translate_map`` says: tenants' tables of one
+    model share it, and a waiter woken by another tenant's job reads its own row again."""
+    fullname = f"{table.schema}.{table.name}" if table.schema else table.name
+    return constraint_name(f"sqla_queue.{fullname}", "results")
+
+
 #: Columns every queue table must have; checked once per table.
 REQUIRED_COLUMNS: Final = (
     "queue",
@@ -481,6 +537,31 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
             f"{cls.__qualname__}.__queue_wake__ must be one of {', '.join(map(repr, WAKE_MODES))}, got {wake!r}"
         )
     table.info[_WAKE_INFO_KEY] = wake
+    result = getattr(cls, "__queue_result__", None)
+    if result is not None:
+        if not isinstance(result, str) or result not in table.c:
+            raise NotAQueueModel(
+                f"{cls.__qualname__}.__queue_result__ must name a column of table {table.name!r}, got {result!r}"
+            )
+        if result in REQUIRED_COLUMNS or result in TIMEOUT_COLUMNS or table.c[result].primary_key:
+            raise NotAQueueModel(
+                f"{cls.__qualname__}.__queue_result__ names {result!r}, a column the queue itself uses"
+            )
+        table.info[_RESULT_INFO_KEY] = result
+    progress = getattr(cls, "__queue_progress__", None)
+    if progress is not None:
+        if not isinstance(progress, str) or progress not in table.c or progress == result:
+            raise NotAQueueModel(
+                f"{cls.__qualname__}.__queue_progress__ must name a column of table {table.name!r} "
+                f"other than the result's, got {progress!r}"
+            )
+        if not isinstance(table.c[progress].type, JSON):
+            raise NotAQueueModel(
+                f"{cls.__qualname__}.__queue_progress__ names {progress!r}, which is not a JSON column"
+            )
+        if progress in REQUIRED_COLUMNS or progress in TIMEOUT_COLUMNS:
+            raise NotAQueueModel(f"{cls.__qualname__}.__queue_progress__ names {progress!r}, a column the queue uses")
+        table.info[_PROGRESS_INFO_KEY] = progress
     flow = getattr(cls, "__queue_flow__", ())
     table.info[_FLOW_INFO_KEY] = check_rules(cls.__qualname__, flow, table.c.keys())
     _attach_schema_objects(table)

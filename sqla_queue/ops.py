@@ -25,8 +25,9 @@ from sqlalchemy import Connection
 
 from . import sql as q
 from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError, take_turn
+from .jsontext import dialect_json_serializer, progress_encoder
 from .loader import RowLoader
-from .model import TIMEOUT_COLUMNS, flow_rules, queue_table, translated_schema
+from .model import TIMEOUT_COLUMNS, flow_rules, progress_column, queue_table, result_column, translated_schema
 from .periodic import Schedule, schedules_table
 from .rules import takes_turns
 from .sql import ClaimToken, is_solitary
@@ -164,6 +165,15 @@ class Operations(Protocol):
         starts): one at a time per table, each under its lock."""
 
     @property
+    def stores_results(self) -> bool:
+        """Whether the table keeps results: completions take each job's."""
+
+    @property
+    def stores_progress(self) -> bool:
+        """Whether the table keeps progress: beats and outcomes take each job's
+        (``progress=``, JSON texts, None for unchanged)."""
+
+    @property
     def after_per_queue(self) -> bool:
         """Whether that start is one key per queue served (several queues, each an index
         range of its own), else one key (under None)."""
@@ -185,10 +195,12 @@ class Operations(Protocol):
         one if one cannot be read."""
 
     def complete_then_claim(
-        self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest
+        self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest,
+        results: Sequence[str | None] | None = None, progress: Progress = None,
     ) -> tuple[Moved, list[Claimed]]:
-        """``tokens`` done under ``request.owner`` and ``request`` claimed, in one
-        statement (one transaction): what was completed, and what was claimed."""
+        """``tokens`` done under ``request.owner`` (with ``results``) and ``request``
+        claimed, in one statement (one transaction): what was completed, and what was
+        claimed."""
 
     def claim_candidates(
         self, conn: DbConnection, *, isolated: bool, limit: int, skip: Sequence[Any]
@@ -204,24 +216,34 @@ class Operations(Protocol):
     def next_due(self, conn: DbConnection) -> float | None:
         """Seconds until the next delayed job falls due (None: none waits)."""
 
-    def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
-        """``done`` for every token ``owner`` still holds."""
+    def complete(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], results: Sequence[str | None] | None = None,
+        progress: Progress = None,
+    ) -> Moved:
+        """``done`` for every token ``owner`` still holds, with each one's result (JSON
+        text or None) on a table that keeps results."""
 
     def retry(
         self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
-        delays: Sequence[float],
+        delays: Sequence[float], progress: Progress = None,
     ) -> Moved:
         """Failed attempts: ``pending`` after each delay (seconds), or ``failed`` when exhausted."""
 
-    def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
+    def fail(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
+        progress: Progress = None,
+    ) -> Moved:
         """Dead-letter now."""
 
-    def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
+    def snooze(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float],
+        progress: Progress = None,
+    ) -> Moved:
         """Snoozed: ``pending`` after each delay (seconds), the attempt not counted."""
 
     def release(
         self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool,
-        errors: Sequence[str] | None = None,
+        errors: Sequence[str] | None = None, progress: Progress = None,
     ) -> Moved:
         """Back to ``pending`` at once; ``refund``: the attempt not counted (``max_attempts``
         grows by one; ``attempts`` is never given back). ``errors``: each token's
@@ -231,10 +253,12 @@ class Operations(Protocol):
         """The rows of ``job_ids``, read without locking."""
 
     def extend_leases(
-        self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None
+        self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None,
+        progress: Progress = None,
     ) -> set[ClaimToken]:
         """The heartbeat: extend the tokens held by owners starting with ``owner_prefix``,
-        stepping over locked rows, and (``since``, seconds) the jobs leased that recently."""
+        stepping over locked rows, and (``since``, seconds) the jobs leased that recently;
+        with each token's progress, on a table that keeps it."""
 
     def owned_tokens(self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
         """Which of ``tokens`` owners starting with ``owner_prefix`` still hold."""
@@ -242,8 +266,18 @@ class Operations(Protocol):
     def sweep(self, conn: DbConnection, *, limit: int) -> SweepResult:
         """Expired leases back to ``pending`` (isolated), or ``failed`` when exhausted."""
 
-    def complete_in_transaction(self, sa: Connection, owner: str, token: ClaimToken) -> bool:
+    def complete_in_transaction(
+        self, sa: Connection, owner: str, token: ClaimToken, result: str | None = None, progress: str | None = None
+    ) -> bool:
         """The transactional completion, in the transaction ``sa`` (the handler's) is in."""
+
+    def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
+        """A handler's return value as the JSON text the completion stores (None: none),
+        or :class:`~sqla_queue.ResultNotStorable`; ``limit``: the most characters."""
+
+    def progress_encoder(self, limit: int) -> Callable[[Any], str | None]:
+        """A job's progress as the JSON text its beats and outcome store, or
+        :class:`~sqla_queue.ResultNotStorable`; ``limit``: the most characters."""
 
 
 def _seconds_between(start: Any, end: Any) -> float:
@@ -270,6 +304,19 @@ def _int_array(values: list[Any]) -> Any:
 #: parts of this size the worst plan measured about 0.17 s a part with 12,000 jobs
 #: running (linear in the tokens), and the best one costs a round trip more per part.
 TOKENS_PER_STATEMENT: Final = 500
+
+
+#: Each token's progress as JSON text (None: unchanged), or None: no token's changes.
+Progress: TypeAlias = "Sequence[str | None] | None"
+
+
+def _results(results: Sequence[str | None] | None, tokens: Sequence[ClaimToken]) -> list[str | None]:
+    """One result per token: those given, or none at all."""
+    if results is None:
+        return [None] * len(tokens)
+    if len(results) != len(tokens):
+        raise ValueError(f"one result per token: {len(tokens)} tokens, {len(results)} results")
+    return list(results)
 
 
 def parts(count: int) -> list[slice]:
@@ -359,6 +406,10 @@ class QueueOps:
             if takes_turns(flow_rules(table)) else None
         )
         self.claims_take_turns = self._flow_turn is not None
+        #: The table keeps results: its completions take each job's (see ResultMixin).
+        self.stores_results = result_column(table) is not None
+        #: The table keeps progress: its beats and outcomes take each job's.
+        self.stores_progress = progress_column(table) is not None
         self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:
@@ -498,23 +549,39 @@ class QueueOps:
         )
 
     def complete_then_claim(
-        self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest
+        self, conn: DbConnection, tokens: Sequence[ClaimToken], request: ClaimRequest,
+        results: Sequence[str | None] | None = None, progress: Progress = None,
     ) -> tuple[Moved, list[Claimed]]:
-        """Record ``tokens`` done under ``request.owner`` and run the claim ``request``,
-        in one statement: one round trip, one transaction, one commit. Returns the tokens
-        completed and the rows claimed. Under the deadline as :meth:`fetch_claimed`."""
+        """Record ``tokens`` done under ``request.owner`` (with ``results`` as
+        :meth:`complete` does) and run the claim ``request``, in one statement: one round
+        trip, one transaction, one commit. Returns the tokens completed and the rows
+        claimed. Under the deadline as :meth:`fetch_claimed`."""
         if self._flow_turn is not None:
             # A claim that takes turns holds the table's lock while it runs: the
             # completion commits first, on its own, so the lock is held for the claim
             # only, and the claim's count sees the keys the completion freed.
-            return self.complete(conn, request.owner, tokens), self.fetch_claimed(conn, request)
+            return self.complete(conn, request.owner, tokens, results, progress), self.fetch_claimed(conn, request)
         stmt = request.after_completion
         assert stmt is not None and request.values is not None
         done: dict[Any, str] = {}  # keyed by plain (pk, attempt) tuples: equal to the tokens
+        if self.stores_results:
+            results = _results(results, tokens)
+        if not self.stores_progress:
+            progress = None
         if len(tokens) > TOKENS_PER_STATEMENT:  # the claim goes with the last part
-            done.update(self.complete(conn, request.owner, tokens[:-TOKENS_PER_STATEMENT]))
-            tokens = tokens[-TOKENS_PER_STATEMENT:]
+            cut = -TOKENS_PER_STATEMENT
+            done.update(self.complete(
+                conn, request.owner, tokens[:cut], results[:cut] if results is not None else None,
+                progress[:cut] if progress is not None else None,
+            ))
+            tokens = tokens[cut:]
+            results = results[cut:] if results is not None else None
+            progress = progress[cut:] if progress is not None else None
         values = token_values(request.owner, tokens)
+        if results is not None:
+            values[q.RESULTS_PARAM] = list(results)
+        if progress is not None:
+            values[q.PROGRESS_PARAM] = list(progress)
         values.update(request.values)
         pk, attempt = self._pk_index, self._attempt_index
         began = time.perf_counter()
@@ -586,38 +653,62 @@ class QueueOps:
 
     # -- outcomes ----------------------------------------------------------------------
 
-    def complete(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
-        """``done`` for every token ``owner`` still holds."""
-        return self._move(conn, self._done, owner, tokens, "done")
+    def complete(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], results: Sequence[str | None] | None = None,
+        progress: Progress = None,
+    ) -> Moved:
+        """``done`` for every token ``owner`` still holds; on a table that keeps results,
+        with each token's (``results``: JSON texts, None for none; None: none at all);
+        on one that keeps progress, with each token's (``progress``: None for unchanged)."""
+        lists = self._progress(progress)
+        if self.stores_results:
+            lists[q.RESULTS_PARAM] = _results(results, tokens)
+        return self._move(conn, self._done, owner, tokens, "done", lists)
+
+    def _progress(self, progress: Progress) -> dict[str, Sequence[Any]]:
+        """The progress list of a transition, if the table keeps it and any is given."""
+        if progress is None or not self.stores_progress:
+            return {}
+        return {q.PROGRESS_PARAM: progress}
 
     def retry(
         self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
-        delays: Sequence[float],
+        delays: Sequence[float], progress: Progress = None,
     ) -> Moved:
         """Each token back to ``pending`` after its delay (seconds) with its error, or
         ``failed`` once its attempts are used up: the status each was left in."""
-        return self._move(conn, self._retry, owner, tokens, None, {q.ERRORS_PARAM: errors, q.DELAYS_PARAM: delays})
+        lists = {q.ERRORS_PARAM: errors, q.DELAYS_PARAM: delays, **self._progress(progress)}
+        return self._move(conn, self._retry, owner, tokens, None, lists)
 
-    def fail(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
+    def fail(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
+        progress: Progress = None,
+    ) -> Moved:
         """Dead-letter each token now, with its error."""
-        return self._move(conn, self._fail, owner, tokens, "failed", {q.ERRORS_PARAM: errors})
+        lists = {q.ERRORS_PARAM: errors, **self._progress(progress)}
+        return self._move(conn, self._fail, owner, tokens, "failed", lists)
 
-    def snooze(self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
+    def snooze(
+        self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float],
+        progress: Progress = None,
+    ) -> Moved:
         """Each token back to ``pending`` after its delay (seconds), its attempt not
         counted (a snooze spends none)."""
-        return self._move(conn, self._snooze, owner, tokens, "pending", {q.DELAYS_PARAM: delays})
+        lists = {q.DELAYS_PARAM: delays, **self._progress(progress)}
+        return self._move(conn, self._snooze, owner, tokens, "pending", lists)
 
     def release(
         self, conn: DbConnection, owner: str, tokens: Sequence[ClaimToken], *, refund: bool,
-        errors: Sequence[str] | None = None,
+        errors: Sequence[str] | None = None, progress: Progress = None,
     ) -> Moved:
         """Back to ``pending`` at once; ``refund``: the attempt not counted (jobs never
         started, a connection the worker lost), ``max_attempts`` growing by one instead
         of ``attempts`` going back, so no token is handed out twice. ``errors`` (with
         ``refund`` only): each token's ``last_error``, empty for unchanged."""
+        lists = self._progress(progress)
         if errors is not None and refund:
-            return self._move(conn, self._release_noted, owner, tokens, "pending", {q.ERRORS_PARAM: errors})
-        return self._move(conn, self._release[refund], owner, tokens, "pending")
+            return self._move(conn, self._release_noted, owner, tokens, "pending", {q.ERRORS_PARAM: errors, **lists})
+        return self._move(conn, self._release[refund], owner, tokens, "pending", lists)
 
     def _move(
         self, conn: DbConnection, stmt: Statement, owner: str, tokens: Sequence[ClaimToken], status: str | None,
@@ -644,17 +735,41 @@ class QueueOps:
         rows = conn.execute(self._states, {q.IDS_PARAM: _int_array(list(job_ids))})
         return [TokenState(*row) for row in rows]
 
-    def complete_in_transaction(self, sa: Connection, owner: str, token: ClaimToken) -> bool:
+    def complete_in_transaction(
+        self, sa: Connection, owner: str, token: ClaimToken, result: str | None = None, progress: str | None = None
+    ) -> bool:
         """The fenced completion of ``token``, on the SQLAlchemy connection the handler's
-        transaction runs on, so it commits with the handler's writes or not at all.
-        False when the lease was lost: roll back."""
+        transaction runs on, so it commits with the handler's writes or not at all (with
+        ``result``, its JSON text, on a table that keeps results). False when the lease
+        was lost: roll back."""
         values = {q.OWNER_PARAM: owner, q.JOB_PARAM: token[0], q.ATTEMPT_PARAM: token[1]}
+        if self.stores_results:
+            values[q.RESULT_PARAM] = result
+        if self.stores_progress:
+            values[q.ONE_PROGRESS_PARAM] = progress
         return sa.execute(self._complete_one, values).first() is not None
+
+    def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
+        """A handler's return value as the JSON text the completion stores (the engine's
+        ``json_serializer``, checked against the result column), or
+        :class:`~sqla_queue.ResultNotStorable`."""
+        column = result_column(self.table)
+        if column is None:
+            raise TypeError(f"table {self.table.name!r} keeps no results")
+        return q.result_encoder(column, dialect_json_serializer(self.driver.dialect), limit)
+
+    def progress_encoder(self, limit: int) -> Callable[[Any], str | None]:
+        """A job's progress as the JSON text its beats and outcome store, or
+        :class:`~sqla_queue.ResultNotStorable`."""
+        if progress_column(self.table) is None:
+            raise TypeError(f"table {self.table.name!r} keeps no progress")
+        return progress_encoder(dialect_json_serializer(self.driver.dialect), limit)
 
     # -- leases ------------------------------------------------------------------------
 
     def extend_leases(
-        self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None
+        self, conn: DbConnection, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None,
+        progress: Progress = None,
     ) -> set[ClaimToken]:
         """Extend by the lease the tokens held by owners whose names start with
         ``owner_prefix``, stepping over rows another transaction has locked; ``since``
@@ -665,6 +780,8 @@ class QueueOps:
         for part in parts(len(tokens)):
             values = token_values(owner_prefix, tokens[part])
             values[q.LEASE_PARAM] = self.lease
+            if progress is not None and self.stores_progress:
+                values[q.PROGRESS_PARAM] = list(progress[part])
             if since is not None:
                 values[q.SINCE_PARAM] = since
                 since = None

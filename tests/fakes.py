@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import psycopg
 
 from sqla_queue.driver import Driver
+from sqla_queue.jsontext import ResultEncoder, dialect_json_serializer, progress_encoder
 from sqla_queue.ops import (
     Claimed,
     ClaimRequest,
@@ -67,6 +68,9 @@ class FakeJob:
     #: ``time.monotonic()`` before which no claim takes it (set by a snooze only).
     run_after: float = 0.0
     created_at: datetime | None = None
+    #: The result's JSON text, on a fake that keeps results; its progress's likewise.
+    result: str | None = None
+    progress: str | None = None
 
 
 class FakeConn:
@@ -108,6 +112,10 @@ class FakeOps:
     claims_after: bool = False
     #: Claims take turns, as on a table with flow rules (the worker's batches may grow larger).
     claims_take_turns: bool = False
+    #: The table keeps results (ResultMixin): completions store each job's JSON text.
+    stores_results: bool = False
+    #: The table keeps progress: beats and outcomes store each job's JSON text.
+    stores_progress: bool = False
 
     @property
     def after_per_queue(self) -> bool:
@@ -195,10 +203,11 @@ class FakeOps:
         return result
 
     def complete_then_claim(
-        self, conn: Any, tokens: Sequence[ClaimToken], request: ClaimRequest
+        self, conn: Any, tokens: Sequence[ClaimToken], request: ClaimRequest,
+        results: Sequence[str | None] | None = None, progress: Sequence[str | None] | None = None,
     ) -> tuple[Moved, list[Claimed]]:
         def both() -> tuple[Moved, list[Claimed]]:
-            return self._complete(request.owner, tokens), self._claim(request)
+            return self._noted(self._complete(request.owner, tokens, results), tokens, progress), self._claim(request)
 
         result: tuple[Moved, list[Claimed]] = self._call("complete_then_claim", both)
         return result
@@ -227,21 +236,40 @@ class FakeOps:
     def next_due(self, conn: Any) -> float | None:
         return None
 
-    def _complete(self, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
+    def _complete(
+        self, owner: str, tokens: Sequence[ClaimToken], results: Sequence[str | None] | None = None
+    ) -> Moved:
         moved: Moved = {}
-        for token in tokens:
+        if results is not None:
+            assert len(results) == len(tokens)
+        for n, token in enumerate(tokens):
             job = self._held(owner, token)
             if job is not None:
                 job.status, job.lease_expires_at = "done", None
+                if self.stores_results and results is not None:
+                    job.result = results[n]
                 moved[token] = "done"
         return moved
 
-    def complete(self, conn: Any, owner: str, tokens: Sequence[ClaimToken]) -> Moved:
-        result: Moved = self._call("complete", lambda: self._complete(owner, tokens))
+    def complete(
+        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], results: Sequence[str | None] | None = None,
+        progress: Sequence[str | None] | None = None,
+    ) -> Moved:
+        result: Moved = self._call("complete", lambda: self._noted(self._complete(owner, tokens, results), tokens,
+                                                                   progress))
         return result
 
+    def _noted(self, moved: Any, tokens: Sequence[Any], progress: Sequence[str | None] | None) -> Any:
+        """Each moved token's progress stored (None: unchanged), as the statements do."""
+        if progress is not None and self.stores_progress:
+            for token, value in zip(tokens, progress, strict=True):
+                if token in moved and value is not None:
+                    self.jobs[token[0]].progress = value
+        return moved
+
     def retry(
-        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str], delays: Sequence[float]
+        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str], delays: Sequence[float],
+        progress: Sequence[str | None] | None = None,
     ) -> Moved:
         def apply() -> Moved:
             if any(self.rejects(e) for e in errors):
@@ -259,10 +287,13 @@ class FakeOps:
                 moved[token] = job.status
             return moved
 
-        result: Moved = self._call("retry", apply)
+        result: Moved = self._call("retry", lambda: self._noted(apply(), tokens, progress))
         return result
 
-    def fail(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str]) -> Moved:
+    def fail(
+        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], errors: Sequence[str],
+        progress: Sequence[str | None] | None = None,
+    ) -> Moved:
         def apply() -> Moved:
             if any(self.rejects(e) for e in errors):
                 raise rejected()
@@ -274,10 +305,13 @@ class FakeOps:
                     moved[token] = "failed"
             return moved
 
-        result: Moved = self._call("fail", apply)
+        result: Moved = self._call("fail", lambda: self._noted(apply(), tokens, progress))
         return result
 
-    def snooze(self, conn: Any, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float]) -> Moved:
+    def snooze(
+        self, conn: Any, owner: str, tokens: Sequence[ClaimToken], delays: Sequence[float],
+        progress: Sequence[str | None] | None = None,
+    ) -> Moved:
         def apply() -> Moved:
             moved: Moved = {}
             for token, delay in zip(tokens, delays, strict=True):
@@ -289,12 +323,12 @@ class FakeOps:
                     moved[token] = "pending"
             return moved
 
-        result: Moved = self._call("snooze", apply)
+        result: Moved = self._call("snooze", lambda: self._noted(apply(), tokens, progress))
         return result
 
     def release(
         self, conn: Any, owner: str, tokens: Sequence[ClaimToken], *, refund: bool,
-        errors: Sequence[str] | None = None,
+        errors: Sequence[str] | None = None, progress: Sequence[str | None] | None = None,
     ) -> Moved:
         def apply() -> Moved:
             moved: Moved = {}
@@ -308,7 +342,7 @@ class FakeOps:
                     moved[token] = "pending"
             return moved
 
-        result: Moved = self._call("release", apply)
+        result: Moved = self._call("release", lambda: self._noted(apply(), tokens, progress))
         return result
 
     def token_states(self, conn: Any, job_ids: Sequence[Any]) -> list[TokenState]:
@@ -320,7 +354,8 @@ class FakeOps:
         return result
 
     def extend_leases(
-        self, conn: Any, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None
+        self, conn: Any, owner_prefix: str, tokens: Sequence[ClaimToken], *, since: float | None = None,
+        progress: Sequence[str | None] | None = None,
     ) -> set[ClaimToken]:
         def apply() -> set[ClaimToken]:
             extended = set()
@@ -331,7 +366,7 @@ class FakeOps:
                     extended.add(token)
             return extended
 
-        result: set[ClaimToken] = self._call("extend_leases", apply)
+        result: set[ClaimToken] = self._call("extend_leases", lambda: self._noted(apply(), tokens, progress))
         return result
 
     def owned_tokens(self, conn: Any, owner_prefix: str, tokens: Sequence[ClaimToken]) -> set[ClaimToken]:
@@ -348,8 +383,16 @@ class FakeOps:
                      [j.id for j in expired if j.status == "failed"], sorted({j.queue for j in expired}),
                      [SweptJob(j.id, j.status, j.queue, j.attempts, None) for j in expired])
 
-    def complete_in_transaction(self, sa: Any, owner: str, token: ClaimToken) -> bool:
-        return bool(self._complete(owner, [token]))
+    def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
+        return ResultEncoder(dialect_json_serializer(None), limit)
+
+    def progress_encoder(self, limit: int) -> Callable[[Any], str | None]:
+        return progress_encoder(dialect_json_serializer(None), limit)
+
+    def complete_in_transaction(
+        self, sa: Any, owner: str, token: ClaimToken, result: str | None = None, progress: str | None = None
+    ) -> bool:
+        return bool(self._noted(self._complete(owner, [token], [result]), [token], [progress]))
 
 
 def _conforms(ops: FakeOps) -> Operations:

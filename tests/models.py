@@ -17,6 +17,7 @@ from sqla_queue import (
     InOrder,
     JobMixin,
     RateLimit,
+    ResultMixin,
     TaskMixin,
     UniqueJobs,
     queues_table,
@@ -72,6 +73,22 @@ class Task(Base, TaskMixin):
     """A generic task table."""
 
     __tablename__ = "tasks"
+
+
+class ResultTask(Base, TaskMixin, ResultMixin):
+    """A task table that keeps its jobs' results (JSONB)."""
+
+    __tablename__ = "result_tasks"
+
+
+class TotalJob(Base, JobMixin):
+    """A table that keeps its results in a typed column of its own."""
+
+    __tablename__ = "total_jobs"
+    __queue_result__ = "total"
+
+    amount: Mapped[int] = mapped_column(default=1)
+    total: Mapped[int | None] = mapped_column()
 
 
 #: The watermark tables of the periodic jobs of the tables that have schedules.

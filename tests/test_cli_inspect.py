@@ -18,7 +18,7 @@ from sqlalchemy import Engine, func, insert, select
 from sqla_queue.cli import main
 
 from .helpers import Server, table_of
-from .models import EmailJob, Order, Task, UuidJob
+from .models import EmailJob, Order, ResultTask, Task, UuidJob
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
@@ -353,3 +353,11 @@ def test_dashboard_command_on_every_address_needs_its_host_names(server: Server,
     assert main(["dashboard", MODEL, "--url", url, "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert "name the hosts it is reached by" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_show_prints_a_job_s_result_and_progress(engine: Engine, url: str, capsys: Any) -> None:
+    key = add(engine, table_of(ResultTask), task="t", status="done", result={"total": 42}, progress={"step": 3})
+    assert main(["show", "tests.models:ResultTask", "--url", url, str(key)]) == 0
+    out = capsys.readouterr().out
+    result_at, progress_at = out.index("\nresult "), out.index("\nprogress ")
+    assert '"total": 42' in out[result_at:] and '"step": 3' in out[progress_at:]

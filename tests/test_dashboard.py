@@ -25,7 +25,7 @@ from sqla_queue import Tasks, cancel, current_job
 from sqla_queue.dashboard import create_app, dashboard_blueprint
 
 from .helpers import table_of, wait_for
-from .models import EmailJob, Order, Task, UuidJob
+from .models import EmailJob, Order, ResultTask, Task, UuidJob
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
@@ -586,3 +586,22 @@ def table_row(engine: Engine, key: int) -> Any:
 def _activity(engine: Engine, pid: int) -> Any:
     with engine.connect() as conn:
         return conn.scalar(text("SELECT state_change FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid})
+
+
+def test_a_job_page_shows_the_result_and_the_progress_first_escaped(engine: Engine) -> None:
+    results = table_of(ResultTask)
+    app = create_app(engine, [ResultTask], lease=60.0)
+    app.testing = True
+    done = add(engine, results, task="t", status="done", result={"html": XSS, "n": 1}, progress=[1, 2])
+    waiting = add(engine, results, task="t")
+    with app.test_client() as client:
+        page = client.get(f"/result_tasks/job/{done}").get_data(as_text=True)
+        other = client.get(f"/result_tasks/job/{waiting}").get_data(as_text=True)
+    result_at, progress_at, columns_at = page.index("<h2>Result</h2>"), page.index("<h2>Progress</h2>"), page.index(
+        "<h2>Columns</h2>")
+    assert result_at < progress_at < columns_at
+    shown = page[result_at:progress_at]
+    assert XSS not in page and "&lt;script&gt;" in shown
+    assert '"n": 1' in html.unescape(shown)
+    assert "<dt>result</dt>" not in page and "<dt>progress</dt>" not in page  # not twice
+    assert 'id="result-value"' in other and "none yet" in other

@@ -275,7 +275,7 @@ def _statement_builders() -> set[str]:
         name
         for name, obj in vars(q).items()
         if inspect.isfunction(obj) and obj.__module__ == q.__name__ and not name.startswith("_")
-        and re.search(r"^(Returning)?(Select|Update|CompoundSelect|Delete|Insert)\b",
+        and re.search(r"^((Returning)?(Select|Update|CompoundSelect|Delete|Insert)|Finishing)\b",
                       str(obj.__annotations__.get("return", "")))
     }
 

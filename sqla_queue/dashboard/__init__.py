@@ -57,7 +57,7 @@ from .. import admin
 from .. import sql as q
 from ..errors import QueuesTableNotDeclared
 from ..flow import declared_queues_table
-from ..model import JobStatus, QueueTable, check_queue, flow_rules, queue_table
+from ..model import JobStatus, QueueTable, check_queue, flow_rules, progress_column, queue_table, result_column
 from ..rules import Concurrency, RateLimit
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
@@ -270,12 +270,20 @@ def dashboard_blueprint(
             (name, _full(values[name]), values[name] is None, lengths.get(name, len(_full(values[name]))))
             for name in [pk, *(n for n in values if n != pk)]
         ]
+        # What the job reports, shown first, on a table that keeps it: (heading, column).
+        table_ = entry.qt.table
+        reported = [
+            (heading, column.name)
+            for heading, column in (("Result", result_column(table_)), ("Progress", progress_column(table_)))
+            if column is not None
+        ]
         return render_template(
             "sqla_queue_dashboard/job.html",
             table=entry,
             row=values,
             job_id=job_id,
-            cells=cells,
+            cells=[c for c in cells if c[0] not in {name for _, name in reported}],
+            reported=[(heading, c) for heading, name in reported for c in cells if c[0] == name],
             limit=settings.truncate,
             error_length=lengths.get("last_error", 0),
             error_limit=_ERROR_VIEW,

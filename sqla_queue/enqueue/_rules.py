@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
@@ -28,6 +27,7 @@ from sqlalchemy.orm import Mapper
 
 from ..cache import plans
 from ..errors import EnqueueError, InvalidPayload
+from ..jsontext import BAD_CHAR, dialect_json_serializer, json_text_problem
 from ..model import (
     MAX_DELAY_SECONDS,
     MAX_TIMEOUT_SECONDS,
@@ -81,10 +81,6 @@ _MANAGED_DEFAULTS: Final = {
 #: Their names: a row setting none of them needs no closer look.
 MANAGED_KEYS: Final = frozenset(_MANAGED_DEFAULTS)
 
-#: Characters PostgreSQL text cannot hold (NUL) or psycopg cannot encode (lone surrogates).
-_BAD_CHAR: Final = re.compile("[\x00\ud800-\udfff]")
-#: Every escape in JSON text (the ``.`` alternative consumes ``\\\\``, keeping parity).
-_JSON_ESCAPE: Final = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
 
 
 # -- single values ------------------------------------------------------------------------
@@ -112,7 +108,7 @@ def check_text(value: str, name: str, length: int | None) -> None:
     if length is not None and len(value) > length:
         raise EnqueueError(f"{name} is longer than {length} characters ({len(value)})")
     # "\x00" in s is a memchr; isascii() is a flag test, so ASCII strings skip the regex.
-    if "\x00" in value or (not value.isascii() and _BAD_CHAR.search(value)):
+    if "\x00" in value or (not value.isascii() and BAD_CHAR.search(value)):
         raise EnqueueError(
             f"{name} contains a NUL character or a lone surrogate, which PostgreSQL "
             f"text cannot store: {value[:60]!r}"
@@ -193,22 +189,6 @@ def managed_violation(values: Any) -> tuple[str, Any] | None:
 # -- JSON ---------------------------------------------------------------------------------
 
 
-def dialect_json_serializer(dialect: Any) -> Callable[[Any], Any]:
-    """The engine's ``json_serializer`` if it has one, else strict ``json.dumps``.
-
-    Strict (``allow_nan=False``) because PostgreSQL rejects the ``NaN`` that the
-    standard ``json.dumps`` writes; better to fail on the Python side, naming the column.
-    """
-    custom = getattr(dialect, "_json_serializer", None)
-    if custom is not None:
-        return custom  # type: ignore[no-any-return]
-    return _strict_dumps
-
-
-#: ``json.dumps(value, allow_nan=False)``, without building an encoder per call.
-_strict_dumps: Final[Callable[[Any], str]] = json.JSONEncoder(allow_nan=False).encode
-
-
 def check_json(value: Any, name: str, serializer: Callable[[Any], Any]) -> str:
     """``value`` as the JSON text the database will get, or :class:`InvalidPayload`.
 
@@ -230,7 +210,7 @@ def check_json(value: Any, name: str, serializer: Callable[[Any], Any]) -> str:
     elif not isinstance(text, str):
         text = str(text)
     if "\\u" in text or "\x00" in text or not text.isascii():
-        problem = _json_text_problem(text)
+        problem = json_text_problem(text)
         if problem:
             raise InvalidPayload(f"{name} contains {problem}, which PostgreSQL jsonb cannot store")
     if len(text) > _JSONB_ALWAYS_FITS:  # a few megabytes and less never need measuring
@@ -241,32 +221,6 @@ def check_json(value: Any, name: str, serializer: Callable[[Any], Any]) -> str:
                 f"at most {MAX_JSONB_BYTES} allowed"
             )
     return text
-
-
-def _json_text_problem(text: str) -> str | None:
-    """What in JSON text PostgreSQL would refuse: NUL, or a surrogate escape without a pair."""
-    if "\x00" in text:
-        return "a NUL character"
-    if not text.isascii() and _BAD_CHAR.search(text):
-        return "a lone surrogate"
-    high_end = -1  # where an unpaired high-surrogate escape ended
-    for match in _JSON_ESCAPE.finditer(text):
-        digits = match.group(1)
-        code = int(digits, 16) if digits is not None else -1
-        if high_end >= 0:
-            if 0xDC00 <= code <= 0xDFFF and match.start() == high_end:
-                high_end = -1
-                continue
-            return "a lone surrogate (\\ud800-\\udfff)"
-        if code == 0:
-            return "\\u0000"
-        if 0xD800 <= code <= 0xDBFF:
-            high_end = match.end()
-        elif 0xDC00 <= code <= 0xDFFF:
-            return "a lone surrogate (\\ud800-\\udfff)"
-    if high_end >= 0:
-        return "a lone surrogate (\\ud800-\\udfff)"
-    return None
 
 
 # -- sizes --------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #                    condition every claim adds
 #   _limits.py       the claim under flow rules (limits, sequences, fair claims), the lock
 #                    its claims take turns on, and each rule's busiest keys
+#   _results.py      results: their encoding and storing by the completion, the NOTIFY of
+#                    finished ids on a table that keeps them, the read of one job's result
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
@@ -67,8 +69,12 @@ from ._base import JOB_PARAM as JOB_PARAM
 from ._base import KEY_PARAM as KEY_PARAM
 from ._base import LEASE_PARAM as LEASE_PARAM
 from ._base import LIMIT_PARAM as LIMIT_PARAM
+from ._base import ONE_PROGRESS_PARAM as ONE_PROGRESS_PARAM
 from ._base import OWNER_PARAM as OWNER_PARAM
 from ._base import PENDING as PENDING
+from ._base import PROGRESS_PARAM as PROGRESS_PARAM
+from ._base import RESULT_PARAM as RESULT_PARAM
+from ._base import RESULTS_PARAM as RESULTS_PARAM
 from ._base import RUNNING as RUNNING
 from ._base import SCHEDULE_PARAM as SCHEDULE_PARAM
 from ._base import SINCE_PARAM as SINCE_PARAM
@@ -109,6 +115,7 @@ from ._leases import (
 )
 from ._limits import CANDIDATES_PER_JOB as CANDIDATES_PER_JOB
 from ._limits import flow_lock, flow_lock_key, rule_counts
+from ._results import job_result, result_encoder
 from ._retention import DELETABLE_STATUSES as DELETABLE_STATUSES
 from ._retention import Ages as Ages
 from ._retention import archive_finished, delete_jobs, prune_finished, prune_lock_key, requeue_failed
@@ -137,6 +144,8 @@ __all__ = [
     "archive_finished",
     "cancel_jobs",
     "cancel_pending",
+    "job_result",
+    "result_encoder",
     "claim",
     "claim_schedule_tick",
     "claim_candidates",

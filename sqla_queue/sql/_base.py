@@ -224,6 +224,14 @@ IDS_PARAM: Final = "sqla_queue_ids"
 ATTEMPTS_PARAM: Final = "sqla_queue_attempts"
 JOB_PARAM: Final = "sqla_queue_job"
 ATTEMPT_PARAM: Final = "sqla_queue_attempt"
+#: The completion's results on a table that keeps them: JSON texts (or NULLs), one per
+#: token (``RESULT_PARAM``: the one of a single token).
+RESULTS_PARAM: Final = "sqla_queue_results"
+RESULT_PARAM: Final = "sqla_queue_result"
+#: Each token's progress as JSON text, NULL for unchanged, on a table that keeps progress
+#: (optional: unbound, no token's changes); ``ONE_PROGRESS_PARAM``: a single token's.
+PROGRESS_PARAM: Final = "sqla_queue_progress"
+ONE_PROGRESS_PARAM: Final = "sqla_queue_one_progress"
 
 
 # -- templates: built once, the owner and tokens bound at execution ------------------------
@@ -275,18 +283,21 @@ def _id_arrays(qt: QueueTable) -> tuple[ColumnElement[Any], ColumnElement[Any]]:
 
 def _token_table(
     qt: QueueTable,
-    *extra: tuple[str, Any],
-    arrays: tuple[ColumnElement[Any], ColumnElement[Any]] | None = None,
+    *extra: tuple[Any, ...],
+    arrays: tuple[ColumnElement[Any], ...] | None = None,
 ) -> Any:
     """``unnest(:ids, :attempts, ...) AS tokens(pk, attempt, ...)``: tokens as a relation,
     joined to the table by primary key (an index lookup per token). ``arrays``: the ids
-    and attempts arrays, if not the bound ``IDS_PARAM``/``ATTEMPTS_PARAM``."""
-    ids, attempts = arrays or _id_arrays(qt)
+    and attempts arrays, if not the bound ``IDS_PARAM``/``ATTEMPTS_PARAM``, and then the
+    array of each ``extra`` column too."""
+    ids, attempts, *given = arrays or _id_arrays(qt)
     columns: list[ColumnElement[Any]] = [ids, attempts]
     names = ["pk", "attempt"]
-    for name, kind in extra:
+    for n, (name, kind, *optional) in enumerate(extra):
         element_type = Text() if kind == "text" else Float()
-        columns.append(_param(name, ARRAY(element_type)))
+        # An optional array left unbound is NULL, which unnest pads with NULLs.
+        column = given[n] if given else _param(name, ARRAY(element_type), *([None] if optional else []))
+        columns.append(column)
         names.append(name)
     return func.unnest(*columns).table_valued(*names).render_derived(name="tokens")
 

@@ -40,6 +40,7 @@ from ._base import (
     LEASE_PARAM,
     OWNER_PARAM,
     PENDING,
+    PROGRESS_PARAM,
     RUNNING,
     SINCE_PARAM,
     Duration,
@@ -63,6 +64,7 @@ from ._base import (
 )
 from ._flow import unpaused
 from ._limits import next_free_start
+from ._results import progress_extra, progress_values
 
 
 def extend_leases_if_owner(
@@ -172,7 +174,9 @@ def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = F
     """The heartbeat: push the leases of the tokens forward, skipping rows locked by
     another transaction (a handler updating its own job row) instead of waiting for them:
     ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM, LEASE_PARAM}``. Returns ``(pk, attempts)``;
-    a token missing from the result is locked or lost: ask :func:`owned_tokens`.
+    a token missing from the result is locked or lost: ask :func:`owned_tokens`. On a
+    table that keeps progress, ``PROGRESS_PARAM`` (optional) gives each token's, written
+    with its lease.
 
     ``SINCE_PARAM`` (seconds, optional): also extend every other job running under the
     owner whose lease was set (``lease_expires_at - LEASE_PARAM``) no more than that long
@@ -184,10 +188,11 @@ def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = F
     ``owner_prefix=True``: ``OWNER_PARAM`` is the start of the lease owners (a worker's
     name, ending with ``/``, whose executors each claim under a name of their own)."""
     qt = queue_table(model)
-    tokens = _token_table(qt)
+    extra = progress_extra(qt)
+    tokens = _token_table(qt, *extra)
     name = qt.pk.name
     lockable = (
-        select(qt.pk)
+        select(qt.pk, *(tokens.c[PROGRESS_PARAM] for _ in extra))
         .select_from(qt.table.join(tokens, qt.pk == tokens.c.pk))
         .where(_token_fence(qt, tokens, owner_prefix=owner_prefix))
         .with_for_update(skip_locked=True, of=qt.table)
@@ -203,7 +208,7 @@ def extend_unlocked_leases_if_owner(model: QueueModel, *, owner_prefix: bool = F
     known = (
         qt.table.update()
         .where(qt.pk == lockable.c[name])
-        .values(lease_expires_at=extended)
+        .values(lease_expires_at=extended, **progress_values(qt, lockable.c[PROGRESS_PARAM] if extra else None))
         .returning(qt.pk, qt.c.attempts)
         .cte("sqla_queue_known")
     )

@@ -8,12 +8,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import CompoundSelect, case, false, func, null, or_, select, true, union_all
-from sqlalchemy.dialects.postgresql import array
+from sqlalchemy import (
+    CompoundSelect,
+    Text,
+    case,
+    false,
+    func,
+    null,
+    or_,
+    select,
+    true,
+    union_all,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, array
 from sqlalchemy.sql.dml import ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..model import ClaimToken, QueueTable, queue_table, status_literal
+from ..model import ClaimToken, QueueTable, queue_table, result_column, status_literal
 from ._base import (
     ATTEMPT_PARAM,
     CANCELLED,
@@ -23,7 +34,10 @@ from ._base import (
     ERRORS_PARAM,
     FAILED,
     JOB_PARAM,
+    ONE_PROGRESS_PARAM,
     PENDING,
+    RESULT_PARAM,
+    RESULTS_PARAM,
     RUNNING,
     Duration,
     QueueModel,
@@ -44,38 +58,60 @@ from ._base import (
     seconds_interval,
 )
 from ._claim import claim_template
+from ._results import Finishing, _notify_finished, _progress_of, _stored_result, progress_extra, result_encoder
 
 
 def complete_if_owner(
-    model: QueueModel, *, owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]]
-) -> ReturningUpdate[Any]:
+    model: QueueModel,
+    *,
+    owner: str,
+    tokens: ClaimToken | Iterable[tuple[Any, int]],
+    results: Sequence[Any] | None = None,
+) -> Finishing:
     """Mark jobs ``done`` if ``owner`` still holds their current attempt.
 
     Run it in the handler's own transaction to make the handler's writes and the
     completion one atomic step: if it returns no row, roll back. Returns ``(pk,
-    attempts)`` of each job it completed. This is :func:`complete_many_if_owner`, the
-    statement the worker runs, with the values bound.
+    attempts)`` of each job it completed. On a table that keeps results
+    (:class:`~sqla_queue.ResultMixin`), ``results`` gives each token's (None: no result),
+    checked as the worker checks a handler's return value. This is
+    :func:`complete_many_if_owner`, the statement the worker runs, with the values bound.
     """
-    with _values(_token_values(owner, tokens)):
+    listed = _tokens(tokens)
+    values = _token_values(owner, listed)
+    qt = queue_table(model)
+    column = result_column(qt.table)
+    if column is not None:
+        given = [None] * len(listed) if results is None else list(results)
+        if len(given) != len(listed):
+            raise ValueError(f"results must give one value per token: {len(listed)} tokens, {len(given)} results")
+        encode = result_encoder(column)
+        values[RESULTS_PARAM] = [encode(value) for value in given]
+    elif results is not None:
+        raise TypeError(f"table {qt.table.name!r} keeps no results (its model has no __queue_result__)")
+    with _values(values):
         return complete_many_if_owner(model)
 
 
-def complete_template(model: QueueModel, *, single: bool = False) -> ReturningUpdate[Any]:
+def complete_template(model: QueueModel, *, single: bool = False) -> Finishing:
     """:func:`complete_many_if_owner` (kept under this name): the owner and tokens bound
     at execution, ``{OWNER_PARAM: owner, IDS_PARAM: [id1, ...], ATTEMPTS_PARAM:
     [attempt1, ...]}``; ``single=True`` takes one token as ``{JOB_PARAM: job_id,
-    ATTEMPT_PARAM: attempt}`` instead. The same statement, fence and effect."""
+    ATTEMPT_PARAM: attempt}`` instead (and, on a table that keeps results, its result's
+    JSON text as ``RESULT_PARAM``). The same statement, fence and effect."""
     if not single:
         return complete_many_if_owner(model)
     qt = queue_table(model)
     ids = array([_param(JOB_PARAM, qt.pk.type)])
     attempts = array([_param(ATTEMPT_PARAM, qt.c.attempts.type)])
-    return _complete_many(qt, ids, attempts)
+    results = array([_param(RESULT_PARAM, Text(), None)]) if result_column(qt.table) is not None else None
+    progress = array([_param(ONE_PROGRESS_PARAM, Text(), None)]) if progress_extra(qt) else None
+    return _complete_many(qt, ids, attempts, results, progress)
 
 
 def retry_if_owner(
     model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str, delay: Duration
-) -> ReturningUpdate[Any]:
+) -> Finishing:
     """Record a failed attempt: back to ``pending`` after ``delay``, or to ``failed``.
 
     A job that has used ``max_attempts`` becomes ``failed`` (the dead letter). Returns
@@ -90,7 +126,7 @@ def retry_if_owner(
 
 def fail_if_owner(
     model: QueueModel, *, owner: str, token: ClaimToken | tuple[Any, int], error: str
-) -> ReturningUpdate[Any]:
+) -> Finishing:
     """Dead-letter a job now (``failed``), whatever attempts remain; returns ``(pk,
     attempts)``. This is :func:`fail_many_if_owner` with the values bound."""
     with _values(_token_values(owner, [token], **{ERRORS_PARAM: [error]})):
@@ -118,7 +154,7 @@ def release_if_owner(
 
 def cancel_jobs(
     model: QueueModel, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
-) -> ReturningUpdate[Any]:
+) -> Finishing:
     """Cancel pending **and running** jobs: ``cancelled``, finished now, no lease expiry
     (``lease_owner`` is kept: the worker that held it).
 
@@ -140,26 +176,28 @@ def cancel_jobs(
         conditions.append(_pk_in(qt, ids))
     before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
     name = qt.pk.name
-    return (
+    update = (
         qt.table.update()
         .where(qt.pk == before.c[name], c.status.in_([status_literal(PENDING), status_literal(RUNNING)]))
         .values(status=status_literal(CANCELLED), finished_at=_clock(), lease_expires_at=null())
         .returning(qt.pk, before.c.status)
     )
+    return _notify_finished(qt, update)
 
 
-def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> ReturningUpdate[Any]:
+def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> Finishing:
     """Cancel jobs that have not been claimed yet; running jobs are left to finish.
 
     An empty ``ids`` cancels nothing.
     """
     qt = queue_table(model)
-    return (
+    update = (
         qt.table.update()
         .where(_status(qt, PENDING), _pk_in(qt, ids))
         .values(status=status_literal(CANCELLED), finished_at=_clock())
         .returning(qt.pk)
     )
+    return _notify_finished(qt, update)
 
 
 def _before_deadline(qt: QueueTable) -> list[ColumnElement[bool]]:
@@ -171,21 +209,40 @@ def _before_deadline(qt: QueueTable) -> list[ColumnElement[bool]]:
     return [or_(deadline.is_(None), deadline > _clock())]
 
 
-def complete_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+def complete_many_if_owner(model: QueueModel) -> Finishing:
     """``done`` for every token still running under its owner and attempt:
-    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``; returns ``(pk, attempts)`` of each."""
+    ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``, and on a table that keeps results
+    ``RESULTS_PARAM`` (each token's result as JSON text, or NULL); returns ``(pk,
+    attempts)`` of each."""
     qt = queue_table(model)
     return _complete_many(qt, *_id_arrays(qt))
 
 
-def _complete_many(qt: QueueTable, ids: ColumnElement[Any], attempts: ColumnElement[Any]) -> ReturningUpdate[Any]:
-    tokens = _token_table(qt, arrays=(ids, attempts))
-    return (
+def _complete_many(
+    qt: QueueTable, ids: ColumnElement[Any], attempts: ColumnElement[Any], results: ColumnElement[Any] | None = None,
+    progress: ColumnElement[Any] | None = None,
+) -> Finishing:
+    values: dict[str, Any] = {"status": status_literal(DONE), "finished_at": _clock(), "lease_expires_at": null()}
+    column = result_column(qt.table)
+    extra: list[tuple[Any, ...]] = []
+    arrays = [ids, attempts]
+    if column is not None:
+        extra.append((RESULTS_PARAM, "text"))
+        arrays.append(results if results is not None else _param(RESULTS_PARAM, ARRAY(Text())))
+    for name, kind, optional in progress_extra(qt):
+        extra.append((name, kind, optional))
+        arrays.append(progress if progress is not None else _param(name, ARRAY(Text()), None))
+    tokens = _token_table(qt, *extra, arrays=tuple(arrays))
+    if column is not None:
+        values[column.key] = _stored_result(column, tokens.c[RESULTS_PARAM])
+    values.update(_progress_of(qt, tokens))
+    update = (
         qt.table.update()
         .where(_token_fence(qt, tokens, ids=ids), *_before_deadline(qt))
-        .values(status=status_literal(DONE), finished_at=_clock(), lease_expires_at=null())
+        .values(**values)
         .returning(qt.pk, tokens.c.attempt)
     )
+    return _notify_finished(qt, update)
 
 
 def complete_many_if_owner_then_claim(
@@ -222,15 +279,15 @@ def complete_many_if_owner_then_claim(
     )
 
 
-def retry_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+def retry_many_if_owner(model: QueueModel) -> Finishing:
     """Failed attempts: back to ``pending`` after each token's delay (seconds), or
     ``failed`` once ``max_attempts`` are used; ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM,
     ERRORS_PARAM, DELAYS_PARAM}``. Returns ``(pk, attempts, status)``."""
     qt = queue_table(model)
     c = qt.c
-    tokens = _token_table(qt, (ERRORS_PARAM, "text"), (DELAYS_PARAM, "float"))
+    tokens = _token_table(qt, (ERRORS_PARAM, "text"), (DELAYS_PARAM, "float"), *progress_extra(qt))
     exhausted = c.attempts >= c.max_attempts
-    return (
+    update = (
         qt.table.update()
         .where(_token_fence(qt, tokens))
         .values(
@@ -244,17 +301,19 @@ def retry_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             lease_owner=case((exhausted, c.lease_owner), else_=null()),
             lease_expires_at=null(),
             isolated=false(),
+            **_progress_of(qt, tokens),
         )
         .returning(qt.pk, tokens.c.attempt, c.status)
     )
+    return _notify_finished(qt, update, failed_only=True)
 
 
-def fail_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
+def fail_many_if_owner(model: QueueModel) -> Finishing:
     """Dead-letter (``failed``) now, whatever attempts remain: ``{OWNER_PARAM, IDS_PARAM,
     ATTEMPTS_PARAM, ERRORS_PARAM}``. Returns ``(pk, attempts)``."""
     qt = queue_table(model)
-    tokens = _token_table(qt, (ERRORS_PARAM, "text"))
-    return (
+    tokens = _token_table(qt, (ERRORS_PARAM, "text"), *progress_extra(qt))
+    update = (
         qt.table.update()
         .where(_token_fence(qt, tokens))
         .values(
@@ -262,9 +321,11 @@ def fail_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             finished_at=_clock(),
             last_error=tokens.c[ERRORS_PARAM],
             lease_expires_at=null(),
+            **_progress_of(qt, tokens),
         )
         .returning(qt.pk, tokens.c.attempt)
     )
+    return _notify_finished(qt, update)
 
 
 def snooze_if_owner(
@@ -289,7 +350,7 @@ def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
     attempts)``: the token's attempt, as the other transitions."""
     qt = queue_table(model)
     c = qt.c
-    tokens = _token_table(qt, (DELAYS_PARAM, "float"))
+    tokens = _token_table(qt, (DELAYS_PARAM, "float"), *progress_extra(qt))
     return (
         qt.table.update()
         .where(_token_fence(qt, tokens))
@@ -300,6 +361,7 @@ def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             lease_owner=null(),
             lease_expires_at=null(),
             isolated=false(),
+            **_progress_of(qt, tokens),
         )
         .returning(qt.pk, tokens.c.attempt)
     )
@@ -314,11 +376,13 @@ def release_many_if_owner(
     leaves the one the row has)."""
     qt = queue_table(model)
     c = qt.c
-    tokens = _token_table(qt, (ERRORS_PARAM, "text")) if with_errors else _token_table(qt)
+    extra = ((ERRORS_PARAM, "text"),) if with_errors else ()
+    tokens = _token_table(qt, *extra, *progress_extra(qt))
     values: dict[str, Any] = {
         "status": status_literal(PENDING),
         "lease_owner": null(),
         "lease_expires_at": null(),
+        **_progress_of(qt, tokens),
     }
     if refund_attempt:
         values["max_attempts"] = c.max_attempts + 1
@@ -330,3 +394,4 @@ def release_many_if_owner(
         .values(**values)
         .returning(qt.pk, tokens.c.attempt)
     )
+

@@ -218,17 +218,21 @@ class Completer:
     def _run(self, conn: DbConnection, kind: Kind, outcomes: list[Outcome], refund: bool) -> Moved:
         tokens = [o.held.token for o in outcomes]
         owner = outcomes[0].held.owner  # one owner per statement (see _record_kind)
+        ops = self.ops
+        progress = progress_of(outcomes) if ops.stores_progress else None
         if kind is Kind.DONE:
-            return self.ops.complete(conn, owner, tokens)
+            if ops.stores_results:
+                return ops.complete(conn, owner, tokens, [o.result for o in outcomes], progress)
+            return ops.complete(conn, owner, tokens, progress=progress)
         if kind is Kind.RETRY:
-            return self.ops.retry(conn, owner, tokens, [o.error for o in outcomes], [o.delay for o in outcomes])
+            return ops.retry(conn, owner, tokens, [o.error for o in outcomes], [o.delay for o in outcomes], progress)
         if kind is Kind.FAIL:
-            return self.ops.fail(conn, owner, tokens, [o.error for o in outcomes])
+            return ops.fail(conn, owner, tokens, [o.error for o in outcomes], progress)
         if kind is Kind.RELEASE:
             errors = [o.error for o in outcomes] if refund and any(o.error for o in outcomes) else None
-            return self.ops.release(conn, owner, tokens, refund=refund, errors=errors)
+            return ops.release(conn, owner, tokens, refund=refund, errors=errors, progress=progress)
         if kind is Kind.SNOOZE:
-            return self.ops.snooze(conn, owner, tokens, [o.delay for o in outcomes])
+            return ops.snooze(conn, owner, tokens, [o.delay for o in outcomes], progress)
         raise AssertionError(kind)
 
     def _with_retries(
@@ -437,6 +441,13 @@ def _landed_as(kind: Kind, outcome: Outcome, state: TokenState, owner: str, refu
         # No attempt is ever given back (``max_attempts`` grows instead): the row keeps it.
         return "pending" if released and attempts == attempt and not swept else None
     return None
+
+
+def progress_of(outcomes: Sequence[Outcome]) -> list[str | None] | None:
+    """Each job's progress as its handler last recorded it (None: unchanged), or None
+    when none of them recorded any."""
+    found = [o.held.progress for o in outcomes]
+    return found if any(p is not None for p in found) else None
 
 
 def _commit_landed(token: ClaimToken) -> None:

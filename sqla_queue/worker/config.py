@@ -28,6 +28,11 @@ DEFAULT_MAX_BATCH: Final = 32
 TURN_MAX_BATCH: Final = 128
 
 
+#: The largest ``max_result_size``: a JSON text this long always fits in jsonb (one
+#: character takes at most 7 bytes of jsonb's binary form, plus 16).
+MAX_RESULT_SIZE: Final = (2**28 - 1 - 16) // 7
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Timing and sizing of a worker. Durations are in seconds.
@@ -56,6 +61,10 @@ class WorkerConfig:
     backoff: Backoff = field(default_factory=Backoff)
     #: ``last_error`` keeps the exception and the end of its traceback, up to this size.
     max_error_length: int = 4000
+    #: On a table that keeps results: the longest result, in characters of JSON. A
+    #: longer one fails its attempt (``ResultNotStorable``): keep big results elsewhere
+    #: (object storage, a table of your own) and return a reference.
+    max_result_size: int = 1_048_576
     #: Prefix of the lease owner name; default: host name and process id.
     name: str | None = None
     #: Longest wait between reconnection attempts after the database went away.
@@ -118,6 +127,11 @@ class WorkerConfig:
             # 200-character column.
             raise ValueError(f"name must be at most {MAX_NAME_LENGTH} characters, got {len(self.name)}")
         _positive_int("max_error_length", self.max_error_length)
+        _positive_int("max_result_size", self.max_result_size)
+        if self.max_result_size > MAX_RESULT_SIZE:
+            raise ValueError(
+                f"max_result_size must be at most {MAX_RESULT_SIZE} (jsonb's limit), got {self.max_result_size}"
+            )
         _positive_int("observer_queue_size", self.observer_queue_size)
         if self.metrics_port is not None:
             _positive_int("metrics_port", self.metrics_port)

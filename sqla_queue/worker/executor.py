@@ -35,11 +35,11 @@ from sqlalchemy.orm import Session
 
 from ..current import CANCELLED, STOPPING, bind, in_context, timeout_text, unbind
 from ..driver import DbConnection, Driver
-from ..errors import DeadLetter, JobCancelled, LeaseLost, RetryLater, Snooze, UnknownTask
+from ..errors import DeadLetter, JobCancelled, LeaseLost, ResultNotStorable, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Operations
 from ..runtime import Runtime
 from ..tasks import ResolvedHandler, Tasks
-from .completer import Completer
+from .completer import Completer, progress_of
 from .context import WorkerContext
 from .ledger import Held, Ledger, Start
 from .outcome import Kind, Outcome, describe_error, storable
@@ -120,6 +120,8 @@ class Executor:
         self.ops = ctx.ops
         #: Tells handlers past their deadline (set by the worker).
         self.watchdog: Watchdog | None = None
+        #: A return value as the result the table keeps (None: it keeps none).
+        self.encode_result = ctx.ops.result_encoder(ctx.config.max_result_size) if ctx.ops.stores_results else None
 
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
@@ -208,9 +210,22 @@ class Executor:
         if handler.transactional:
             return self._transactional(held, handler, lane)
         result = self._invoke(held, handler.fn, held.job)
-        if result is not None and inspect.isawaitable(result):
-            return self._awaitable(held, handler, result)
+        if result is not None:
+            if inspect.isawaitable(result):
+                return self._awaitable(held, handler, result)
+            if self.encode_result is not None:
+                return self._with_result(held, result)
         return Outcome(held, Kind.DONE)
+
+    def _with_result(self, held: Held, result: Any) -> Outcome:
+        """Done, with the result as the table keeps it; a result it cannot keep fails the
+        attempt as an exception of the handler's would (it is retried with the backoff)."""
+        assert self.encode_result is not None
+        try:
+            text = self.encode_result(result)
+        except ResultNotStorable as exc:
+            return self.failure(held, exc)
+        return Outcome(held, Kind.DONE, result=text)
 
     def _resolve(self, job: Any) -> ResolvedHandler:
         handler = self.handler
@@ -310,6 +325,8 @@ class Executor:
                 if inspect.isawaitable(result):
                     return self._awaitable(held, handler, result)
                 session.commit()
+                # Encoded before the completion: a result the table cannot keep rolls back.
+                stored = self.encode_result(result) if self.encode_result is not None else None
             except BaseException as exc:
                 if self.runtime.cancelled():
                     raise
@@ -322,7 +339,7 @@ class Executor:
                 return Outcome(held, Kind.LOST)
             try:
                 with self.driver.deadline(conn, self.config.statement_deadline):
-                    if not self.ops.complete_in_transaction(sa, held.owner, held.token):
+                    if not self.ops.complete_in_transaction(sa, held.owner, held.token, stored, held.progress):
                         return Outcome(held, Kind.LOST)
                     trans.commit()
             except Exception as exc:  # noqa: BLE001
@@ -401,7 +418,10 @@ class CompleteThenClaim:
             conn = connect()
             sent = time.monotonic()
             try:
-                moved, claimed = self.ops.complete_then_claim(conn, [o.held.token for o in done], request)
+                ops = self.ops
+                results = [o.result for o in done] if ops.stores_results else None
+                progress = progress_of(done) if ops.stores_progress else None
+                moved, claimed = ops.complete_then_claim(conn, [o.held.token for o in done], request, results, progress)
             except Exception as exc:
                 if self.driver.is_connection_error(exc):
                     self.ledger.claim_unknown(request.owner)  # it may have committed unseen

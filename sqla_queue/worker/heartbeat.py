@@ -21,6 +21,7 @@ import time
 from ..model import ClaimToken
 from .completer import Completer, Settled
 from .context import WorkerContext
+from .ledger import Held
 from .service import Reconnecting, Service
 from .watchdog import tell_cancelled
 
@@ -55,7 +56,7 @@ class Heartbeat(Service):
         held = self.ledger.live()
         since = self.ledger.claims_since()
         if held or since is not None or not self.ledger.healthy:  # recover only on a beat that reached the table
-            lost = self._beat([h.token for h in held], since)
+            lost = self._beat(held, since)
             if lost:  # a cancelled row is not running any more either: its handler is told
                 conn = self.link.connect()
                 with self.driver.deadline(conn, self.config.heartbeat_deadline):
@@ -71,7 +72,10 @@ class Heartbeat(Service):
             self.ledger.set_healthy(True)
         self.stats.add("heartbeats")
 
-    def _beat(self, tokens: list[ClaimToken], since: float | None) -> set[ClaimToken]:
+    def _beat(self, held: list[Held], since: float | None) -> set[ClaimToken]:
+        tokens = [h.token for h in held]
+        # Each job's progress as its handler last recorded it (the same again is harmless).
+        progress = [h.progress for h in held] if self.ops.stores_progress else None
         conn = self.link.connect()
         window = None
         if since is not None:
@@ -81,7 +85,7 @@ class Heartbeat(Service):
             # than half a beat, so a job the worker let go still lapses.
             window = time.monotonic() - since + self.interval / 2
         with self.driver.deadline(conn, self.config.heartbeat_deadline):
-            extended = self.ops.extend_leases(conn, self._owners, tokens, since=window)
+            extended = self.ops.extend_leases(conn, self._owners, tokens, since=window, progress=progress)
             missing = [t for t in tokens if t not in extended]
             if not missing:
                 return set()

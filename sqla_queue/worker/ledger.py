@@ -77,6 +77,15 @@ class Held:
     #: The worker is stopping: its handler is told (:data:`~sqla_queue.current.STOPPING`),
     #: its lease still runs (unlike ``stopped``), and it may still complete.
     shutdown: bool = False
+    #: How its handler's ``current_job().progress(value)`` is encoded (None: the table
+    #: keeps no progress).
+    progress_encoder: Callable[[Any], str | None] | None = None
+
+    @property
+    def progress(self) -> str | None:
+        """The progress its handler recorded, as JSON text (None: none this attempt)."""
+        context = self.context
+        return context.progress_text if context is not None else None
 
     def tell_stopping(self) -> None:
         """The worker is stopping: tell its handler, which may finish or give up (then
@@ -110,7 +119,7 @@ class Held:
             with _MAKING:
                 context = self.context
                 if context is None:
-                    context = JobContext(self.job, self.token, self.timeout, self.deadline)
+                    context = JobContext(self.job, self.token, self.timeout, self.deadline, self.progress_encoder)
                     if running:
                         context.enter(None)
                     self.context = context

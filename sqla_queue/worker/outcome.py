@@ -46,6 +46,9 @@ class Outcome:
     #: A ``release`` gives the attempt back (the worker's own fault); False: it counts
     #: (a handler that gave up because the worker stops had run).
     refund: bool = True
+    #: A done job's result, as the JSON text its table keeps (None: none, or a table
+    #: that keeps no results).
+    result: str | None = None
 
 
 def storable(text: str, limit: int) -> str:

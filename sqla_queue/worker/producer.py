@@ -34,6 +34,7 @@ from typing import Any
 import psycopg
 
 from ..driver import DbConnection, Driver
+from ..jsontext import MAX_PROGRESS_SIZE
 from ..ops import Claimed, ClaimRequest, RowProblem
 from ..runtime import Semaphore
 from .context import WorkerContext
@@ -92,6 +93,8 @@ class Producer:
         #: Where the ordinary claims start, shared by the executors (None: from the head,
         #: where the operations cannot start a claim after a key).
         self.cursor = ClaimCursor(per_queue=self.ops.after_per_queue) if self.ops.claims_after else None
+        #: How a handler's progress is encoded, on a table that keeps it (None: it keeps none).
+        self._progress = self.ops.progress_encoder(MAX_PROGRESS_SIZE) if self.ops.stores_progress else None
 
     def look_for_isolated(self) -> None:
         """Look for isolated jobs at the next claim (the sweeper just made some)."""
@@ -289,6 +292,9 @@ class Producer:
             else:
                 append(Held(token, load_error=self._load_error(problem), isolated=isolated, solitary=solitary,
                             owner=owner, timeout=timeout, deadline=deadline))
+        if self._progress is not None:
+            for h in held:
+                h.progress_encoder = self._progress
         return held
 
     def _load_error(self, problem: RowProblem) -> str:

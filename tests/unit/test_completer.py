@@ -207,3 +207,55 @@ def test_every_end_of_a_job_passes_settle_once() -> None:
     ])
     assert (s.stats.done, s.stats.retried, s.stats.failed, s.stats.released, s.stats.lost) == (2, 1, 1, 1, 1)
     assert len(s.ledger) == 0
+
+
+def _with_progress(held: Held, value: Any) -> Held:
+    held.progress_encoder = FakeOps().progress_encoder(100)
+    held.job_context(running=False).progress(value)
+    return held
+
+
+@pytest.mark.parametrize("kind", [Kind.DONE, Kind.RETRY, Kind.FAIL, Kind.SNOOZE, Kind.RELEASE])
+def test_every_outcome_records_its_handler_s_progress_and_only_done_a_result(kind: Kind) -> None:
+    """Each kind's statement takes the jobs' progress (None: unchanged) and, on a table
+    that keeps results, ``done`` the results, one value per token."""
+    s = Setup(3)
+    s.ops.stores_results = s.ops.stores_progress = True
+    s.ops.jobs[s.held[1].token.job_id].progress = '"before"'
+    _with_progress(s.held[0], {"step": 1})
+    _with_progress(s.held[2], [3])
+    s.record([Outcome(h, kind, "E" if kind in (Kind.RETRY, Kind.FAIL) else "", result=f"{n}") for n, h in
+              enumerate(s.held)])
+    jobs = [s.ops.jobs[h.token.job_id] for h in s.held]
+    assert [j.progress for j in jobs] == ['{"step": 1}', '"before"', "[3]"]
+    assert [j.result for j in jobs] == (["0", "1", "2"] if kind is Kind.DONE else [None] * 3)
+
+
+def test_the_completion_sent_with_the_next_claim_takes_results_and_progress() -> None:
+    s = Setup(2)
+    s.ops.stores_results = s.ops.stores_progress = True
+    _with_progress(s.held[1], 50)
+    s.ops.add(1)
+    left = s.record([Outcome(h, Kind.DONE, result=f'"r{n}"') for n, h in enumerate(s.held)], claim_owner=OWNER)
+    claimed = CompleteThenClaim(s.ops, FakeDriver(), s.ledger, s.completer)(  # type: ignore[arg-type]
+        s.connect, left, s.ops.claim_request(OWNER, 5))
+    assert claimed is not None and len(claimed) == 1
+    jobs = [s.ops.jobs[h.token.job_id] for h in s.held]
+    assert [(j.status, j.result, j.progress) for j in jobs] == [("done", '"r0"', None), ("done", '"r1"', "50")]
+
+
+def test_progress_is_checked_where_the_handler_records_it() -> None:
+    from sqla_queue import ResultNotStorable
+    from sqla_queue.current import JobContext
+
+    context = JobContext(None, ClaimToken(1, 1), None, None)
+    with pytest.raises(TypeError, match=r"keeps no progress: mix sqla_queue\.ResultMixin"):
+        context.progress(1)
+    held = _with_progress(Held(ClaimToken(1, 1), owner=OWNER), {"ok": True})
+    context = held.job_context()
+    assert held.progress == '{"ok": true}'
+    with pytest.raises(ResultNotStorable, match="the job's progress is 102 characters of JSON, over the progress"):
+        context.progress("x" * 100)
+    with pytest.raises(ResultNotStorable, match="the job's progress is not JSON-serialisable"):
+        context.progress({1, 2})
+    assert held.progress == '{"ok": true}', "a refused value leaves the last one"
