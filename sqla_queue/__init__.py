@@ -14,7 +14,7 @@ Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
 from .cancel import cancel
-from .current import JobContext, current_job
+from .current import JobContext, JobLogFilter, current_job
 from .enqueue import (
     AsyncQueueSession,
     Enqueued,
@@ -52,6 +52,7 @@ from .model import (
     FINISHED_STATUSES,
     UNIQUE_ACTIVE,
     UNIQUE_EVER,
+    HistoryMixin,
     IdempotencyKeyMixin,
     JobMixin,
     JobStatus,
@@ -82,6 +83,7 @@ __all__ = [
     "EnqueueError",
     "Enqueued",
     "EnqueuedMany",
+    "HistoryMixin",
     "IdempotencyKeyMixin",
     "InOrder",
     "InvalidPayload",
@@ -90,6 +92,7 @@ __all__ = [
     "JobContext",
     "JobEvent",
     "JobFailedError",
+    "JobLogFilter",
     "JobMixin",
     "JobNotDoneError",
     "JobOutcome",

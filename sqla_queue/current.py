@@ -16,6 +16,7 @@ runs a plain handler of an asyncio worker).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -26,7 +27,7 @@ from .errors import JobCancelled
 from .model import ClaimToken, JobStatus
 from .runtime import Event
 
-__all__ = ["CANCELLED", "STOPPING", "TIMED_OUT", "JobContext", "current_job"]
+__all__ = ["CANCELLED", "STOPPING", "TIMED_OUT", "JobContext", "JobLogFilter", "current_job"]
 
 T = TypeVar("T")
 
@@ -212,7 +213,10 @@ class JobContext:
 class ContextSource(Protocol):
     """What is current while a handler runs: a :class:`JobContext`, or the worker's
     record of the job, which makes the context on first use (most handlers never ask:
-    one per job would be a cost)."""
+    one per job would be a cost). Both have the job and its token."""
+
+    job: Any
+    token: ClaimToken
 
     def job_context(self) -> JobContext: ...
 
@@ -228,6 +232,45 @@ def current_job() -> JobContext:
     if found is None:
         raise RuntimeError("sqla_queue.current_job() is only available inside a job's handler")
     return found.job_context()
+
+
+class JobLogFilter(logging.Filter):
+    """A logging filter that gives every record made inside a handler the running job's
+    ``job_id``, ``job_attempt``, ``job_task`` (a task table's task name), ``job_queue``
+    and ``job_table``; ``"-"`` for each outside a handler, so one format serves every
+    record::
+
+        handler = logging.StreamHandler()
+        handler.addFilter(sqla_queue.JobLogFilter())
+        handler.setFormatter(logging.Formatter("%(levelname)s job=%(job_id)s/%(job_attempt)s %(message)s"))
+
+    Add it to a *handler* (a logger's filters see only the records logged on that very
+    logger). It reads the job from the context variable the worker sets around each
+    handler, which a plain handler of the asyncio worker also sees in its thread. It
+    never fails a record: a job without one of the fields gets ``"-"`` for it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        source = _current.get()
+        if source is None:
+            record.job_id = record.job_attempt = record.job_task = record.job_queue = record.job_table = "-"
+            return True
+        job = source.job
+        token = source.token
+        record.job_id = token[0]
+        record.job_attempt = token[1]
+        record.job_task = _field(job, "task")
+        record.job_queue = _field(job, "queue")
+        record.job_table = getattr(type(job), "__tablename__", None) or "-"
+        return True
+
+
+def _field(job: Any, name: str) -> Any:
+    try:
+        found = job.__dict__.get(name)  # loaded columns only: never a lazy load from a log call
+    except AttributeError:
+        return "-"
+    return "-" if found is None else found
 
 
 #: Make a source current here (``token = bind(source)``), once per job: the variable's

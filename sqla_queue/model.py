@@ -53,6 +53,7 @@ from .rules import FlowRule, InOrder, RateLimit, check_rules
 __all__ = [
     "ClaimToken",
     "FINISHED_STATUSES",
+    "HistoryMixin",
     "archive_table",
     "IdempotencyKeyMixin",
     "JobMixin",
@@ -77,6 +78,9 @@ _WAKE_INFO_KEY: Final = "sqla_queue.wake"
 _FLOW_INFO_KEY: Final = "sqla_queue.flow"
 _RESULT_INFO_KEY: Final = "sqla_queue.result"
 _PROGRESS_INFO_KEY: Final = "sqla_queue.progress"
+_HISTORY_INFO_KEY: Final = "sqla_queue.history"
+#: The most attempts a job's history keeps: the latest ones.
+HISTORY_KEEP: Final = 20
 #: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
 #: (the default), or sent after it, coalesced (see :mod:`sqla_queue.enqueue.waker`).
 WAKE_WITH_COMMIT: Final = "with_commit"
@@ -343,6 +347,35 @@ def result_column(table: Table) -> Column[Any] | None:
     return table.c[name] if isinstance(name, str) and name in table.c else None
 
 
+class HistoryMixin:
+    """A ``history`` column that keeps how each attempt of a job ended: opt-in, beside
+    :class:`JobMixin` or :class:`TaskMixin`::
+
+        class EmailJob(Base, JobMixin, HistoryMixin):
+            __tablename__ = "email_jobs"
+
+    The statement that ends an attempt (completion, retry, dead letter, snooze, hand-back,
+    the sweeper's expiry, a cancel of a running job) appends one entry to this JSON array:
+    ``attempt``, ``worker`` (the lease owner), ``started_at``, ``ended_at``, ``seconds``,
+    ``outcome`` (``done``, ``retried``, ``failed``, ``timed out``, ``snoozed``,
+    ``released``, ``cancelled`` or ``lost``) and ``error`` (the head of the error and its
+    traceback). The last :data:`HISTORY_KEEP` attempts are kept; the rest of the job's
+    life is in its row, and retention deletes both together.
+    """
+
+    __queue_history__: ClassVar[str] = "history"
+    history: Mapped[list[dict[str, Any]] | None] = mapped_column(
+        JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql"), nullable=True
+    )
+
+
+def history_column(table: Table) -> Column[Any] | None:
+    """The JSONB column a queue table keeps its attempts' history in (its model's
+    ``__queue_history__``), or None: the table keeps none."""
+    name = table.info.get(_HISTORY_INFO_KEY)
+    return table.c[name] if isinstance(name, str) and name in table.c else None
+
+
 def progress_column(table: Table) -> Column[Any] | None:
     """The JSON column a queue table keeps its jobs' progress in (its model's
     ``__queue_progress__``), or None: the table keeps none."""
@@ -562,6 +595,13 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
         if progress in REQUIRED_COLUMNS or progress in TIMEOUT_COLUMNS:
             raise NotAQueueModel(f"{cls.__qualname__}.__queue_progress__ names {progress!r}, a column the queue uses")
         table.info[_PROGRESS_INFO_KEY] = progress
+    history = getattr(cls, "__queue_history__", None)
+    if history is not None:
+        if not isinstance(history, str) or history not in table.c or not isinstance(table.c[history].type, JSON):
+            raise NotAQueueModel(
+                f"{cls.__qualname__}.__queue_history__ must name a JSON column of table {table.name!r}, got {history!r}"
+            )
+        table.info[_HISTORY_INFO_KEY] = history
     flow = getattr(cls, "__queue_flow__", ())
     table.info[_FLOW_INFO_KEY] = check_rules(cls.__qualname__, flow, table.c.keys())
     _attach_schema_objects(table)

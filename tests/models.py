@@ -13,6 +13,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, reconstructor
 from sqla_queue import (
     UNIQUE_EVER,
     Concurrency,
+    HistoryMixin,
     IdempotencyKeyMixin,
     InOrder,
     JobMixin,
@@ -75,8 +76,8 @@ class Task(Base, TaskMixin):
     __tablename__ = "tasks"
 
 
-class ResultTask(Base, TaskMixin, ResultMixin):
-    """A task table that keeps its jobs' results (JSONB)."""
+class ResultTask(Base, TaskMixin, ResultMixin, HistoryMixin):
+    """A task table that keeps its jobs' results, progress and attempts' history (JSONB)."""
 
     __tablename__ = "result_tasks"
 

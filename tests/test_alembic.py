@@ -861,3 +861,32 @@ def test_a_changed_unique_declaration_is_migrated_by_autogenerate(project: Proje
     project.alembic("check")  # and a second autogenerate finds nothing
     project.alembic("downgrade", "-1")
     assert schema(project.url) == before
+
+
+@pytest.mark.system
+def test_autogenerate_adds_the_columns_of_results_progress_and_history(
+    project: Project, new_database: NewDatabase
+) -> None:
+    """ResultMixin and HistoryMixin mixed into a deployed queue: three nullable JSONB
+    columns, no index, the same as create_all; downgrade drops them."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    project.models(
+        models()
+        .replace("class Task(Base, TaskMixin):", "class Task(Base, TaskMixin, ResultMixin, HistoryMixin):")
+        .replace("from sqla_queue import JobMixin, TaskMixin", "from sqla_queue import HistoryMixin, JobMixin, "
+                 "ResultMixin, TaskMixin")
+    )
+    migration = project.autogenerate("results")
+    upgrade = project.upgrade_body(migration)
+    for column in ("result", "progress", "history"):
+        assert f"op.add_column('tasks', sa.Column('{column}', sa.JSON(none_as_null=True).with_variant(" in upgrade
+    assert upgrade.count("op.add_column(") == 3 and "create_index" not in upgrade and "nullable=True" in upgrade
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    assert schema(project.url) == schema(reference)
+    project.alembic("check")
+    project.alembic("downgrade", "-1")
+    assert not {"result", "progress", "history"} & set(schema(project.url)["tasks"]["columns"])

@@ -605,3 +605,24 @@ def test_a_job_page_shows_the_result_and_the_progress_first_escaped(engine: Engi
     assert '"n": 1' in html.unescape(shown)
     assert "<dt>result</dt>" not in page and "<dt>progress</dt>" not in page  # not twice
     assert 'id="result-value"' in other and "none yet" in other
+
+
+def test_a_job_page_lists_its_attempts_newest_first_escaped(engine: Engine) -> None:
+    results = table_of(ResultTask)
+    app = create_app(engine, [ResultTask], lease=60.0)
+    app.testing = True
+    entries = [
+        {"attempt": 1, "outcome": "retried", "worker": "w/1", "started_at": "t1", "seconds": 0.5, "error": XSS},
+        {"attempt": 2, "outcome": "done", "worker": "w/2", "started_at": "t2", "seconds": 1, "error": None},
+    ]
+    key = add(engine, results, task="t", status="done", history=entries)
+    fresh = add(engine, results, task="t")
+    with app.test_client() as client:
+        page = client.get(f"/result_tasks/job/{key}").get_data(as_text=True)
+        other = client.get(f"/result_tasks/job/{fresh}").get_data(as_text=True)
+    table = page[page.index('<table id="attempts">'):page.index("</table>")]
+    rows = re.findall(r"<tr><td>(\d+)</td><td><span class=\"status\">([a-z ]+)</span>", table)
+    assert rows == [("2", "done"), ("1", "retried")]
+    assert XSS not in page and "&lt;script&gt;" in table and "0.500" in table and "1.000" in table
+    assert "<dt>history</dt>" not in page
+    assert "<h2>Attempts</h2>" in other and "none ended yet" in other

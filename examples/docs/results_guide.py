@@ -10,12 +10,12 @@ from _db import database_url
 
 # isort: split
 # --8<-- [start:declare]
-from sqla_queue import ResultMixin, TaskMixin, Tasks
+from sqla_queue import HistoryMixin, ResultMixin, TaskMixin, Tasks
 
 from shop_models import Base  # the guides' declarative base
 
 
-class ReportTask(Base, TaskMixin, ResultMixin):  # ResultMixin: a JSONB "result" column
+class ReportTask(Base, TaskMixin, ResultMixin, HistoryMixin):  # result, progress, history
     __tablename__ = "report_tasks"
 
 
@@ -144,6 +144,14 @@ def main(url: str) -> None:
         with Sessions() as session:
             imported = session.get(ReportTask, job_id)
             assert imported.attempts == 2 and imported.progress == {"pages": 5}, (imported.attempts, imported.progress)
+            # --8<-- [start:history]
+            for attempt in imported.history:  # the last 20 attempts, oldest first
+                print(attempt["attempt"], attempt["outcome"], attempt["worker"], attempt["seconds"],
+                      (attempt["error"] or "").splitlines()[:1])
+            # 1 retried host:1234:9f2c/0.0 0.103 ['RetryLater: the upstream timed out']
+            # 2 done host:1234:9f2c/0.1 0.002 []
+            # --8<-- [end:history]
+            assert [a["outcome"] for a in imported.history] == ["retried", "done"], imported.history
 
         with Sessions() as session:
             invoice = session.enqueue(InvoiceJob(order_id=3))

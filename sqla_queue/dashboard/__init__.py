@@ -57,7 +57,16 @@ from .. import admin
 from .. import sql as q
 from ..errors import QueuesTableNotDeclared
 from ..flow import declared_queues_table
-from ..model import JobStatus, QueueTable, check_queue, flow_rules, progress_column, queue_table, result_column
+from ..model import (
+    JobStatus,
+    QueueTable,
+    check_queue,
+    flow_rules,
+    history_column,
+    progress_column,
+    queue_table,
+    result_column,
+)
 from ..rules import Concurrency, RateLimit
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
@@ -277,6 +286,11 @@ def dashboard_blueprint(
             for heading, column in (("Result", result_column(table_)), ("Progress", progress_column(table_)))
             if column is not None
         ]
+        kept = history_column(table_)
+        history = None
+        if kept is not None:
+            history = [_attempt(e) for e in reversed(values.get(kept.name) or []) if isinstance(e, dict)]
+            cells = [c for c in cells if c[0] != kept.name]
         return render_template(
             "sqla_queue_dashboard/job.html",
             table=entry,
@@ -284,6 +298,7 @@ def dashboard_blueprint(
             job_id=job_id,
             cells=[c for c in cells if c[0] not in {name for _, name in reported}],
             reported=[(heading, c) for heading, name in reported for c in cells if c[0] == name],
+            history=history,
             limit=settings.truncate,
             error_length=lengths.get("last_error", 0),
             error_limit=_ERROR_VIEW,
@@ -411,6 +426,19 @@ def _as_text(column: Any) -> ColumnElement[str] | None:
     return None
 
 
+def _attempt(entry: dict[str, Any]) -> dict[str, str]:
+    """One entry of a job's history as the page shows it: every field a text."""
+    seconds = entry.get("seconds")
+    return {
+        "attempt": str(entry.get("attempt", "")),
+        "outcome": str(entry.get("outcome") or ""),
+        "worker": str(entry.get("worker") or ""),
+        "started_at": str(entry.get("started_at") or ""),
+        "seconds": f"{float(seconds):.3f}" if isinstance(seconds, int | float) else "",
+        "error": str(entry.get("error") or ""),
+    }
+
+
 def _job_view(settings: _Settings, entry: _Table, key: Any) -> tuple[dict[str, Any], dict[str, int]] | None:
     """A job's columns, each value that can be big cut in SQL to what the page shows
     (``truncate`` characters, ``last_error`` more), with the full lengths of those: the
@@ -418,9 +446,10 @@ def _job_view(settings: _Settings, entry: _Table, key: Any) -> tuple[dict[str, A
     table = entry.qt.table
     shown: list[Any] = []
     measured: list[str] = []
+    attempts = history_column(table)  # read whole: bounded by its entries and their size
     for column in table.c:
         text = _as_text(column)
-        if text is None:
+        if text is None or column is attempts:
             shown.append(column)
             continue
         bound = _ERROR_VIEW if column.name == "last_error" else settings.truncate

@@ -22,7 +22,9 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #   _claim.py        claim, claim_template (from the head, or after a cursor),
 #                    claim_candidates, fail_unclaimable
 #   _transitions.py  complete, retry, fail, release, snooze (templates and single calls),
-#                    complete-then-claim, cancel
+#                    complete-then-claim
+#   _cancel.py       cancel: pending and running jobs, or pending ones only
+#   _history.py      each attempt's history, appended by the statement that ends it
 #   _leases.py       the heartbeat's extension, owned tokens, lost claims, the sweep, next due
 #   _inspect.py      job filters, listings, counts, lease owners, listening workers, whether
 #                    an isolated job waits
@@ -87,6 +89,7 @@ from ._base import Duration as Duration
 from ._base import QueueModel as QueueModel
 from ._base import _queue_names as _queue_names
 from ._base import delay_from_insert, has_timeouts, seconds_interval, still_fresh
+from ._cancel import cancel_jobs, cancel_pending
 from ._claim import claim, claim_candidates, claim_template, fail_unclaimable
 from ._flow import pause_queue, paused_queues, queue_limits, resume_queue, set_queue_limits
 from ._inspect import DEPTH_STATUSES as DEPTH_STATUSES
@@ -121,8 +124,6 @@ from ._retention import Ages as Ages
 from ._retention import archive_finished, delete_jobs, prune_finished, prune_lock_key, requeue_failed
 from ._schedules import claim_schedule_tick, schedule_states, schedule_tick_template
 from ._transitions import (
-    cancel_jobs,
-    cancel_pending,
     complete_if_owner,
     complete_many_if_owner,
     complete_many_if_owner_then_claim,

@@ -63,6 +63,7 @@ from ._base import (
     still_fresh,
 )
 from ._flow import unpaused
+from ._history import history_values
 from ._limits import next_free_start
 from ._results import progress_extra, progress_values
 
@@ -141,6 +142,9 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
         + literal(" of ", String)
         + cast(c.max_attempts, String)
     )
+    ended: ColumnElement[Any] = literal("lost", String)
+    if has_timeouts(qt):
+        ended = case((timed_out, literal("timed out", String)), else_=ended)
     return (
         qt.table.update()
         .where(_keys_of(qt, expired))
@@ -151,6 +155,7 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
             lease_owner=null(),
             lease_expires_at=null(),
             isolated=isolated,
+            **history_values(qt, ended, reason),
         )
         .returning(qt.pk, c.status)
     )

@@ -10,10 +10,12 @@ from typing import Any
 
 from sqlalchemy import (
     CompoundSelect,
+    String,
     Text,
     case,
     false,
     func,
+    literal,
     null,
     or_,
     select,
@@ -27,7 +29,6 @@ from sqlalchemy.sql.elements import ColumnElement
 from ..model import ClaimToken, QueueTable, queue_table, result_column, status_literal
 from ._base import (
     ATTEMPT_PARAM,
-    CANCELLED,
     DELAYS_PARAM,
     DONE,
     DONE_FLAG_COLUMN,
@@ -38,17 +39,12 @@ from ._base import (
     PENDING,
     RESULT_PARAM,
     RESULTS_PARAM,
-    RUNNING,
     Duration,
     QueueModel,
     _clock,
     _id_arrays,
-    _kind_filter,
     _param,
-    _pk_in,
-    _queue_filter,
     _seconds,
-    _status,
     _token_fence,
     _token_table,
     _token_values,
@@ -58,6 +54,7 @@ from ._base import (
     seconds_interval,
 )
 from ._claim import claim_template
+from ._history import history_values
 from ._results import Finishing, _notify_finished, _progress_of, _stored_result, progress_extra, result_encoder
 
 
@@ -152,54 +149,6 @@ def release_if_owner(
         return release_many_if_owner(model, refund_attempt=refund_attempt)
 
 
-def cancel_jobs(
-    model: QueueModel, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
-) -> Finishing:
-    """Cancel pending **and running** jobs: ``cancelled``, finished now, no lease expiry
-    (``lease_owner`` is kept: the worker that held it).
-
-    A fenced transition: a running attempt of a cancelled job can no longer complete,
-    retry or fail (every later statement of its worker is fenced by ``status =
-    'running'``), so its handler's transactional writes roll back, whatever it does. The
-    cancel and a completion racing it lock the same row: the first to commit wins, the
-    other matches nothing. ``ids`` and/or ``queues`` choose the jobs (an empty ``ids``
-    cancels none; neither: every unfinished job). Returns ``(pk, status before)`` of
-    each job cancelled; the running ones' workers learn it from
-    :func:`sqla_queue.cancel`'s NOTIFY, or their next poll of their jobs.
-    """
-    qt = queue_table(model)
-    c = qt.c
-    conditions: list[ColumnElement[bool]] = [
-        c.status.in_([status_literal(PENDING), status_literal(RUNNING)]), *_queue_filter(qt, queues), *_kind_filter(qt)
-    ]
-    if ids is not None:
-        conditions.append(_pk_in(qt, ids))
-    before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
-    name = qt.pk.name
-    update = (
-        qt.table.update()
-        .where(qt.pk == before.c[name], c.status.in_([status_literal(PENDING), status_literal(RUNNING)]))
-        .values(status=status_literal(CANCELLED), finished_at=_clock(), lease_expires_at=null())
-        .returning(qt.pk, before.c.status)
-    )
-    return _notify_finished(qt, update)
-
-
-def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> Finishing:
-    """Cancel jobs that have not been claimed yet; running jobs are left to finish.
-
-    An empty ``ids`` cancels nothing.
-    """
-    qt = queue_table(model)
-    update = (
-        qt.table.update()
-        .where(_status(qt, PENDING), _pk_in(qt, ids))
-        .values(status=status_literal(CANCELLED), finished_at=_clock())
-        .returning(qt.pk)
-    )
-    return _notify_finished(qt, update)
-
-
 def _before_deadline(qt: QueueTable) -> list[ColumnElement[bool]]:
     """An attempt past its deadline can no longer complete (it has timed out): the
     completion's extra guard, on a table with timeouts."""
@@ -236,6 +185,7 @@ def _complete_many(
     if column is not None:
         values[column.key] = _stored_result(column, tokens.c[RESULTS_PARAM])
     values.update(_progress_of(qt, tokens))
+    values.update(history_values(qt, "done"))
     update = (
         qt.table.update()
         .where(_token_fence(qt, tokens, ids=ids), *_before_deadline(qt))
@@ -302,6 +252,7 @@ def retry_many_if_owner(model: QueueModel) -> Finishing:
             lease_expires_at=null(),
             isolated=false(),
             **_progress_of(qt, tokens),
+            **history_values(qt, _retried(tokens.c[ERRORS_PARAM], exhausted), tokens.c[ERRORS_PARAM]),
         )
         .returning(qt.pk, tokens.c.attempt, c.status)
     )
@@ -322,6 +273,7 @@ def fail_many_if_owner(model: QueueModel) -> Finishing:
             last_error=tokens.c[ERRORS_PARAM],
             lease_expires_at=null(),
             **_progress_of(qt, tokens),
+            **history_values(qt, "failed", tokens.c[ERRORS_PARAM]),
         )
         .returning(qt.pk, tokens.c.attempt)
     )
@@ -362,6 +314,7 @@ def snooze_many_if_owner(model: QueueModel) -> ReturningUpdate[Any]:
             lease_expires_at=null(),
             isolated=false(),
             **_progress_of(qt, tokens),
+            **history_values(qt, "snoozed"),
         )
         .returning(qt.pk, tokens.c.attempt)
     )
@@ -383,6 +336,7 @@ def release_many_if_owner(
         "lease_owner": null(),
         "lease_expires_at": null(),
         **_progress_of(qt, tokens),
+        **history_values(qt, "released", func.nullif(tokens.c[ERRORS_PARAM], "") if with_errors else None),
     }
     if refund_attempt:
         values["max_attempts"] = c.max_attempts + 1
@@ -395,3 +349,13 @@ def release_many_if_owner(
         .returning(qt.pk, tokens.c.attempt)
     )
 
+
+
+def _retried(error: ColumnElement[Any], exhausted: ColumnElement[bool]) -> ColumnElement[Any]:
+    """How a failed attempt ended, for its history: ``timed out`` (the worker's timeout
+    text), else ``failed`` once the attempts are used up, else ``retried``."""
+    return case(
+        (error.startswith("timed out after "), literal("timed out", String())),
+        (exhausted, literal("failed", String())),
+        else_=literal("retried", String()),
+    )
