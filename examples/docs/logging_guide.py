@@ -13,6 +13,8 @@ import logging
 
 from sqla_queue import JobLogFilter, Tasks
 
+from shop_models import Task  # the guides' task table
+
 stream = logging.StreamHandler()
 stream.addFilter(JobLogFilter())  # job_id, job_attempt, job_task, job_queue, job_table; "-" outside a job
 stream.setFormatter(logging.Formatter("%(levelname)s [%(job_task)s %(job_id)s/%(job_attempt)s] %(message)s"))
@@ -23,7 +25,7 @@ tasks = Tasks()
 
 
 @tasks.task
-def send_receipt(job) -> None:  # noqa: ANN001 - a guide's brevity
+def send_receipt(job: Task) -> None:
     log.warning("sending a receipt to %s", job.payload["to"])  # WARNING [send_receipt 1/1] sending ...
 # --8<-- [end:logging]
 
@@ -34,7 +36,7 @@ def main(url: str) -> None:
 
     from sqla_queue import QueueSession, Worker
 
-    from shop_models import Base, Task
+    from shop_models import Base
 
     captured = io.StringIO()
     stream.setStream(captured)
