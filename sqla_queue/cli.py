@@ -1,4 +1,4 @@
-"""The sqla-queue command line: run workers, sweep, inspect, requeue, cancel, pause, limit, prune, list schedules.
+"""The sqla-queue command line: run workers, enqueue, sweep, inspect, requeue, cancel, pause, limit, prune.
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
@@ -29,7 +29,7 @@ from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 from . import admin
 from .enqueue._rules import check_queue
 from .errors import SqlaQueueError
-from .model import JobStatus
+from .model import JobStatus, queue_table
 from .urls import psycopg_url
 
 T = TypeVar("T")
@@ -145,7 +145,6 @@ def _resolve_target(spec: str, url: URL | None) -> tuple[Any, Any, Any]:
     from sqlalchemy import create_engine
 
     from .errors import NotAQueueModel
-    from .model import queue_table
     from .worker import Worker
     from .worker.aio import AsyncWorker
 
@@ -278,6 +277,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
 
 
 def port_number(text: str) -> int:
@@ -566,6 +572,47 @@ def cmd_limit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_enqueue(args: argparse.Namespace) -> int:
+    try:
+        values = json.loads(args.json)
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"argument --json: not JSON ({exc})") from None
+    if not isinstance(values, dict):
+        raise CommandError(f"argument --json: a JSON object is needed, got {type(values).__name__}")
+    options = {
+        name: getattr(args, name)
+        for name in ("queue", "priority", "max_attempts", "delay", "timeout")
+        if getattr(args, name) is not None
+    }
+
+    def enqueue(engine: Engine, model: Any) -> Any:
+        from .enqueue import enqueue_values
+
+        qt = queue_table(model)
+        if qt.is_task_table:
+            if args.task is None:
+                raise CommandError(f"{qt.table.name!r} is a task table: name the TASK, and give its payload in --json")
+            row: dict[str, Any] = {"task": args.task, "payload": values}
+        elif args.task is not None:
+            raise CommandError(f"{qt.table.name!r} has no task column: give the job's columns in --json, and no TASK")
+        else:
+            row = values
+        with engine.begin() as conn:
+            try:
+                return enqueue_values(conn, model, row, unique_key=args.unique_key, **options)
+            except (TypeError, ValueError) as exc:
+                raise CommandError(str(exc)) from None
+
+    found = _on_admin_target(args, enqueue)
+    if args.unique_key is None:
+        print(f"enqueued job {found}")
+    elif found.inserted:
+        print(f"enqueued job {found.job_id}")
+    else:
+        print(f"skipped: job {found.job_id} holds the key {args.unique_key!r}")
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     def jobs(engine: Engine, model: Any, filters: admin.JobFilters) -> str:
         before = None
@@ -811,6 +858,18 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--rate", type=positive_int,
                        help="most starts per the period of the model's RateLimit(key='queue'); default: the model's")
     limit.set_defaults(func=cmd_limit)
+
+    enqueue = admin("enqueue", "enqueue one job: a task and its payload, or a typed job's columns, as JSON")
+    enqueue.add_argument("task", nargs="?", help="the task's name (a task table); none for a typed table")
+    enqueue.add_argument("--json", default="{}", metavar="OBJECT",
+                         help="the payload (a task table) or the job's columns, as a JSON object (default {})")
+    enqueue.add_argument("--queue", type=queue_name, help="the job's queue (default: the model's)")
+    enqueue.add_argument("--priority", type=integer, help="higher runs first (default 0)")
+    enqueue.add_argument("--max-attempts", type=positive_int, help="attempts before it is dead-lettered")
+    enqueue.add_argument("--delay", type=seconds, help="not claimed before this long from now (e.g. 30s, 5m)")
+    enqueue.add_argument("--timeout", type=positive_seconds, help="how long one attempt may run")
+    enqueue.add_argument("--unique-key", type=_nonempty, help="skip it if a job holds this key")
+    enqueue.set_defaults(func=cmd_enqueue)
 
     jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
     filters(jobs, statuses=[s.value for s in JobStatus], ids=False)
