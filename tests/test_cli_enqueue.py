@@ -38,7 +38,7 @@ def test_a_task_with_its_payload_and_every_option(engine: Engine, url: str, caps
         "send_receipt", {"to": "ada", "n": [1, 2]}, "emails", -5, 3, 30.0)
     with engine.connect() as conn:
         delay = conn.scalar(select(func.extract("epoch", TASKS.c.run_after - func.now())))
-    assert 3500 < float(delay) <= 3600
+    assert delay is not None and 3500 < float(delay) <= 3600
 
 
 def test_a_typed_job_s_columns_and_a_unique_key(engine: Engine, url: str, capsys: Any) -> None:
