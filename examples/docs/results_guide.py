@@ -47,11 +47,12 @@ def fetch_page(number: int) -> None:
 
 @tasks.task
 def import_pages(job: ReportTask) -> int:
-    start = (job.progress or {}).get("pages", 0)  # a retry resumes where the last one was
-    for number in range(start, job.payload["pages"]):
+    start = int((job.progress or {}).get("pages", 0))  # a retry resumes where the last one was
+    pages = int(job.payload["pages"])
+    for number in range(start, pages):
         fetch_page(number)
         current_job().progress({"pages": number + 1})  # written with the heartbeat and the outcome
-    return job.payload["pages"]
+    return pages
 # --8<-- [end:progress]
 
 
@@ -125,7 +126,8 @@ def main(url: str) -> None:
         async def report() -> dict[str, int]:
             async_engine = create_async_engine(url)  # postgresql+psycopg://...
             try:
-                return await wait_for_result(async_engine, ReportTask, job_id, timeout=30)
+                value: dict[str, int] = await wait_for_result(async_engine, ReportTask, job_id, timeout=30)
+                return value
             finally:
                 await async_engine.dispose()
         # --8<-- [end:async]
@@ -142,7 +144,8 @@ def main(url: str) -> None:
             job_id = job.id
         assert wait_for_result(engine, ReportTask, job_id, timeout=30) == 5
         with Sessions() as session:
-            imported = session.get(ReportTask, job_id)
+            imported = session.get_one(ReportTask, job_id)
+            assert imported.history is not None
             assert imported.attempts == 2 and imported.progress == {"pages": 5}, (imported.attempts, imported.progress)
             # --8<-- [start:history]
             for attempt in imported.history:  # the last 20 attempts, oldest first
@@ -160,7 +163,7 @@ def main(url: str) -> None:
         Worker(engine, InvoiceJob, price).run(until_idle=True)
         with Sessions() as session:
             assert result(session, InvoiceJob, invoice_id) == 5997
-            assert session.get(InvoiceJob, invoice_id).total_cents == 5997
+            assert session.get_one(InvoiceJob, invoice_id).total_cents == 5997
     finally:
         worker.stop()
         engine.dispose()

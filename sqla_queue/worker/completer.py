@@ -390,9 +390,9 @@ class Completer:
             elif status == "retried" or status == "snoozed":  # back to pending after a delay
                 if r.wake_at is not None:
                     self.signal.wake_at(r.wake_at)
-                append(event(r.held, _OUTCOMES[status], _first(o.error), o.delay))
+                append(event(r.held, _OUTCOMES[status], _first(o.error), o.delay, o.error))
             else:
-                append(event(r.held, _OUTCOMES[status], _first(o.error)))
+                append(event(r.held, _OUTCOMES[status], _first(o.error), None, o.error))
         hooks.count(counts)
         hooks.finished(events)
         if not forgotten:

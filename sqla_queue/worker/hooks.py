@@ -83,7 +83,7 @@ class JobEvent:
     observers' calls.
     """
 
-    __slots__ = ("_facts", "delay", "error", "outcome", "run_time", "started_at", "table")
+    __slots__ = ("_facts", "delay", "detail", "error", "outcome", "run_time", "started_at", "table")
 
     def __init__(
         self,
@@ -102,10 +102,14 @@ class JobEvent:
         delay: float | None = None,
         trace_context: Any = None,
         worker: str = "",
+        detail: str = "",
     ) -> None:
         self.table = table
         self.outcome = outcome
         self.error = error
+        #: The whole error recorded (the exception and the end of its traceback), where
+        #: ``error`` is its first line; "" for an end without one.
+        self.detail = detail
         self.delay = delay
         self.started_at = started_at
         self.run_time = run_time
@@ -113,10 +117,10 @@ class JobEvent:
 
     @classmethod
     def _of(cls, table: str, held: Held, phase: int, outcome: JobOutcome | None = None, error: str = "",
-            delay: float | None = None) -> JobEvent:
+            delay: float | None = None, detail: str = "") -> JobEvent:
         """The event of a held job, at its claim, start or end."""
         event = object.__new__(cls)
-        event.table, event.outcome, event.error, event.delay = table, outcome, error, delay
+        event.table, event.outcome, event.error, event.delay, event.detail = table, outcome, error, delay, detail
         event.started_at = None if phase == _CLAIMED else held.started_at
         event.run_time = held.run_time if phase == _ENDED else None
         facts = held.facts
@@ -292,9 +296,9 @@ class Hooks:
             self._put("finished", events)
 
     def event(self, held: Held, outcome: JobOutcome | None = None, error: str = "",
-              delay: float | None = None) -> JobEvent:
+              delay: float | None = None, detail: str = "") -> JobEvent:
         """The event of ``held``'s end (with ``outcome``), else of its claim."""
-        return JobEvent._of(self.table, held, _CLAIMED if outcome is None else _ENDED, outcome, error, delay)
+        return JobEvent._of(self.table, held, _CLAIMED if outcome is None else _ENDED, outcome, error, delay, detail)
 
     def _put(self, kind: str, events: Sequence[JobEvent]) -> None:
         n = len(events)

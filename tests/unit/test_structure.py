@@ -282,7 +282,7 @@ def test_every_job_outcome_has_its_counter() -> None:
 
 #: The plugins over the worker: observers a caller passes (or the package builds for a
 #: worker option), never imported by the worker.
-PLUGINS = ("sqla_queue.prometheus", "sqla_queue.otel")
+PLUGINS = ("sqla_queue.prometheus", "sqla_queue.otel", "sqla_queue.sentry")
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
