@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import Engine, func, insert, select
 
 from .helpers import Server, table_of, wait_for
-from .models import EmailJob, Order, Task
+from .models import EmailJob, Order, ResultTask, Task
 
 pytestmark = pytest.mark.system
 
@@ -83,7 +83,7 @@ def dashboard(server: Server, engine: Engine) -> Iterator[str]:
     url = server.url.render_as_string(hide_password=False)
     process = subprocess.Popen(
         [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
-         "--url", url, "--port", "0"],
+         "tests.models:ResultTask", "--url", url, "--port", "0"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -205,3 +205,36 @@ def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pyt
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match=r"apt-get install -y chromium chromium-driver"):
         _need("Debian's chromium")
+
+
+def test_a_job_s_result_progress_and_attempts_in_a_real_browser(
+    engine: Engine, dashboard: str, browser: Any, shots: Path
+) -> None:
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    xss = "<img src=x onerror=alert('x')>"
+    history = [
+        {"attempt": 1, "outcome": "retried", "worker": "web-1:4242:1a2b3c4d/0.0", "started_at": "2026-12-07T10:00:00",
+         "seconds": 0.25, "error": f"builtins.ValueError: {xss}\n...\n  File \"app.py\", line 3"},
+        {"attempt": 2, "outcome": "done", "worker": "web-1:4242:1a2b3c4d/0.1", "started_at": "2026-12-07T10:00:01",
+         "seconds": 1.5, "error": None},
+    ]
+    results = table_of(ResultTask)
+    with engine.begin() as conn:
+        key = conn.execute(insert(results).values(
+            task="report", payload={}, status="done", attempts=2, finished_at=func.now(),
+            result={"total": 42, "note": xss}, progress={"pages": 5}, history=history,
+        ).returning(results.c.id)).scalar_one()
+    browser.get(f"{dashboard.rstrip('/')}/result_tasks/job/{key}")
+    wait_for(lambda: browser.execute_script("return document.readyState") == "complete", what="the job's page")
+    with pytest.raises(NoAlertPresentException):  # no value's markup ran
+        browser.switch_to.alert  # noqa: B018 - the property raises when there is none
+    browser.save_screenshot(str(shots / "job-result.png"))
+    assert xss in browser.find_element(By.ID, "result-value").text and '"total": 42' in browser.find_element(
+        By.ID, "result-value").text
+    assert '"pages": 5' in browser.find_element(By.ID, "progress-value").text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#attempts tbody tr")
+    assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == ["done", "retried"]
+    assert xss in rows[1].text and "web-1:4242:1a2b3c4d/0.0" in rows[1].text
+    assert not browser.find_elements(By.CSS_SELECTOR, "img[src='x']")
