@@ -64,6 +64,7 @@ from .model import (
 )
 from .pause import pause, resume, set_queue_limits
 from .periodic import Schedule, schedules_table
+from .registry import workers_table
 from .results import result, wait_for_result
 from .rules import Concurrency, InOrder, RateLimit
 from .sql import Backoff, ClaimToken
@@ -137,6 +138,7 @@ __all__ = [
     "set_queue_limits",
     "schedules_table",
     "wait_for_result",
+    "workers_table",
 ]
 
 __version__ = "0.1.0"

@@ -594,6 +594,33 @@ class LeaseOwner:
 _EXECUTOR = re.compile(r"^(?P<worker>.+)/\d+(?:\.\d+)?$")  # {worker}/{executor}.{n}
 
 
+def registered_workers(engine: Engine, model: Any) -> list[Row[Any]]:
+    """Every worker's row of the model's workers table (:func:`~sqla_queue.workers_table`),
+    the earliest started first, with ``seen_ago`` (seconds since its last heartbeat).
+    ``TypeError`` for a table without one."""
+    with engine.connect() as conn:
+        return list(conn.execute(q.worker_rows(model)))
+
+
+def format_workers(rows: Sequence[Row[Any]], lease: float) -> str:
+    """The workers table as ``sqla-queue workers`` prints it: one line per worker, ``gone``
+    for a worker not seen for a lease (it died without stopping, or cannot reach the
+    database)."""
+    if not rows:
+        return "(no worker recorded)"
+    header = ("worker", "state", "runtime", "concurrency", "running", "queues", "started", "last seen", "version")
+    lines = [header]
+    for r in rows:
+        seen = float(r.seen_ago or 0.0)
+        queues = ",".join(r.queues) if isinstance(r.queues, list) else "*"
+        lines.append((
+            r.name, "gone" if seen > lease else "live", r.runtime, str(r.concurrency), str(r.running), queues,
+            r.started_at.strftime("%Y-%m-%d %H:%M:%S"), f"{seen:.1f}s ago", r.version,
+        ))
+    widths = [max(len(line[n]) for line in lines) for n in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
 def lease_owners(engine: Engine, model: Any, *, lease: float | None = None) -> list[LeaseOwner]:
     """The workers of ``model``'s running jobs (:func:`sqla_queue.sql.lease_owners`, the
     executors of one worker taken together).

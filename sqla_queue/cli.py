@@ -613,6 +613,18 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    def workers(engine: Engine, model: Any) -> str:
+        try:
+            rows = admin.registered_workers(engine, model)
+        except TypeError as exc:
+            raise CommandError(str(exc)) from None
+        return admin.format_workers(rows, args.lease)
+
+    print(_on_admin_target(args, workers))
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     def jobs(engine: Engine, model: Any, filters: admin.JobFilters) -> str:
         before = None
@@ -870,6 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument("--timeout", type=positive_seconds, help="how long one attempt may run")
     enqueue.add_argument("--unique-key", type=_nonempty, help="skip it if a job holds this key")
     enqueue.set_defaults(func=cmd_enqueue)
+
+    workers = admin("workers", "the workers recorded in the table's workers table, idle ones too")
+    workers.add_argument("--lease", type=positive_seconds, default=60.0,
+                         help="a worker not seen for this long is shown as gone (default 60s, the workers' lease)")
+    workers.set_defaults(func=cmd_workers)
 
     jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
     filters(jobs, statuses=[s.value for s in JobStatus], ids=False)

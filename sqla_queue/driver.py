@@ -37,6 +37,7 @@ from .dbapi import CompileOnceError, SchemaMapKey, Statement, compile_statement,
 from .errors import SqlaQueueError
 from .flow import declared_queues_table
 from .model import REQUIRED_COLUMNS, constraint_name, notify_channel, table_problem, translated_schema, unique_jobs
+from .registry import declared_workers_table
 from .runtime import AsyncRuntime, Runtime, ThreadRuntime
 from .sql._notify import notify_sql
 from .unique_index import INDEX_SQL, unique_index_problem
@@ -673,6 +674,11 @@ class Driver:
                     "AND NOT attisdropped",
                     (pgsql.Identifier(*([schema, controls.name] if schema else [controls.name])).as_string(None),),
                 )} if controls is not None else set()
+                registry = declared_workers_table(table)
+                registry_found = bool(conn.query(
+                    "SELECT to_regclass(%s) IS NOT NULL",
+                    (pgsql.Identifier(*([schema, registry.name] if schema else [registry.name])).as_string(None),),
+                )[0][0]) if registry is not None else True
             name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
@@ -690,6 +696,11 @@ class Driver:
                 f"the queues table {constraint_name(table.name, 'queues')!r} of {name!r} lacks the column(s) "
                 f"{', '.join(sorted(lacking))}, which this version of sqla_queue reads: migrate it (Alembic "
                 f"autogenerate adds them)"
+            )
+        if problem is None and not registry_found:
+            problem = (
+                f"table {name!r} has a workers table declared (sqla_queue.workers_table), but "
+                f"{constraint_name(table.name, 'workers')!r} does not exist in that database: create it, or migrate"
             )
         if problem is not None:
             raise WorkerStartError(problem)

@@ -15,6 +15,7 @@ tuple per row, the values of a statement built as one dict per call.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .jsontext import dialect_json_serializer, progress_encoder
 from .loader import RowLoader
 from .model import TIMEOUT_COLUMNS, flow_rules, progress_column, queue_table, result_column, translated_schema
 from .periodic import Schedule, schedules_table
+from .registry import declared_workers_table
 from .rules import takes_turns
 from .sql import ClaimToken, is_solitary
 
@@ -143,6 +145,20 @@ class SweepResult(NamedTuple):
     jobs: Sequence[SweptJob] = ()
 
 
+class WorkerRecord(NamedTuple):
+    """A worker as the workers table records it (see :func:`~sqla_queue.workers_table`)."""
+
+    name: str
+    host: str
+    pid: int
+    queues: tuple[str, ...] | None
+    concurrency: int
+    runtime: str
+    version: str
+    running: int = 0
+    jobs: tuple[Any, ...] = ()
+
+
 class Operations(Protocol):
     """What the worker's services do to the queue table: :class:`QueueOps`, or a stand-in.
 
@@ -172,6 +188,19 @@ class Operations(Protocol):
     def stores_progress(self) -> bool:
         """Whether the table keeps progress: beats and outcomes take each job's
         (``progress=``, JSON texts, None for unchanged)."""
+
+    @property
+    def records_workers(self) -> bool:
+        """Whether the table has a workers table its workers record themselves in."""
+
+    def record_worker(self, conn: DbConnection, record: WorkerRecord) -> None:
+        """Insert or update the worker's row, seen now."""
+
+    def forget_worker(self, conn: DbConnection, name: str) -> None:
+        """Delete the worker's row."""
+
+    def prune_workers(self, conn: DbConnection, older_than: float) -> int:
+        """Delete the rows not seen for ``older_than`` seconds; how many."""
 
     @property
     def after_per_queue(self) -> bool:
@@ -310,6 +339,11 @@ TOKENS_PER_STATEMENT: Final = 500
 Progress: TypeAlias = "Sequence[str | None] | None"
 
 
+def _jsonable(key: Any) -> Any:
+    """A job's key as JSON takes it: an integer as it is, anything else (a UUID) as text."""
+    return key if isinstance(key, int) else str(key)
+
+
 def _results(results: Sequence[str | None] | None, tokens: Sequence[ClaimToken]) -> list[str | None]:
     """One result per token: those given, or none at all."""
     if results is None:
@@ -410,6 +444,12 @@ class QueueOps:
         self.stores_results = result_column(table) is not None
         #: The table keeps progress: its beats and outcomes take each job's.
         self.stores_progress = progress_column(table) is not None
+        #: Its workers record themselves in its workers table (compiled if declared).
+        self.records_workers = declared_workers_table(table) is not None
+        self._workers = (
+            (compile_(q.record_worker(table)), compile_(q.forget_worker(table)), compile_(q.prune_workers(table)))
+            if self.records_workers else None
+        )
         self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:
@@ -764,6 +804,26 @@ class QueueOps:
         if progress_column(self.table) is None:
             raise TypeError(f"table {self.table.name!r} keeps no progress")
         return progress_encoder(dialect_json_serializer(self.driver.dialect), limit)
+
+    # -- the workers table ---------------------------------------------------------------
+
+    def record_worker(self, conn: DbConnection, record: WorkerRecord) -> None:
+        """Insert or update the worker's row in the workers table, seen now."""
+        assert self._workers is not None
+        values = {f"sqla_queue_worker_{k}": v for k, v in record._asdict().items()}
+        values["sqla_queue_worker_queues"] = None if record.queues is None else json.dumps(list(record.queues))
+        values["sqla_queue_worker_jobs"] = json.dumps([_jsonable(j) for j in record.jobs])
+        conn.execute(self._workers[0], values)
+
+    def forget_worker(self, conn: DbConnection, name: str) -> None:
+        """Delete the worker's row (it stops)."""
+        assert self._workers is not None
+        conn.execute(self._workers[1], {"sqla_queue_worker_name": name})
+
+    def prune_workers(self, conn: DbConnection, older_than: float) -> int:
+        """Delete the rows no heartbeat updated for ``older_than`` seconds."""
+        assert self._workers is not None
+        return len(conn.execute(self._workers[2], {"sqla_queue_older_than": older_than}))
 
     # -- leases ------------------------------------------------------------------------
 

@@ -116,6 +116,20 @@ class FakeOps:
     stores_results: bool = False
     #: The table keeps progress: beats and outcomes store each job's JSON text.
     stores_progress: bool = False
+    #: The table has a workers table: the records, by name.
+    records_workers: bool = False
+    workers: dict[str, Any] = field(default_factory=dict)
+
+    def record_worker(self, conn: Any, record: Any) -> None:
+        self.calls.append("record_worker")
+        self.workers[record.name] = record
+
+    def forget_worker(self, conn: Any, name: str) -> None:
+        self.calls.append("forget_worker")
+        self.workers.pop(name, None)
+
+    def prune_workers(self, conn: Any, older_than: float) -> int:
+        return 0
 
     @property
     def after_per_queue(self) -> bool:

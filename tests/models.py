@@ -23,6 +23,7 @@ from sqla_queue import (
     UniqueJobs,
     queues_table,
     schedules_table,
+    workers_table,
 )
 
 
@@ -91,6 +92,9 @@ class TotalJob(Base, JobMixin):
     amount: Mapped[int] = mapped_column(default=1)
     total: Mapped[int | None] = mapped_column()
 
+
+#: ResultTask's workers record themselves (the other tables' do not).
+RESULT_WORKERS = workers_table(ResultTask)
 
 #: The watermark tables of the periodic jobs of the tables that have schedules.
 TASK_SCHEDULES = schedules_table(Task)

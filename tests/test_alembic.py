@@ -890,3 +890,33 @@ def test_autogenerate_adds_the_columns_of_results_progress_and_history(
     project.alembic("check")
     project.alembic("downgrade", "-1")
     assert not {"result", "progress", "history"} & set(schema(project.url)["tasks"]["columns"])
+
+
+@pytest.mark.system
+def test_autogenerate_adds_the_workers_table_to_an_existing_queue(project: Project, new_database: NewDatabase) -> None:
+    """A workers table declared for a deployed queue: autogenerate creates it, the same as
+    create_all, and nothing else; downgrade drops it."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    project.models(models(more="""
+        from sqla_queue import workers_table
+
+        workers_table(Task)
+    """))
+    migration = project.autogenerate("workers")
+    upgrade = project.upgrade_body(migration)
+    assert "op.create_table('tasks_workers'" in upgrade
+    assert upgrade.count("op.create_table(") == 1 and "create_index" not in upgrade
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    migrated = schema(project.url)
+    assert migrated == schema(reference)
+    assert set(migrated["tasks_workers"]["columns"]) == {
+        "name", "host", "pid", "queues", "concurrency", "runtime", "version", "started_at", "last_seen", "running",
+        "jobs",
+    }
+    project.alembic("check")
+    project.alembic("downgrade", "-1")
+    assert "tasks_workers" not in schema(project.url)

@@ -119,7 +119,7 @@ def test_console_script_help_lists_the_commands() -> None:
     )
     commands = (
         "worker", "sweep", "stats", "requeue", "cancel", "pause", "resume", "prune", "jobs", "show", "delete",
-        "dashboard", "schedules", "alembic", "enqueue", "limit",
+        "dashboard", "schedules", "alembic", "enqueue", "limit", "workers",
     )
     for command in commands:
         assert command in result.stdout
@@ -280,7 +280,7 @@ def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
 
 def test_help_is_plain_text() -> None:
     parsers = _parsers(build_parser())
-    assert len(parsers) == 18  # the main parser, its sixteen commands, alembic init
+    assert len(parsers) == 19  # the main parser, its seventeen commands, alembic init
     for parser in parsers:
         text = parser.format_help()
         for markup in ("``", ":class:", ":func:", ":mod:", ":meth:"):

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import Engine, func, insert, select
 
 from .helpers import Server, table_of, wait_for
-from .models import EmailJob, Order, ResultTask, Task
+from .models import RESULT_WORKERS, EmailJob, Order, ResultTask, Task
 
 pytestmark = pytest.mark.system
 
@@ -238,3 +238,14 @@ def test_a_job_s_result_progress_and_attempts_in_a_real_browser(
     assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == ["done", "retried"]
     assert xss in rows[1].text and "web-1:4242:1a2b3c4d/0.0" in rows[1].text
     assert not browser.find_elements(By.CSS_SELECTOR, "img[src='x']")
+
+    with engine.begin() as conn:  # an idle worker, as the workers table records it
+        conn.execute(insert(RESULT_WORKERS).values(
+            name="web-2:77:9f9f9f9f", host=xss, pid=77, concurrency=4, runtime="asyncio", version="0.1.0"))
+    browser.get(f"{dashboard.rstrip('/')}/result_tasks/workers")
+    wait_for(lambda: browser.execute_script("return document.readyState") == "complete", what="the workers page")
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert  # noqa: B018 - the property raises when there is none
+    browser.save_screenshot(str(shots / "workers-recorded.png"))
+    recorded = browser.find_element(By.CSS_SELECTOR, '#recorded tr[data-worker="web-2:77:9f9f9f9f"]').text
+    assert "live" in recorded and "asyncio" in recorded and xss in recorded

@@ -67,6 +67,7 @@ from ..model import (
     queue_table,
     result_column,
 )
+from ..registry import declared_workers_table
 from ..rules import Concurrency, RateLimit
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
@@ -330,8 +331,11 @@ def dashboard_blueprint(
         entry = settings.table(table)
         engine = settings.engine
         owners = admin.lease_owners(engine, entry.model, lease=settings.lease)
+        declared = declared_workers_table(entry.qt.table) is not None
+        recorded = admin.registered_workers(engine, entry.model) if declared else None
         return render_template(
             "sqla_queue_dashboard/workers.html", table=entry, owners=owners, lease=settings.lease,
+            recorded=recorded, gone_after=settings.lease or _DEFAULT_LEASE,
             listening=admin.listening_workers(engine, entry.model), running=_running_jobs(engine, entry),
         )
 
@@ -424,6 +428,10 @@ def _as_text(column: Any) -> ColumnElement[str] | None:
     if isinstance(kind, String) and kind.length is None:
         return column  # type: ignore[no-any-return]
     return None
+
+
+#: The lease a worker not seen for is shown as gone, when the dashboard was given none.
+_DEFAULT_LEASE = 60.0
 
 
 def _attempt(entry: dict[str, Any]) -> dict[str, str]:

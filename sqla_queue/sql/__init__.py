@@ -37,6 +37,7 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #                    its claims take turns on, and each rule's busiest keys
 #   _results.py      results: their encoding and storing by the completion, the NOTIFY of
 #                    finished ids on a table that keeps them, the read of one job's result
+#   _workers.py      the workers table: a worker's row recorded, forgotten, listed, pruned
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
@@ -138,6 +139,7 @@ from ._transitions import (
     snooze_many_if_owner,
 )
 from ._unique import insert_unique, keeps_unique_key, unique_holder
+from ._workers import forget_worker, prune_workers, record_worker, worker_rows
 
 __all__ = [
     "Backoff",
@@ -146,6 +148,10 @@ __all__ = [
     "cancel_jobs",
     "cancel_pending",
     "job_result",
+    "record_worker",
+    "forget_worker",
+    "prune_workers",
+    "worker_rows",
     "result_encoder",
     "claim",
     "claim_schedule_tick",

@@ -482,6 +482,10 @@ class Worker:
         deadline = time.monotonic() + _JOIN_SECONDS
         for service in [*others, self.executors]:
             service.join(max(deadline - time.monotonic(), 0.0))
+        if self._ops.records_workers:  # its row goes with it (a dead worker's is pruned later)
+            failed = self._on_own_connection(lambda conn: self._ops.forget_worker(conn, self.owner), "forget", 2.0)
+            if failed is not None:
+                log.warning("worker %s: could not delete its row of the workers table (%s)", self.owner, failed)
         self._driver.runtime.close()
         self.hooks.stop()
         self._stopped.set()

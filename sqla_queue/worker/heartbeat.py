@@ -16,9 +16,15 @@ claiming and treats what it holds as lost. A lost job's end passes the completer
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+from importlib.metadata import PackageNotFoundError, version
 
+from ..driver import AsyncDriver
 from ..model import ClaimToken
+from ..ops import WorkerRecord
+from ..registry import LISTED_JOBS
 from .completer import Completer, Settled
 from .context import WorkerContext
 from .ledger import Held
@@ -50,6 +56,12 @@ class Heartbeat(Service):
         self._owners = f"{ctx.owner}/"
         self.link = Reconnecting(driver, "sqla_queue heartbeat")
         self._last_ok = time.monotonic()
+        #: What the workers table says of this worker, if the queue table has one.
+        self._record = WorkerRecord(
+            ctx.owner, socket.gethostname()[:255], os.getpid(), config.queues, config.concurrency,
+            "asyncio" if isinstance(driver, AsyncDriver) else "thread", _version(),
+        ) if ctx.ops.records_workers else None
+        self._record_failed_at = 0.0
 
     def tick(self) -> None:
         self._check_health()
@@ -67,6 +79,8 @@ class Heartbeat(Service):
             self.completer.settle([Settled(h, "lost", None, why="lease lost (re-claimed or swept)") for h in gone],
                                   forgotten=True)
         self._last_ok = time.monotonic()
+        if self._record is not None:
+            self._record_self()
         if not self.ledger.healthy:
             log.info("heartbeat: the database answers again; claiming resumes")
             self.ledger.set_healthy(True)
@@ -92,6 +106,23 @@ class Heartbeat(Service):
             owned = self.ops.owned_tokens(conn, self._owners, missing)
         return {t for t in missing if t not in owned}
 
+    def _record_self(self) -> None:
+        """This worker's row in the workers table, seen now, with what it holds. Never the
+        beat's failure: the leases are extended already, and a failed record only makes
+        the row older until the next beat."""
+        assert self._record is not None
+        held = self.ledger.held()
+        record = self._record._replace(running=len(held), jobs=tuple(h.token[0] for h in held[:LISTED_JOBS]))
+        try:
+            conn = self.link.connect()
+            with self.driver.deadline(conn, self.config.heartbeat_deadline):
+                self.ops.record_worker(conn, record)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            now = time.monotonic()
+            if now - self._record_failed_at > 60:
+                self._record_failed_at = now
+                log.warning("heartbeat: could not record this worker in the workers table (%s)", exc)
+
     def _check_health(self) -> None:
         if self.ledger.healthy and time.monotonic() - self._last_ok > self.config.lease:
             held = self.ledger.held()
@@ -107,3 +138,10 @@ class Heartbeat(Service):
     def on_error(self, exc: BaseException) -> None:
         super().on_error(exc)
         self._check_health()
+
+
+def _version() -> str:
+    try:
+        return version("sqla-queue")[:32]
+    except PackageNotFoundError:
+        return "unknown"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from ..control import SWEPT_PREFIX, swept_payloads
+from ..registry import FORGET_AFTER_LEASES
 from .context import WorkerContext
 from .hooks import JobEvent, JobOutcome
 from .producer import Producer
@@ -43,10 +44,13 @@ class Sweeper(Service):
         self.ops = ctx.ops
         self.channel = ctx.ops.channel
         self.link = Reconnecting(driver, "sqla_queue sweeper")
+        self.lease = config.lease
 
     def tick(self) -> float | None:
         conn = self.link.connect()
         with self.driver.deadline(conn, SWEEP_DEADLINE):
+            if self.ops.records_workers:  # the rows of workers that died without stopping
+                self.ops.prune_workers(conn, FORGET_AFTER_LEASES * self.lease)
             swept = self.ops.sweep(conn, limit=SWEEP_LIMIT)
             queues = swept.queues
             if queues:
