@@ -48,6 +48,7 @@ from .errors import (
     UnknownTask,
 )
 from .flow import queues_table
+from .group import AsyncWorkers, Workers
 from .model import (
     FINISHED_STATUSES,
     UNIQUE_ACTIVE,
@@ -75,6 +76,7 @@ from .worker.aio import AsyncWorker
 __all__ = [
     "AsyncQueueSession",
     "AsyncWorker",
+    "AsyncWorkers",
     "FINISHED_STATUSES",
     "Backoff",
     "BulkRowError",
@@ -123,6 +125,7 @@ __all__ = [
     "WorkerObserver",
     "WorkerStartError",
     "WorkerStats",
+    "Workers",
     "archive_table",
     "cancel",
     "current_job",

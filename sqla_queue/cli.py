@@ -401,29 +401,46 @@ def check_database(engine: Any, model: Any) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from .group import Workers
     from .worker.aio import AsyncWorker
 
     overrides = _overrides(args)
-    worker = _worker_from(load_target(args.target))
-    try:
-        worker = worker.with_options(**overrides)
-    except (TypeError, ValueError) as exc:
-        raise CommandError(str(exc)) from None
-    # Either worker checks the database and its table as it starts (WorkerStartError).
-    if isinstance(worker, AsyncWorker):
-        asyncio.run(_run_async(worker, until_idle=args.until_idle))
+    workers = []
+    for spec in args.target:  # each target's own worker; the flags apply to every one
+        try:
+            workers.append(_worker_from(load_target(spec)).with_options(**overrides))
+        except (TypeError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+    kinds = {isinstance(w, AsyncWorker) for w in workers}
+    if len(kinds) > 1:
+        raise CommandError("the targets mix Workers and AsyncWorkers: one process runs one kind")
+    tables = [w.model for w in workers]
+    if len({id(queue_table(m).table) for m in tables}) != len(tables):
+        raise CommandError("two targets serve the same table: give each table once")
+    # Every worker checks the database and its table as it starts (WorkerStartError).
+    if kinds == {True}:
+        asyncio.run(_run_async(workers, until_idle=args.until_idle))
         return 0
-    worker.run(until_idle=args.until_idle)
+    if len(workers) == 1:
+        workers[0].run(until_idle=args.until_idle)
+    else:
+        Workers(workers).run(until_idle=args.until_idle)
     return 0
 
 
-async def _run_async(worker: Any, *, until_idle: bool) -> None:
-    """Run an AsyncWorker (its start checks the database), then close its engine's
+async def _run_async(workers: list[Any], *, until_idle: bool) -> None:
+    """Run AsyncWorkers (each start checks the database), then close their engines'
     connections while the event loop that made them still runs."""
+    from .group import AsyncWorkers
+
     try:
-        await worker.run(until_idle=until_idle)
+        if len(workers) == 1:
+            await workers[0].run(until_idle=until_idle)
+        else:
+            await AsyncWorkers(workers).run(until_idle=until_idle)
     finally:
-        await worker.engine.dispose()
+        for engine in {id(w.engine): w.engine for w in workers}.values():
+            await engine.dispose()
 
 
 def _on_admin_target(args: argparse.Namespace, command: Callable[[Engine, Any], T]) -> T:
@@ -789,7 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
     seconds, positive_seconds = _seconds(positive=False), _seconds(positive=True)
 
     worker = _subcommand(subparsers, "worker", "run a worker until SIGTERM/SIGINT")
-    worker.add_argument("target", help="module:attr of a Worker or AsyncWorker, or of a function returning one")
+    worker.add_argument("target", nargs="+", help="module:attr of a Worker or AsyncWorker, or of a function "
+                        "returning one; several: one worker per table, in one process, with one shutdown")
     worker.add_argument("--concurrency", type=positive_int, help="handler threads (tasks, for an AsyncWorker)")
     worker.add_argument("--batch-size", type=positive_int, help="most jobs per claim")
     worker.add_argument("--lease", type=positive_seconds, help="lease length (e.g. 60s)")

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from sqla_queue import AsyncWorker, DeadLetter, RetryLater, Tasks, Worker
 from sqla_queue.runtime import sleep
 
-from .models import Effect, Task
+from .models import Effect, EmailJob, Task
 
 tasks = Tasks()
 
@@ -141,3 +141,22 @@ def worker_for(thread_tasks: Tasks, asyncio_tasks: Tasks) -> Worker | AsyncWorke
 
 def make_worker() -> Worker | AsyncWorker:
     return worker_for(tasks, async_tasks)
+
+
+def _email(job: Any, session: Session) -> None:
+    session.add(Effect(job_id=job.id, worker="email", note=job.recipient))
+
+
+async def _email_async(job: Any, session: AsyncSession) -> None:
+    session.add(Effect(job_id=job.id, worker="email", note=job.recipient))
+
+
+def make_email_worker() -> Worker | AsyncWorker:
+    """A worker for the ``email_jobs`` table, beside :func:`make_worker`'s in one process
+    (``sqla-queue worker tests.worker_app:make_worker tests.worker_app:make_email_worker``):
+    each job writes an effect row with its recipient."""
+    url = os.environ["SQLA_QUEUE_TEST_URL"]
+    connect_args = {"application_name": os.environ.get("SQLA_QUEUE_APP_NAME", "sqla_queue_worker")}
+    if os.environ.get("SQLA_QUEUE_TEST_RUNTIME") == "asyncio":
+        return AsyncWorker(create_async_engine(url, connect_args=connect_args), EmailJob, _email_async)
+    return Worker(create_engine(url, connect_args=connect_args), EmailJob, _email)

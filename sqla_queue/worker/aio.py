@@ -176,6 +176,11 @@ class AsyncWorker:
         once and cancels their tasks (from any thread; returns at once)."""
         self._runtime.abort()
 
+    def on_signal(self, signum: int) -> None:
+        """What SIGTERM/SIGINT do to a running worker: the first asks for a graceful stop,
+        a second for an :meth:`abort`. For code that installs its own handlers."""
+        self._runtime.on_signal(signum)
+
     @staticmethod
     def check_options(**options: Any) -> None:
         """Raise now (TypeError, ValueError) for options a worker would refuse later."""
