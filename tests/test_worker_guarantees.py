@@ -824,7 +824,9 @@ def test_jobs_finishing_during_beats_are_not_reported_lost(engine: Engine, start
     # Beats every 50 ms, so many meet a completion; the lease is long enough that a
     # stall of the machine (CI runs two suites on two cores) cannot take a job away.
     worker = start_worker(concurrency=4, lease=5, heartbeat_interval=0.05)
-    wait_for(lambda: statuses(engine) == {"done": 5000}, timeout=60, what="all 5,000 done")
+    # What is tested is that none is lost, not the speed: on two cores shared with a second
+    # suite the asyncio worker has drained them in 27 s and in more than 60.
+    wait_for(lambda: statuses(engine) == {"done": 5000}, timeout=180, what="all 5,000 done")
     wait_for_counts(worker, done=5000, lost=0, swept=0)  # the counts follow the rows, a moment later
     assert worker.stats.heartbeats > 0
     assert scalar(engine, "SELECT count(*) FROM effects") == 2500
@@ -959,7 +961,8 @@ def test_held_jobs_stay_bounded_while_completions_stall_and_all_drain_after(engi
             stalled_held = len(worker.held())
         assert done_at_end == done_at_start, "the stall did not stall completions"
         assert done_at_start is not None and done_at_start < total, "the worker finished before the stall"
-        wait_for(lambda: statuses(engine) == {"done": total}, timeout=60, what="everything to drain")
+        # The bound and the drain are tested, not the speed (see the beats test above).
+        wait_for(lambda: statuses(engine) == {"done": total}, timeout=180, what="everything to drain")
     finally:
         sampling.set()
         sampler.join(5)
