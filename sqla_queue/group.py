@@ -37,12 +37,30 @@ def _checked(workers: Sequence[Any], kind: type[Any]) -> tuple[Any, ...]:
     return found
 
 
-class Workers:
+class _Group:
+    """What both groups do to every worker at once: ask it to stop, pass it a signal."""
+
+    workers: tuple[Worker, ...] | tuple[AsyncWorker, ...]
+
+    def request_stop(self) -> None:
+        """Ask every worker to stop gracefully (from any thread; returns at once)."""
+        for worker in self.workers:
+            worker.request_stop()
+
+    def on_signal(self, signum: int) -> None:
+        """A signal for every worker: the first asks for a graceful stop, a second for an abort."""
+        for worker in self.workers:
+            worker.on_signal(signum)
+
+
+class Workers(_Group):
     """Thread workers run together: ``Workers([Worker(engine, Task, tasks), Worker(engine,
     Email, send)]).run()``."""
 
+    workers: tuple[Worker, ...]
+
     def __init__(self, workers: Sequence[Worker]) -> None:
-        self.workers: tuple[Worker, ...] = _checked(workers, Worker)
+        self.workers = _checked(workers, Worker)
 
     def start(self) -> None:
         """Start every worker; if one cannot start, stop those started and raise its error."""
@@ -60,16 +78,6 @@ class Workers:
         ``until_idle``, until every worker is idle."""
         for worker in self.workers:
             worker.wait(until_idle=until_idle)
-
-    def request_stop(self) -> None:
-        """Ask every worker to stop gracefully (from any thread; returns at once)."""
-        for worker in self.workers:
-            worker.request_stop()
-
-    def on_signal(self, signum: int) -> None:
-        """A signal for every worker: the first asks for a graceful stop, a second for an abort."""
-        for worker in self.workers:
-            worker.on_signal(signum)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop every worker, side by side: within one grace (and a few seconds)."""
@@ -104,21 +112,13 @@ class Workers:
         self.on_signal(signum)
 
 
-class AsyncWorkers:
+class AsyncWorkers(_Group):
     """Asyncio workers run together on the running loop: ``await AsyncWorkers([...]).run()``."""
 
+    workers: tuple[AsyncWorker, ...]
+
     def __init__(self, workers: Sequence[AsyncWorker]) -> None:
-        self.workers: tuple[AsyncWorker, ...] = _checked(workers, AsyncWorker)
-
-    def request_stop(self) -> None:
-        """Ask every worker to stop gracefully (from any thread; returns at once)."""
-        for worker in self.workers:
-            worker.request_stop()
-
-    def on_signal(self, signum: int) -> None:
-        """A signal for every worker: the first asks for a graceful stop, a second for an abort."""
-        for worker in self.workers:
-            worker.on_signal(signum)
+        self.workers = _checked(workers, AsyncWorker)
 
     async def run(self, *, install_signal_handlers: bool = True, until_idle: bool = False) -> None:
         """Run every worker until a signal or :meth:`request_stop` (or, with
