@@ -20,9 +20,11 @@ from .enqueue import (
     Enqueued,
     EnqueuedMany,
     QueueSession,
+    Workflow,
     enqueue,
     enqueue_many,
     enqueue_values,
+    enqueue_workflow,
     notify_on_commit,
 )
 from .enqueue import waker as waker  # kept: ``sqla_queue.waker.flush()``, as documented before the move
@@ -60,13 +62,14 @@ from .model import (
     ResultMixin,
     TaskMixin,
     UniqueJobs,
+    WorkflowMixin,
     archive_table,
     queue_table,
 )
 from .pause import pause, resume, set_queue_limits
 from .periodic import Schedule, schedules_table
 from .registry import workers_table
-from .results import result, wait_for_result
+from .results import parent_counts, parent_results, result, wait_for_result
 from .rules import Concurrency, InOrder, RateLimit
 from .sql import Backoff, ClaimToken
 from .tasks import Tasks
@@ -107,6 +110,8 @@ __all__ = [
     "QueuesTableNotDeclared",
     "RateLimit",
     "ResultMixin",
+    "Workflow",
+    "WorkflowMixin",
     "ResultNotReady",
     "ResultNotStorable",
     "ResultTimeout",
@@ -132,6 +137,9 @@ __all__ = [
     "enqueue",
     "enqueue_many",
     "enqueue_values",
+    "enqueue_workflow",
+    "parent_counts",
+    "parent_results",
     "notify_on_commit",
     "pause",
     "queue_table",

@@ -10,6 +10,7 @@ cancel then matches nothing and does not report that job) or matches nothing.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, overload
 
@@ -18,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from .control import cancel_payloads
-from .model import JobStatus, notify_channel, queue_table
+from .model import JobStatus, has_workflows, notify_channel, queue_table
 from .sql import _queue_names, cancel_jobs
 from .sql._notify import pg_notify
 
@@ -28,19 +29,20 @@ __all__ = ["cancel"]
 @overload
 def cancel(
     bind: AsyncSession | AsyncConnection, model: Any, *, ids: Iterable[Any] | None = None,
-    queues: Sequence[str] | None = None,
+    queues: Sequence[str] | None = None, workflow: uuid.UUID | None = None,
 ) -> Coroutine[Any, Any, list[Any]]: ...
 
 
 @overload
 def cancel(
     bind: Session | Connection, model: Any, *, ids: Iterable[Any] | None = None,
-    queues: Sequence[str] | None = None,
+    queues: Sequence[str] | None = None, workflow: uuid.UUID | None = None,
 ) -> list[Any]: ...
 
 
 def cancel(
-    bind: Any, model: Any, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
+    bind: Any, model: Any, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None,
+    workflow: uuid.UUID | None = None,
 ) -> list[Any] | Coroutine[Any, Any, list[Any]]:
     """Cancel the pending and running jobs ``ids`` (and/or every unfinished job of
     ``queues``) of ``model``'s table, in the transaction of ``bind`` (a ``Session`` or a
@@ -54,19 +56,25 @@ def cancel(
     ``sqla_queue.current_job().cancelled``), and records nothing: the row says
     ``cancelled``. ``ids`` and ``queues`` are checked before anything is written; giving
     neither is refused (cancel every unfinished job with ``queues=[...]``, by name).
+    ``workflow``: the id of a :class:`~sqla_queue.Workflow`, every unfinished job of it
+    (with ``ids`` or ``queues``: those of them).
     """
     qt = queue_table(model)  # NotAQueueModel before anything else
     wanted = _check_ids(ids)
     names = _queue_names(queues)
-    if wanted is None and names is None:
-        raise ValueError("cancel() needs ids or queues: it never cancels every job of a table by default")
+    if workflow is not None and not isinstance(workflow, uuid.UUID):
+        raise TypeError(f"workflow must be a workflow's id (a uuid.UUID), got {type(workflow).__qualname__}")
+    if wanted is None and names is None and workflow is None:
+        raise ValueError("cancel() needs ids, queues or workflow: it never cancels every job of a table by default")
+    if workflow is not None and not has_workflows(qt.table):
+        raise TypeError(f"table {qt.table.name!r} keeps no workflows: mix sqla_queue.WorkflowMixin into its model")
     if isinstance(bind, AsyncSession | AsyncConnection):
-        return bind.run_sync(request_cancel, qt.mapped_class or qt.table, wanted, names)
+        return bind.run_sync(request_cancel, qt.mapped_class or qt.table, wanted, names, workflow)
     if not isinstance(bind, Session | Connection):
         raise TypeError(
             f"cancel() needs a Session or a Connection (or their async kinds), got {type(bind).__qualname__}"
         )
-    return request_cancel(bind, qt.mapped_class or qt.table, wanted, names)
+    return request_cancel(bind, qt.mapped_class or qt.table, wanted, names, workflow)
 
 
 def _check_ids(ids: Iterable[Any] | None) -> list[Any] | None:
@@ -81,13 +89,14 @@ def _check_ids(ids: Iterable[Any] | None) -> list[Any] | None:
 
 
 def request_cancel(
-    bind: Session | Connection, model: Any, ids: list[Any] | None, queues: list[str] | None
+    bind: Session | Connection, model: Any, ids: list[Any] | None, queues: list[str] | None,
+    workflow: uuid.UUID | None = None,
 ) -> list[Any]:
     """The cancel's UPDATE, and the NOTIFY of the running jobs it cancelled, in ``bind``'s
     transaction (checked arguments: :func:`cancel` is the public call)."""
     if ids is not None and not ids:
         return []
-    rows: list[Any] = list(bind.execute(cancel_jobs(model, ids=ids, queues=queues)).all())
+    rows: list[Any] = list(bind.execute(cancel_jobs(model, ids=ids, queues=queues, workflow_id=workflow)).all())
     running = [row[0] for row in rows if row[1] == JobStatus.RUNNING.value]
     if running:
         conn = bind.connection() if isinstance(bind, Session) else bind

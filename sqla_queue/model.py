@@ -41,7 +41,7 @@ from sqlalchemy import (
     or_,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, Mapper, mapped_column
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.naming import conv
@@ -64,6 +64,7 @@ __all__ = [
     "UNIQUE_ACTIVE",
     "UNIQUE_EVER",
     "UniqueJobs",
+    "WorkflowMixin",
     "queue_table",
     "unique_jobs",
 ]
@@ -79,6 +80,7 @@ _FLOW_INFO_KEY: Final = "sqla_queue.flow"
 _RESULT_INFO_KEY: Final = "sqla_queue.result"
 _PROGRESS_INFO_KEY: Final = "sqla_queue.progress"
 _HISTORY_INFO_KEY: Final = "sqla_queue.history"
+_WORKFLOW_INFO_KEY: Final = "sqla_queue.workflow"
 #: The most attempts a job's history keeps: the latest ones.
 HISTORY_KEEP: Final = 20
 #: ``__queue_wake__``'s values: the wake-up NOTIFY in the enqueuing transaction's commit
@@ -369,6 +371,46 @@ class HistoryMixin:
     )
 
 
+#: What a job does when one of its parents ends ``failed`` or ``cancelled`` (its
+#: workflow's choice): cancel it and every job below it, hold it (it waits until an
+#: operator requeues the parent and it ends ``done``), or run it anyway.
+ON_PARENT_FAILURE: Final = ("cancel", "hold", "run")
+
+
+class WorkflowMixin:
+    """Dependencies between jobs of one table: opt-in, beside :class:`JobMixin` or
+    :class:`TaskMixin`, on a model whose key is an integer (the default ``id``)::
+
+        class Step(Base, TaskMixin, ResultMixin, WorkflowMixin):
+            __tablename__ = "steps"
+
+    A :class:`~sqla_queue.Workflow` enqueues jobs that wait for others. A waiting job is
+    ``pending`` with ``run_after`` at ``'infinity'`` (never claimable) and ``waiting_on``
+    counting its parents still to end; the statement that ends a parent counts it down in
+    the same transaction, and the one that takes it to zero makes it due. ``parent_ids``
+    and ``child_ids`` are the edges (a parent's ``child_ids`` is cleared once counted, so
+    no parent counts twice); ``workflow_id`` groups a workflow's jobs, and
+    ``on_parent_failure`` is its policy (:data:`ON_PARENT_FAILURE`).
+    """
+
+    __queue_workflow__: ClassVar[bool] = True
+    workflow_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    parent_ids: Mapped[list[int] | None] = mapped_column(ARRAY(BigInteger))
+    child_ids: Mapped[list[int] | None] = mapped_column(ARRAY(BigInteger))
+    waiting_on: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    on_parent_failure: Mapped[str] = mapped_column(String(6), default="cancel", server_default="cancel")
+
+
+#: The columns of :class:`WorkflowMixin`.
+WORKFLOW_COLUMNS: Final = ("workflow_id", "parent_ids", "child_ids", "waiting_on", "on_parent_failure")
+
+
+def has_workflows(table: Table) -> bool:
+    """Whether a queue table's jobs may wait for others (its model mixes in
+    :class:`WorkflowMixin`)."""
+    return bool(table.info.get(_WORKFLOW_INFO_KEY))
+
+
 def history_column(table: Table) -> Column[Any] | None:
     """The JSONB column a queue table keeps its attempts' history in (its model's
     ``__queue_history__``), or None: the table keeps none."""
@@ -530,6 +572,13 @@ def _attach_schema_objects(table: Table) -> None:
                 # A fair claim walks the keys with pending jobs, then each key's jobs in order.
                 Index(conv(constraint_name(name, f"fair_{rule.key}_idx")), c[rule.key], *order,
                       postgresql_where=pending)
+    if has_workflows(table):
+        # A workflow's jobs, for its page and its cancel (most rows have none).
+        Index(
+            conv(constraint_name(name, "workflow_idx")),
+            c.workflow_id,
+            postgresql_where=c.workflow_id.is_not(None),
+        )
     unique = table.info.get(_UNIQUE_INFO_KEY)
     if isinstance(unique, UniqueJobs):
         # Unique jobs: a duplicate is skipped by INSERT … ON CONFLICT DO NOTHING against it.
@@ -602,6 +651,17 @@ def _on_instrument(mapper: Mapper[Any], cls: type[Any]) -> None:
                 f"{cls.__qualname__}.__queue_history__ must name a JSON column of table {table.name!r}, got {history!r}"
             )
         table.info[_HISTORY_INFO_KEY] = history
+    if getattr(cls, "__queue_workflow__", False):
+        missing_edges = [col for col in WORKFLOW_COLUMNS if col not in table.c]
+        if missing_edges:
+            raise NotAQueueModel(f"{cls.__qualname__} has __queue_workflow__ but lacks columns {missing_edges}")
+        keys = list(table.primary_key.columns)
+        if len(keys) != 1 or keys[0].type.python_type is not int:
+            raise NotAQueueModel(
+                f"{cls.__qualname__} mixes in WorkflowMixin, whose edges are integer arrays: its key must be "
+                f"one integer column, not {', '.join(repr(str(k.type)) for k in keys) or 'none'}"
+            )
+        table.info[_WORKFLOW_INFO_KEY] = True
     flow = getattr(cls, "__queue_flow__", ())
     table.info[_FLOW_INFO_KEY] = check_rules(cls.__qualname__, flow, table.c.keys())
     _attach_schema_objects(table)

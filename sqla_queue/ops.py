@@ -861,10 +861,7 @@ class QueueOps:
         when their attempts are used up."""
         stmt = self._sweeps.get(limit)
         if stmt is None:
-            c = self.table.c
-            extra = [c.queue, c.attempts, c.task] if "task" in c else [c.queue, c.attempts]
-            sweep = q.sweep_expired(self.table, limit=limit).returning(*extra)
-            stmt = self._sweeps[limit] = self.driver.compile(sweep)
+            stmt = self._sweeps[limit] = self.driver.compile(q.sweep_expired(self.table, limit=limit))
         rows = conn.execute(stmt, {})
         return SweepResult(
             len(rows),

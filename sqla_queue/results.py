@@ -26,9 +26,9 @@ from sqlalchemy.orm import Session
 from .driver import notify_payloads, notify_payloads_async
 from .errors import JobCancelledError, JobFailedError, NoSuchJob, ResultNotReady, ResultTimeout
 from .model import JobStatus, queue_table, results_channel
-from .sql import job_result
+from .sql import job_result, parents_of
 
-__all__ = ["result", "wait_for_result"]
+__all__ = ["parent_counts", "parent_results", "result", "wait_for_result"]
 
 #: How long :func:`wait_for_result` waits by default, and how often it reads the job
 #: whatever it hears.
@@ -65,6 +65,55 @@ def result(bind: Any, model: Any, job_id: Any) -> Any:
 async def _result_async(bind: AsyncSession | AsyncConnection, stmt: Any, job_id: Any, name: str) -> Any:
     row = (await bind.execute(stmt)).first()
     return _settled(row, job_id, name, ready=True)[1]
+
+
+@overload
+def parent_results(
+    bind: AsyncSession | AsyncConnection, model: Any, job_id: Any
+) -> Coroutine[Any, Any, dict[Any, Any]]: ...
+@overload
+def parent_results(bind: Session | Connection, model: Any, job_id: Any) -> dict[Any, Any]: ...
+def parent_results(bind: Any, model: Any, job_id: Any) -> Any:
+    """The results of the parents of job ``job_id`` (a job of a :class:`~sqla_queue.
+    Workflow`) that ended ``done``, by key, read in ``bind``'s transaction: what a child's
+    handler reads of the jobs it waited for. A parent that ended otherwise (under the
+    ``"run"`` policy) is not among them. Needs a table that keeps results."""
+    qt = queue_table(model)
+    stored = job_result(model, job_id).selected_columns[1]  # TypeError on a table that keeps no results
+    stmt = parents_of(model, job_id, qt.pk, qt.c.status, stored)
+    return _read(bind, stmt, lambda rows: {row[0]: row[2] for row in rows if row[1] == JobStatus.DONE.value})
+
+
+@overload
+def parent_counts(
+    bind: AsyncSession | AsyncConnection, model: Any, job_id: Any
+) -> Coroutine[Any, Any, dict[str, int]]: ...
+@overload
+def parent_counts(bind: Session | Connection, model: Any, job_id: Any) -> dict[str, int]: ...
+def parent_counts(bind: Any, model: Any, job_id: Any) -> Any:
+    """How many parents of job ``job_id`` are in each status (``done``, ``failed``,
+    ``cancelled``, and any other): what a batch's callback reads
+    (:meth:`~sqla_queue.Workflow.batch`), read in ``bind``'s transaction. Every status
+    has a key, zero when no parent has it."""
+    stmt = parents_of(model, job_id)
+
+    def count(rows: Any) -> dict[str, int]:
+        counts = dict.fromkeys((status.value for status in JobStatus), 0)
+        for row in rows:
+            counts[row[1]] = counts.get(row[1], 0) + 1
+        return counts
+
+    return _read(bind, stmt, count)
+
+
+def _read(bind: Any, stmt: Any, decode: Any) -> Any:
+    if isinstance(bind, AsyncSession | AsyncConnection):
+        async def run() -> Any:
+            return decode((await bind.execute(stmt)).all())
+        return run()
+    if not isinstance(bind, Session | Connection):
+        raise TypeError(f"needs a Session or a Connection (or their async kinds), got {type(bind).__qualname__}")
+    return decode(bind.execute(stmt).all())
 
 
 @overload

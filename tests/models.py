@@ -21,6 +21,7 @@ from sqla_queue import (
     ResultMixin,
     TaskMixin,
     UniqueJobs,
+    WorkflowMixin,
     queues_table,
     schedules_table,
     workers_table,
@@ -81,6 +82,18 @@ class ResultTask(Base, TaskMixin, ResultMixin, HistoryMixin):
     """A task table that keeps its jobs' results, progress and attempts' history (JSONB)."""
 
     __tablename__ = "result_tasks"
+
+
+class StepTask(Base, TaskMixin, ResultMixin, HistoryMixin, WorkflowMixin):
+    """A task table whose jobs may wait for others (workflows), keeping results and history."""
+
+    __tablename__ = "step_tasks"
+
+
+class StepJob(Base, JobMixin, WorkflowMixin):
+    """A job table whose jobs may wait for others, and keeps no results."""
+
+    __tablename__ = "step_jobs"
 
 
 class TotalJob(Base, JobMixin):

@@ -101,7 +101,7 @@ def test_a_pending_job_cancelled_never_runs(engine: Engine, start: Callable[...,
 def test_cancel_checks_its_arguments_before_writing(engine: Engine) -> None:
     (job_id,) = enqueue(engine)
     with Session(engine) as session:
-        with pytest.raises(ValueError, match="needs ids or queues"):
+        with pytest.raises(ValueError, match="needs ids, queues or workflow"):
             cancel(session, Task)
         with pytest.raises(TypeError, match="not a single string"):
             cancel(session, Task, ids="12")

@@ -381,7 +381,7 @@ def test_sweep_returns_expired_work_and_dead_letters_exhausted(engine: Engine) -
         conn.execute(
             update(JOBS).where(JOBS.c.id.in_(expired)).values(lease_expires_at=func.now() - timedelta(seconds=1))
         )
-        swept: dict[int, str] = dict(conn.execute(q.sweep_expired(EmailJob)).all())
+        swept: dict[int, str] = {row[0]: row[1] for row in list[Any](conn.execute(q.sweep_expired(EmailJob)))}
         assert swept == {expired[0]: "pending", expired[1]: "failed"}
         back = conn.execute(select(JOBS).where(JOBS.c.id == expired[0])).one()
         assert back.isolated and back.lease_owner is None and back.lease_expires_at is None

@@ -10,7 +10,9 @@ and the same checks:
   method; with a unique key it is a keyed insert instead (:mod:`.unique`);
 - :func:`enqueue_many` (:mod:`.bulk`): many rows at once, by COPY or bounded inserts;
 - :func:`enqueue_values` (:mod:`.values`): one INSERT of plain values, its NOTIFY in the
-  same statement.
+  same statement;
+- :func:`enqueue_workflow` (:mod:`.session`): a :class:`Workflow` (:mod:`.workflow`) of
+  jobs that wait for others, each by :func:`enqueue`, with their edges.
 
 Under them: the options as one checked value (:class:`EnqueueOptions`, :mod:`.options`),
 the row plans every path applies (:mod:`.rows`) with the rules of single values
@@ -23,9 +25,10 @@ The public names are exported from :mod:`sqla_queue` as well.
 
 from .bulk import enqueue_many
 from .options import EnqueueKwargs, EnqueueOptions
-from .session import AsyncQueueSession, QueueSession, enqueue, notify_on_commit
+from .session import AsyncQueueSession, QueueSession, enqueue, enqueue_workflow, notify_on_commit
 from .unique import Enqueued, EnqueuedMany
 from .values import enqueue_values
+from .workflow import Workflow
 
 __all__ = [
     "AsyncQueueSession",
@@ -34,8 +37,10 @@ __all__ = [
     "Enqueued",
     "EnqueuedMany",
     "QueueSession",
+    "Workflow",
     "enqueue",
     "enqueue_many",
     "enqueue_values",
+    "enqueue_workflow",
     "notify_on_commit",
 ]

@@ -29,12 +29,13 @@ from .options import EnqueueKwargs, enqueue_options
 from .outbox import awaited, expect_await, hook_session_class, install_hooks, notify_on_commit
 from .rows import queue_table_of, table_plan
 from .unique import Enqueued, EnqueuedMany, UniqueKey, enqueue_keyed
+from .workflow import WAITING_RUN_AFTER, Workflow
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import async_scoped_session
     from sqlalchemy.orm import scoped_session
 
-__all__ = ["AsyncQueueSession", "QueueSession", "UniqueKey", "enqueue", "notify_on_commit"]
+__all__ = ["AsyncQueueSession", "QueueSession", "UniqueKey", "enqueue", "enqueue_workflow", "notify_on_commit"]
 
 J = TypeVar("J")
 
@@ -180,6 +181,58 @@ def _enqueue(sync: Session, job: J, unique_key: Any, options: EnqueueKwargs) -> 
     return job
 
 
+@overload
+def enqueue_workflow(session: AsyncSession, workflow: Workflow) -> Coroutine[Any, Any, Workflow]: ...
+
+
+@overload
+def enqueue_workflow(session: Session, workflow: Workflow) -> Workflow: ...
+
+
+def enqueue_workflow(session: Any, workflow: Workflow) -> Workflow | Coroutine[Any, Any, Workflow]:
+    """Enqueue every job of ``workflow`` in ``session``'s transaction (see
+    :class:`Workflow`); returns it, its jobs flushed (their ``id`` known). With an
+    ``AsyncSession`` it returns a coroutine. Pending objects are flushed first. A wrong
+    job raises before anything is added to the session."""
+    if not isinstance(workflow, Workflow):
+        raise TypeError(f"enqueue_workflow() takes a sqla_queue.Workflow, got {type(workflow).__qualname__}")
+    if workflow.enqueued:
+        raise EnqueueError("this workflow is enqueued already: build a new one")
+    if not len(workflow):
+        raise EnqueueError("this workflow has no jobs")
+    resolved = resolve_session(session)
+    if isinstance(resolved, AsyncSession):
+        return resolved.run_sync(_enqueue_workflow, workflow)
+    return _enqueue_workflow(sync_session(resolved), workflow)
+
+
+def _enqueue_workflow(sync: Session, workflow: Workflow) -> Workflow:
+    edges = workflow.edges()
+    added: list[Any] = []
+    try:
+        for job, parents, _children, options in edges:
+            job.workflow_id = workflow.id
+            job.on_parent_failure = workflow.on_parent_failure
+            job.waiting_on = len(parents)
+            if parents:
+                job.run_after = WAITING_RUN_AFTER
+            _enqueue(sync, job, None, options)
+            added.append(job)
+    except BaseException:
+        for job in added:
+            sync.expunge(job)
+        raise
+    sync.flush(added)
+    ids = [job.id for job in added]
+    for job, parents, children, _options in edges:
+        job.parent_ids = [ids[p] for p in parents] or None
+        job.child_ids = [ids[c] for c in children] or None
+    # The edges go in now, not with the commit: the jobs read as they will commit.
+    sync.flush(added)
+    workflow.enqueued = True
+    return workflow
+
+
 def _json_serializer(session: Session, mapper: Any) -> Callable[[Any], Any]:
     try:
         dialect = session.get_bind(mapper=mapper).dialect
@@ -219,6 +272,10 @@ class QueueSession(Session):
             method=method,
             **options,
         )
+
+    def enqueue_workflow(self, workflow: Workflow) -> Workflow:
+        """Same as :func:`sqla_queue.enqueue_workflow` with this session."""
+        return enqueue_workflow(self, workflow)
 
 
 hook_session_class(QueueSession)
@@ -265,3 +322,7 @@ class AsyncQueueSession(AsyncSession):
             method=method,
             **options,
         )
+
+    async def enqueue_workflow(self, workflow: Workflow) -> Workflow:
+        """Same as ``await sqla_queue.enqueue_workflow(self, workflow)``."""
+        return await enqueue_workflow(self, workflow)

@@ -37,6 +37,9 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #                    its claims take turns on, and each rule's busiest keys
 #   _results.py      results: their encoding and storing by the completion, the NOTIFY of
 #                    finished ids on a table that keeps them, the read of one job's result
+#   _workflows.py    dependencies: the countdown and release of children, the policy of a
+#                    workflow whose job failed, a workflow's jobs and a job's parents
+#   _finish.py       the one wrapper of every statement that ends jobs (results, workflows)
 #   _workers.py      the workers table: a worker's row recorded, forgotten, listed, pruned
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
@@ -140,6 +143,8 @@ from ._transitions import (
 )
 from ._unique import insert_unique, keeps_unique_key, unique_holder
 from ._workers import forget_worker, prune_workers, record_worker, worker_rows
+from ._workflows import CASCADE_REASON as CASCADE_REASON
+from ._workflows import parents_of, workflow_jobs
 
 __all__ = [
     "Backoff",
@@ -206,6 +211,8 @@ __all__ = [
     "snooze_many_if_owner",
     "still_fresh",
     "sweep_expired",
+    "parents_of",
+    "workflow_jobs",
     "token_states",
     "unique_holder",
 ]

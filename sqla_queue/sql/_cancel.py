@@ -10,14 +10,19 @@ from typing import Any
 from sqlalchemy import null, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..model import queue_table, status_literal
+from ..model import has_workflows, queue_table, status_literal
 from ._base import CANCELLED, PENDING, RUNNING, QueueModel, _clock, _kind_filter, _pk_in, _queue_filter, _status
+from ._finish import Finishing, finished
 from ._history import history_values
-from ._results import Finishing, _notify_finished
+from ._workflows import edges_cleared
 
 
 def cancel_jobs(
-    model: QueueModel, *, ids: Iterable[Any] | None = None, queues: Sequence[str] | None = None
+    model: QueueModel,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    workflow_id: Any = None,
 ) -> Finishing:
     """Cancel pending **and running** jobs: ``cancelled``, finished now, no lease expiry
     (``lease_owner`` is kept: the worker that held it).
@@ -27,7 +32,8 @@ def cancel_jobs(
     'running'``), so its handler's transactional writes roll back, whatever it does. The
     cancel and a completion racing it lock the same row: the first to commit wins, the
     other matches nothing. ``ids`` and/or ``queues`` choose the jobs (an empty ``ids``
-    cancels none; neither: every unfinished job). Returns ``(pk, status before)`` of
+    cancels none; neither: every unfinished job); ``workflow_id``, the unfinished jobs of
+    one workflow (a table with :class:`~sqla_queue.WorkflowMixin`). Returns ``(pk, status before)`` of
     each job cancelled; the running ones' workers learn it from
     :func:`sqla_queue.cancel`'s NOTIFY, or their next poll of their jobs.
     """
@@ -38,6 +44,10 @@ def cancel_jobs(
     ]
     if ids is not None:
         conditions.append(_pk_in(qt, ids))
+    if workflow_id is not None:
+        if not has_workflows(qt.table):
+            raise TypeError(f"table {qt.table.name!r} keeps no workflows: mix sqla_queue.WorkflowMixin into its model")
+        conditions.append(c.workflow_id == workflow_id)
     before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
     name = qt.pk.name
     update = (
@@ -47,10 +57,11 @@ def cancel_jobs(
             status=status_literal(CANCELLED), finished_at=_clock(), lease_expires_at=null(),
             # A running attempt ends here (a pending job has none running).
             **history_values(qt, "cancelled", when=before.c.status == status_literal(RUNNING)),
+            **edges_cleared(qt, status_literal(CANCELLED)),
         )
         .returning(qt.pk, before.c.status)
     )
-    return _notify_finished(qt, update)
+    return finished(qt, update)
 
 
 def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> Finishing:
@@ -62,7 +73,7 @@ def cancel_pending(model: QueueModel, *, ids: Iterable[Any]) -> Finishing:
     update = (
         qt.table.update()
         .where(_status(qt, PENDING), _pk_in(qt, ids))
-        .values(status=status_literal(CANCELLED), finished_at=_clock())
+        .values(status=status_literal(CANCELLED), finished_at=_clock(), **edges_cleared(qt, status_literal(CANCELLED)))
         .returning(qt.pk)
     )
-    return _notify_finished(qt, update)
+    return finished(qt, update)

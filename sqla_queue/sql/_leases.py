@@ -62,10 +62,12 @@ from ._base import (
     seconds_interval,
     still_fresh,
 )
+from ._finish import Finishing, finished
 from ._flow import unpaused
 from ._history import history_values
 from ._limits import next_free_start
 from ._results import progress_extra, progress_values
+from ._workflows import edges_cleared
 
 
 def extend_leases_if_owner(
@@ -99,7 +101,7 @@ def is_solitary(isolated: Any, last_error: Any) -> bool:
     return bool(isolated) and isinstance(last_error, str) and last_error.startswith(SOLITARY_REASON + ":")
 
 
-def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[Any]:
+def sweep_expired(model: QueueModel, *, limit: int = 1000) -> Finishing:
     """Return jobs whose lease expired to ``pending`` (or ``failed`` when exhausted).
 
     Their worker stopped heartbeating: it died, froze or lost the database. The job is
@@ -107,7 +109,9 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
     says why; a job that was isolated already gets :data:`SOLITARY_REASON` there, and
     the worker then runs it alone in the whole worker (see :func:`is_solitary`).
     Safe to run from many workers at once: rows another sweeper holds are skipped.
-    Returns ``(pk, status)`` of every job it moved.
+    Returns ``(pk, status, queue, attempts)`` of every job it moved, and ``task`` last on
+    a task table. A job it dead-letters is finished like any other (see
+    :func:`~sqla_queue.sql._finish.finished`).
     """
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
@@ -145,20 +149,24 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> ReturningUpdate[An
     ended: ColumnElement[Any] = literal("lost", String)
     if has_timeouts(qt):
         ended = case((timed_out, literal("timed out", String)), else_=ended)
-    return (
+    status = case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING))
+    shown = [qt.pk, c.status, c.queue, c.attempts, *([c.task] if qt.is_task_table else [])]
+    update = (
         qt.table.update()
         .where(_keys_of(qt, expired))
         .values(
-            status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
+            status=status,
             finished_at=case((exhausted, _clock()), else_=null()),
             last_error=reason,
             lease_owner=null(),
             lease_expires_at=null(),
             isolated=isolated,
             **history_values(qt, ended, reason),
+            **edges_cleared(qt, status),
         )
-        .returning(qt.pk, c.status)
+        .returning(*shown)
     )
+    return finished(qt, update, failed_only=True)
 
 
 def _seconds_text(interval: ColumnElement[Any]) -> ColumnElement[str]:

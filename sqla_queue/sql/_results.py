@@ -10,18 +10,12 @@ from typing import Any
 
 from sqlalchemy import JSON, Column, Select, String, Text, case, cast, func, literal, literal_column, select
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.sql.dml import ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..jsontext import ResultEncoder, dialect_json_serializer
 from ..model import QueueTable, progress_column, queue_table, result_column, results_channel, status_literal
 from ._base import FAILED, PROGRESS_PARAM, QueueModel
 from ._notify import pg_notify
-
-#: A transition that finishes jobs of a table keeping results, which NOTIFYs their ids:
-#: the statement itself, or it under a SELECT that sends the NOTIFY once (see
-#: :func:`_notify_finished`). Either returns the same columns.
-Finishing = ReturningUpdate[Any] | Select[Any]
 
 
 def result_encoder(column: Column[Any], serializer: Any = None, limit: int = 2**28 - 1) -> ResultEncoder:
@@ -50,15 +44,12 @@ def _stored_result(column: Column[Any], text: ColumnElement[Any]) -> ColumnEleme
 NOTIFY_IDS_MAX = 7000
 
 
-def _notify_finished(qt: QueueTable, update: ReturningUpdate[Any], *, failed_only: bool = False) -> Finishing:
-    """``update`` as it is, or on a table that keeps results, under a SELECT that also
-    NOTIFYs the ids it finished on the table's :func:`~sqla_queue.model.results_channel`,
-    once per statement (comma-separated; ``*`` when too many), delivered at commit: what
-    :func:`sqla_queue.wait_for_result` listens for. ``failed_only``: only the rows
-    returned with status ``failed`` finished (a retry's)."""
-    if result_column(qt.table) is None:
-        return update
-    moved = update.cte("sqla_queue_moved")
+def results_notified(qt: QueueTable, moved: Any, *, failed_only: bool = False) -> ColumnElement[Any]:
+    """A condition that holds for every row and, evaluated once per statement, NOTIFYs the
+    ids of the rows of ``moved`` (the CTE of a finishing UPDATE, its key first) on the
+    table's :func:`~sqla_queue.model.results_channel` (comma-separated; ``*`` when too
+    many), delivered at commit: what :func:`sqla_queue.wait_for_result` listens for.
+    ``failed_only``: only the rows returned with status ``failed`` finished (a retry's)."""
     first = next(iter(moved.c))
     finished = [moved.c.status == status_literal(FAILED)] if failed_only else []
     ids = func.string_agg(cast(first, Text()), literal(",", String()))
@@ -72,7 +63,7 @@ def _notify_finished(qt: QueueTable, update: ReturningUpdate[Any], *, failed_onl
     )
     # An uncorrelated scalar subquery: an InitPlan, run once, so one NOTIFY per statement.
     sent = select(func.count()).select_from(notified).scalar_subquery()
-    return select(*moved.c).where(sent >= 0)
+    return sent >= 0
 
 
 def progress_extra(qt: QueueTable) -> tuple[tuple[str, str, bool], ...]:

@@ -54,8 +54,10 @@ from ._base import (
     seconds_interval,
 )
 from ._claim import claim_template
+from ._finish import Finishing, finished
 from ._history import history_values
-from ._results import Finishing, _notify_finished, _progress_of, _stored_result, progress_extra, result_encoder
+from ._results import _progress_of, _stored_result, progress_extra, result_encoder
+from ._workflows import edges_cleared
 
 
 def complete_if_owner(
@@ -186,13 +188,14 @@ def _complete_many(
         values[column.key] = _stored_result(column, tokens.c[RESULTS_PARAM])
     values.update(_progress_of(qt, tokens))
     values.update(history_values(qt, "done"))
+    values.update(edges_cleared(qt, status_literal(DONE)))
     update = (
         qt.table.update()
         .where(_token_fence(qt, tokens, ids=ids), *_before_deadline(qt))
         .values(**values)
         .returning(qt.pk, tokens.c.attempt)
     )
-    return _notify_finished(qt, update)
+    return finished(qt, update)
 
 
 def complete_many_if_owner_then_claim(
@@ -237,11 +240,12 @@ def retry_many_if_owner(model: QueueModel) -> Finishing:
     c = qt.c
     tokens = _token_table(qt, (ERRORS_PARAM, "text"), (DELAYS_PARAM, "float"), *progress_extra(qt))
     exhausted = c.attempts >= c.max_attempts
+    status = case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING))
     update = (
         qt.table.update()
         .where(_token_fence(qt, tokens))
         .values(
-            status=case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING)),
+            status=status,
             run_after=case(
                 (exhausted, c.run_after),
                 else_=_clock() + seconds_interval(tokens.c[DELAYS_PARAM]),
@@ -253,10 +257,11 @@ def retry_many_if_owner(model: QueueModel) -> Finishing:
             isolated=false(),
             **_progress_of(qt, tokens),
             **history_values(qt, _retried(tokens.c[ERRORS_PARAM], exhausted), tokens.c[ERRORS_PARAM]),
+            **edges_cleared(qt, status),
         )
         .returning(qt.pk, tokens.c.attempt, c.status)
     )
-    return _notify_finished(qt, update, failed_only=True)
+    return finished(qt, update, failed_only=True)
 
 
 def fail_many_if_owner(model: QueueModel) -> Finishing:
@@ -274,10 +279,11 @@ def fail_many_if_owner(model: QueueModel) -> Finishing:
             lease_expires_at=null(),
             **_progress_of(qt, tokens),
             **history_values(qt, "failed", tokens.c[ERRORS_PARAM]),
+            **edges_cleared(qt, status_literal(FAILED)),
         )
         .returning(qt.pk, tokens.c.attempt)
     )
-    return _notify_finished(qt, update)
+    return finished(qt, update)
 
 
 def snooze_if_owner(
