@@ -222,13 +222,13 @@ def _enqueue_workflow(sync: Session, workflow: Workflow) -> Workflow:
         for job in added:
             sync.expunge(job)
         raise
-    sync.flush(added)
+    sync.flush()
     ids = [job.id for job in added]
     for job, parents, children, _options in edges:
         job.parent_ids = [ids[p] for p in parents] or None
         job.child_ids = [ids[c] for c in children] or None
     # The edges go in now, not with the commit: the jobs read as they will commit.
-    sync.flush(added)
+    sync.flush()
     workflow.enqueued = True
     return workflow
 

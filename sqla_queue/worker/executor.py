@@ -314,6 +314,7 @@ class Executor:
         conn.set_autocommit(False)
         sa: Connection = conn.sa
         trans = sa.begin()
+        committed = False
         session: Session | None = None
         try:
             try:
@@ -342,6 +343,7 @@ class Executor:
                     if not self.ops.complete_in_transaction(sa, held.owner, held.token, stored, held.progress):
                         return Outcome(held, Kind.LOST)
                     trans.commit()
+                    committed = True
             except Exception as exc:  # noqa: BLE001
                 if self.driver.is_connection_error(exc):
                     # The commit may or may not have landed (a failover, a cut link). The
@@ -362,7 +364,10 @@ class Executor:
                 with suppress(Exception):
                     session.close()
             with suppress(Exception):
-                if trans.is_active:
+                # Also after a COMMIT that failed (a deferred constraint, a serialization
+                # failure): the transaction is inactive then, but still holds the
+                # connection, whose next begin() would fail until it is rolled back.
+                if not committed:
                     trans.rollback()
             try:
                 conn.set_autocommit(True)

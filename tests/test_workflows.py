@@ -1,0 +1,422 @@
+"""Workflows: jobs that wait for others, released by the statement that ends their last
+parent, in its transaction; the policies for a parent that fails; batches; the cancel of
+a whole workflow. Workers of both runtimes, and the statements across connections.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, select, text
+from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy.orm import Session
+
+from sqla_queue import (
+    AsyncQueueSession,
+    EnqueueError,
+    Tasks,
+    Workflow,
+    cancel,
+    enqueue_workflow,
+    parent_counts,
+    parent_results,
+)
+from sqla_queue import sql as q
+from sqla_queue.enqueue.workflow import WAITING_RUN_AFTER
+from sqla_queue.sql import CASCADE_REASON
+
+from .helpers import table_of, wait_for
+from .models import Effect, StepJob, StepTask
+from .workers import async_engine_like
+from .workflow_app import tasks as app_tasks
+
+STEPS = table_of(StepTask)
+EFFECTS = table_of(Effect)
+
+tasks = Tasks()
+
+
+@tasks.task
+def named(job: Any) -> str:
+    return str(job.payload["name"])
+
+
+@tasks.task
+def gather(job: Any) -> dict[str, Any]:
+    with Session(_ENGINES[0]) as session:
+        seen = parent_results(session, StepTask, job.id)
+        done = parent_counts(session, StepTask, job.id)["done"]
+    return {"seen": sorted(seen.values()), "done": done}
+
+
+@tasks.task
+def counts(job: Any) -> dict[str, int]:
+    with Session(_ENGINES[0]) as session:
+        return parent_counts(session, StepTask, job.id)
+
+
+@tasks.task
+def fails(job: Any) -> None:
+    raise ValueError("this parent fails")
+
+
+@tasks.task
+def doomed_commit(job: Any, session: Session) -> str:
+    """Transactional: its writes break a deferred constraint, so its transaction (and the
+    completion in it, which ran) rolls back at COMMIT, after the handler returned."""
+    session.execute(text("INSERT INTO wf_guard (parent) VALUES (-1)"))
+    return "returned"
+
+
+#: The engine the handlers above read with (set by the fixture below).
+_ENGINES: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _handlers_engine(engine: Engine) -> Any:
+    _ENGINES[:] = [engine]
+    yield
+    _ENGINES.clear()
+
+
+def job(task: str, **payload: Any) -> StepTask:
+    return StepTask(task=task, payload=payload, max_attempts=payload.pop("attempts", 3))
+
+
+def rows(engine: Engine, flow: Workflow) -> dict[int, Any]:
+    with engine.connect() as conn:
+        found = conn.execute(select(STEPS).where(STEPS.c.workflow_id == flow.id)).all()
+    return {r.id: r for r in found}
+
+
+def effects(engine: Engine) -> list[tuple[int, str]]:
+    with engine.connect() as conn:
+        return [(r.job_id, r.note) for r in conn.execute(select(EFFECTS).order_by(EFFECTS.c.id))]
+
+
+def enqueued(engine: Engine, flow: Workflow) -> Workflow:
+    with Session(engine, expire_on_commit=False) as session:
+        enqueue_workflow(session, flow)
+        session.commit()
+    return flow
+
+
+# -- the worker runs a graph in order ---------------------------------------------------------
+
+
+def test_a_diamond_and_a_fan_run_each_job_once_after_its_parents_committed(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    """Every job of the graph writes one effect row in its own transaction, after checking
+    that each of its parents ended done and that their effect rows are there."""
+    flow = Workflow()
+    root = flow.add(job("step"))
+    fan = [flow.add(job("step"), after=[root]) for _ in range(6)]
+    left = flow.add(job("step"), after=fan[:3])
+    right = flow.add(job("step"), after=fan[3:])
+    flow.add(job("step"), after=[left, right, root])
+    enqueued(engine, flow)
+    start_worker(app_tasks, StepTask, concurrency=4)
+    wait_for(lambda: all(r.status == "done" for r in rows(engine, flow).values()), timeout=60, what="all done")
+    found = effects(engine)
+    assert sorted(job_id for job_id, _ in found) == sorted(j.id for j in flow.jobs)
+    assert {note for _, note in found} == {"ok"}
+
+
+def test_a_child_reads_its_parents_results(engine: Engine, start_worker: Callable[..., Any]) -> None:
+    flow = Workflow()
+    parents = [flow.add(job("named", name=name)) for name in ("b", "a", "c")]
+    child = flow.add(job("gather"), after=parents)
+    enqueued(engine, flow)
+    start_worker(tasks, StepTask)
+    wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=30, what="the child done")
+    assert rows(engine, flow)[child.id].result == {"seen": ["a", "b", "c"], "done": 3}
+
+
+def test_waiting_jobs_are_pending_never_due_and_load_as_python_values(engine: Engine) -> None:
+    flow = Workflow()
+    parent = flow.add(job("named", name="p"))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    found = rows(engine, flow)
+    assert found[child.id].status == "pending" and found[child.id].waiting_on == 1
+    assert found[child.id].run_after == WAITING_RUN_AFTER
+    assert found[child.id].parent_ids == [parent.id] and found[parent.id].child_ids == [child.id]
+    with engine.begin() as conn:  # a claim takes the parent only
+        claimed = conn.execute(q.claim(StepTask, owner="w", limit=10, lease=30)).all()
+    assert [r.id for r in claimed] == [parent.id]
+    with Session(engine) as session:  # the ORM loads a waiting job like any other
+        assert session.get(StepTask, child.id).run_after == WAITING_RUN_AFTER  # type: ignore[union-attr]
+
+
+# -- what a failed parent does to its children -----------------------------------------------
+
+
+def test_cancel_policy_cancels_everything_below_a_dead_letter_and_nothing_else(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    flow = Workflow(on_parent_failure="cancel")
+    bad = flow.add(job("fails", attempts=1))
+    good = flow.add(job("named", name="good"))
+    child = flow.add(job("named", name="child"), after=[bad, good])
+    grandchild = flow.add(job("named", name="grandchild"), after=[child])
+    aside = flow.add(job("named", name="aside"), after=[good])
+    enqueued(engine, flow)
+    start_worker(tasks, StepTask)
+
+    def settled() -> bool:
+        found = rows(engine, flow)
+        return found[grandchild.id].status == "cancelled" and found[aside.id].status == "done"
+
+    wait_for(settled, timeout=30, what="the cascade and the other branch")
+    found = rows(engine, flow)
+    assert found[bad.id].status == "failed"
+    assert found[child.id].status == "cancelled" and found[child.id].last_error == CASCADE_REASON
+    assert found[child.id].attempts == 0 and found[grandchild.id].attempts == 0
+
+
+def test_run_policy_runs_the_child_once_every_parent_ended_and_a_batch_callback_counts_them(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    members = [job("named", name=str(n)) for n in range(5)] + [job("fails", attempts=1)]
+    flow = Workflow.batch(members, callback=job("counts"))
+    callback = flow.jobs[-1]
+    enqueued(engine, flow)
+    with Session(engine) as session:  # one cancelled before it ran
+        cancel(session, StepTask, ids=[members[0].id])
+        session.commit()
+    start_worker(tasks, StepTask, concurrency=3)
+    wait_for(lambda: rows(engine, flow)[callback.id].status == "done", timeout=30, what="the callback done")
+    found = rows(engine, flow)
+    assert found[callback.id].result == {"done": 4, "failed": 1, "cancelled": 1, "pending": 0, "running": 0}
+    assert found[callback.id].attempts == 1  # released once, run once
+
+
+def test_hold_policy_keeps_the_child_until_the_requeued_parent_ends_done(engine: Engine) -> None:
+    flow = Workflow(on_parent_failure="hold")
+    parent = flow.add(job("named", name="p"))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    _end(engine, parent.id, "fail")
+    found = rows(engine, flow)
+    assert found[parent.id].status == "failed" and found[parent.id].child_ids == [child.id]
+    assert found[child.id].status == "pending" and found[child.id].run_after == WAITING_RUN_AFTER
+    with engine.begin() as conn:
+        conn.execute(q.requeue_failed(StepTask, ids=[parent.id]))
+    _end(engine, parent.id, "complete")
+    found = rows(engine, flow)
+    assert found[child.id].waiting_on == 0 and found[child.id].run_after < WAITING_RUN_AFTER
+    assert found[parent.id].child_ids is None
+
+
+def _end(engine: Engine, job_id: int, how: str) -> None:
+    """Claim job ``job_id`` and end its attempt (``complete`` or ``fail``)."""
+    with engine.begin() as conn:
+        (claimed,) = conn.execute(q.claim(StepTask, owner="w", limit=1, lease=30)).all()
+        assert claimed.id == job_id
+        token = (claimed.id, claimed.attempts)
+        if how == "complete":
+            assert conn.execute(q.complete_if_owner(StepTask, owner="w", tokens=[token])).all()
+        else:
+            assert conn.execute(q.fail_if_owner(StepTask, owner="w", token=token, error="no")).all()
+
+
+# -- exactly once, and only with the parent's commit ------------------------------------------
+
+
+def test_two_parents_ending_together_release_the_child_exactly_once(engine: Engine) -> None:
+    """Two completions in two transactions at once: the second waits on the child's row,
+    then counts from the first's committed count; one of them releases it."""
+    flow = Workflow()
+    parents = [flow.add(job("named", name=str(n))) for n in range(2)]
+    child = flow.add(job("named", name="c"), after=parents)
+    enqueued(engine, flow)
+    with engine.begin() as conn:
+        claimed = conn.execute(q.claim(StepTask, owner="w", limit=2, lease=30)).all()
+    tokens = {r.id: (r.id, r.attempts) for r in claimed}
+    first, second = engine.connect(), engine.connect()
+    try:
+        first.begin()
+        first.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[0].id]]))
+        second.begin()
+        done = threading.Event()
+
+        def complete_second() -> None:
+            second.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[1].id]]))
+            done.set()
+
+        thread = threading.Thread(target=complete_second)
+        thread.start()
+        wait_for(lambda: _waiting_on_lock(engine), what="the second completion waiting on the child's row")
+        assert not done.is_set()
+        first.commit()
+        thread.join(10)
+        assert done.is_set()
+        second.commit()
+    finally:
+        first.close()
+        second.close()
+    found = rows(engine, flow)[child.id]
+    assert (found.waiting_on, found.status) == (0, "pending") and found.run_after < WAITING_RUN_AFTER
+
+
+def _waiting_on_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.scalar(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )))
+
+
+def test_a_completion_that_rolls_back_releases_nothing(engine: Engine) -> None:
+    flow = Workflow()
+    parent = flow.add(job("named", name="p"))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    with engine.begin() as conn:
+        (claimed,) = conn.execute(q.claim(StepTask, owner="w", limit=1, lease=30)).all()
+    with engine.connect() as conn:
+        conn.begin()
+        assert conn.execute(q.complete_if_owner(StepTask, owner="w", tokens=[(claimed.id, claimed.attempts)])).all()
+        inside = conn.execute(select(STEPS.c.waiting_on).where(STEPS.c.id == child.id)).scalar_one()
+        conn.rollback()
+    assert inside == 0  # the statement did release it, in the transaction that rolled back
+    found = rows(engine, flow)
+    assert (found[child.id].waiting_on, found[child.id].run_after) == (1, WAITING_RUN_AFTER)
+    assert found[parent.id].child_ids == [child.id]
+
+
+@pytest.fixture
+def guard(engine: Engine) -> Any:
+    """``wf_guard``: a row of it with ``parent = -1`` breaks a deferred foreign key at COMMIT."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "CREATE TABLE wf_guard (id serial PRIMARY KEY, parent bigint REFERENCES step_tasks (id) "
+            "DEFERRABLE INITIALLY DEFERRED)"
+        ))
+    yield
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE wf_guard"))
+
+
+@pytest.mark.usefixtures("guard")
+def test_a_parent_whose_transaction_rolls_back_after_its_handler_returned_never_releases_its_child(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    flow = Workflow(on_parent_failure="hold")
+    parent = flow.add(job("doomed_commit", attempts=2))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    worker = start_worker(tasks, StepTask)
+    wait_for(lambda: rows(engine, flow)[parent.id].status == "failed", timeout=30, what="the parent dead-lettered")
+    assert worker.stats.done == 0
+    found = rows(engine, flow)
+    assert found[parent.id].attempts == 2 and "wf_guard" in (found[parent.id].last_error or "")
+    assert (found[child.id].status, found[child.id].waiting_on, found[child.id].attempts) == ("pending", 1, 0)
+
+
+def test_the_sweeper_s_dead_letter_applies_the_policy(engine: Engine) -> None:
+    flow = Workflow()
+    parent = flow.add(job("named", name="p", attempts=1))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    with engine.begin() as conn:
+        conn.execute(q.claim(StepTask, owner="gone", limit=1, lease=0.01))
+    with engine.begin() as conn:
+        conn.execute(text("SELECT pg_sleep(0.05)"))
+        swept = conn.execute(q.sweep_expired(StepTask)).all()
+    assert [(r[0], r[1]) for r in swept] == [(parent.id, "failed")]
+    assert rows(engine, flow)[child.id].status == "cancelled"
+
+
+# -- cancel a whole workflow ------------------------------------------------------------------
+
+
+def test_cancel_a_whole_workflow_leaves_other_workflows_alone(engine: Engine) -> None:
+    flows = [Workflow(), Workflow()]
+    for flow in flows:
+        parent = flow.add(job("named", name="p"))
+        flow.add(job("named", name="c"), after=[parent])
+        enqueued(engine, flow)
+    with engine.begin() as conn:  # one job of the first workflow is running
+        conn.execute(q.claim(StepTask, owner="w", limit=1, lease=30))
+    with Session(engine) as session:
+        cancelled = cancel(session, StepTask, workflow=flows[0].id)
+        session.commit()
+    assert sorted(cancelled) == sorted(j.id for j in flows[0].jobs)
+    assert {r.status for r in rows(engine, flows[0]).values()} == {"cancelled"}
+    assert {r.status for r in rows(engine, flows[1]).values()} == {"pending"}
+    with Session(engine) as session, pytest.raises(TypeError, match="uuid"):
+        cancel(session, StepTask, workflow="not-an-id")  # type: ignore[arg-type]
+
+
+def test_workflow_jobs_lists_a_workflow_in_key_order(engine: Engine) -> None:
+    flow = Workflow()
+    parent = flow.add(job("named", name="p"))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    with engine.connect() as conn:
+        listed = conn.execute(q.workflow_jobs(StepTask, flow.id)).all()
+    assert [(r.id, r.status, r.waiting_on, r.parent_ids) for r in listed] == [
+        (parent.id, "pending", 0, None), (child.id, "pending", 1, [parent.id])
+    ]
+
+
+# -- the enqueue ------------------------------------------------------------------------------
+
+
+def test_an_async_session_enqueues_a_workflow_in_its_transaction(engine: Engine) -> None:
+    import asyncio
+
+    async def run() -> list[int]:
+        async_engine = async_engine_like(engine)
+        try:
+            make = async_sessionmaker(async_engine, class_=AsyncQueueSession, expire_on_commit=False)
+            async with make() as session:
+                flow = Workflow()
+                parent = flow.add(job("named", name="p"))
+                flow.add(job("named", name="c"), after=[parent])
+                await session.enqueue_workflow(flow)
+                await session.rollback()  # the graph goes with the transaction
+                again = Workflow()
+                parent = again.add(job("named", name="p"))
+                again.add(job("named", name="c"), after=[parent])
+                await enqueue_workflow(session, again)
+                await session.commit()
+                return [j.id for j in again.jobs]
+        finally:
+            await async_engine.dispose()
+
+    ids = asyncio.run(run())
+    with engine.connect() as conn:
+        found = conn.execute(select(STEPS.c.id, STEPS.c.waiting_on).order_by(STEPS.c.id)).all()
+    assert [tuple(r) for r in found] == [(ids[0], 0), (ids[1], 1)]
+
+
+def test_a_bad_job_leaves_the_session_as_it_was(engine: Engine) -> None:
+    flow = Workflow()
+    parent = flow.add(job("named", name="p"))
+    flow.add(StepTask(task="named", payload={"at": object()}), after=[parent])
+    with Session(engine) as session:
+        with pytest.raises(EnqueueError):
+            enqueue_workflow(session, flow)
+        assert not session.new and not flow.enqueued
+    with engine.connect() as conn:
+        assert conn.scalar(select(STEPS.c.id)) is None
+
+
+def test_a_table_without_results_still_releases(engine: Engine) -> None:
+    flow = Workflow()
+    parent = flow.add(StepJob())
+    child = flow.add(StepJob(), after=[parent])
+    with Session(engine, expire_on_commit=False) as session:
+        enqueue_workflow(session, flow)
+        session.commit()
+    with engine.begin() as conn:
+        (claimed,) = conn.execute(q.claim(StepJob, owner="w", limit=5, lease=30)).all()
+        conn.execute(q.complete_if_owner(StepJob, owner="w", tokens=[(claimed.id, claimed.attempts)]))
+        steps = table_of(StepJob)
+        waiting = conn.execute(select(steps.c.waiting_on).where(steps.c.id == child.id)).scalar_one()
+    assert waiting == 0
