@@ -169,7 +169,7 @@ def test_cancel_policy_cancels_everything_below_a_dead_letter_and_nothing_else(
 
     def settled() -> bool:
         found = rows(engine, flow)
-        return found[grandchild.id].status == "cancelled" and found[aside.id].status == "done"
+        return bool(found[grandchild.id].status == "cancelled" and found[aside.id].status == "done")
 
     wait_for(settled, timeout=30, what="the cascade and the other branch")
     found = rows(engine, flow)
@@ -326,7 +326,7 @@ def test_the_sweeper_s_dead_letter_applies_the_policy(engine: Engine) -> None:
         conn.execute(q.claim(StepTask, owner="gone", limit=1, lease=0.01))
     with engine.begin() as conn:
         conn.execute(text("SELECT pg_sleep(0.05)"))
-        swept = conn.execute(q.sweep_expired(StepTask)).all()
+        swept: list[Any] = list(conn.execute(q.sweep_expired(StepTask)))
     assert [(r[0], r[1]) for r in swept] == [(parent.id, "failed")]
     assert rows(engine, flow)[child.id].status == "cancelled"
 
@@ -349,7 +349,7 @@ def test_cancel_a_whole_workflow_leaves_other_workflows_alone(engine: Engine) ->
     assert {r.status for r in rows(engine, flows[0]).values()} == {"cancelled"}
     assert {r.status for r in rows(engine, flows[1]).values()} == {"pending"}
     with Session(engine) as session, pytest.raises(TypeError, match="uuid"):
-        cancel(session, StepTask, workflow="not-an-id")  # type: ignore[arg-type]
+        cancel(session, StepTask, workflow="not-an-id")  # type: ignore[call-overload]
 
 
 def test_workflow_jobs_lists_a_workflow_in_key_order(engine: Engine) -> None:

@@ -34,7 +34,7 @@ def test_a_job_waits_only_for_jobs_added_before_it_in_the_same_workflow() -> Non
     with pytest.raises(EnqueueError, match="already"):
         flow.add(parent)
     with pytest.raises(TypeError, match="collection"):
-        flow.add(StepTask(task="t"), after="parent")  # type: ignore[arg-type]
+        flow.add(StepTask(task="t"), after="parent")
 
 
 def test_a_workflow_is_one_table_that_keeps_workflows() -> None:
@@ -52,7 +52,7 @@ def test_options_are_checked_as_added_and_a_waiting_job_takes_no_delay() -> None
     flow = Workflow()
     parent = flow.add(StepTask(task="t"), delay=5, queue="first")
     with pytest.raises(EnqueueError):
-        flow.add(StepTask(task="t"), priority="high")  # type: ignore[typeddict-item]
+        flow.add(StepTask(task="t"), priority="high")  # type: ignore[arg-type]
     with pytest.raises(EnqueueError, match="no delay or run_at"):
         flow.add(StepTask(task="t"), after=[parent], delay=1)
     edges = flow.edges()
