@@ -713,7 +713,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         for model in models:
             admin.check_table(engine, model)
         serve(engine, models, host=args.host, port=args.port, read_only=args.read_only, lease=lease,
-              trusted_hosts=trusted_hosts)
+              trusted_hosts=trusted_hosts, api_actions=args.api_actions)
     finally:
         engine.dispose()
     return 0
@@ -940,6 +940,10 @@ def build_parser() -> argparse.ArgumentParser:
         "header is refused (default: localhost, 127.0.0.1 and ::1 on a loopback --host, else --host itself)",
     )
     dashboard.add_argument("--read-only", action="store_true", help="refuse every action (requeue, cancel, delete)")
+    dashboard.add_argument(
+        "--api-actions", action="store_true",
+        help="allow actions through the JSON API under /api/ too (it is read-only without this flag)",
+    )
     dashboard.add_argument(
         "--lease",
         type=positive_seconds,

@@ -133,12 +133,13 @@ class FlaskQueue:
 
     def dashboard(
         self, *, auth: Any, read_only: bool = False, name: str = "sqla_queue_dashboard",
-        trusted_hosts: Sequence[str] | None = None,
+        trusted_hosts: Sequence[str] | None = None, api_actions: bool = False,
     ) -> Any:
         """The web dashboard over the registered workers' tables, as a blueprint to
         register (``app.register_blueprint(queue.dashboard(auth=...), url_prefix=
         "/queue")``); see :func:`sqla_queue.dashboard.dashboard_blueprint`, whose
-        ``trusted_hosts`` this passes on (None: your app's ``TRUSTED_HOSTS`` decide).
+        ``trusted_hosts`` and ``api_actions`` this passes on (None: your app's
+        ``TRUSTED_HOSTS`` decide; the JSON API is read-only unless ``api_actions``).
         Needs the ``dashboard`` extra and ``app.secret_key``."""
         from .dashboard import dashboard_blueprint
 
@@ -150,6 +151,7 @@ class FlaskQueue:
         return dashboard_blueprint(
             lambda: db.engine, models, auth=auth, read_only=read_only, name=name,
             lease=leases.pop() if len(leases) == 1 else None, trusted_hosts=trusted_hosts,
+            api_actions=api_actions,
         )
 
     @property

@@ -9,10 +9,14 @@ to the test's tmp dir, or to ``$SQLA_QUEUE_SCREENSHOTS`` when set (the docs' pic
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -83,7 +87,7 @@ def dashboard(server: Server, engine: Engine) -> Iterator[str]:
     url = server.url.render_as_string(hide_password=False)
     process = subprocess.Popen(
         [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
-         "tests.models:ResultTask", "--url", url, "--port", "0"],
+         "tests.models:ResultTask", "--url", url, "--port", "0", "--api-actions"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -249,3 +253,74 @@ def test_a_job_s_result_progress_and_attempts_in_a_real_browser(
     browser.save_screenshot(str(shots / "workers-recorded.png"))
     recorded = browser.find_element(By.CSS_SELECTOR, '#recorded tr[data-worker="web-2:77:9f9f9f9f"]').text
     assert "live" in recorded and "asyncio" in recorded and xss in recorded
+
+    # The JSON API: its token, readable by the dashboard's own origin, is out of reach of
+    # a page of another origin, even one of the same site (another port of this machine,
+    # to which the browser sends the session cookie).
+    browser.get(f"{dashboard.rstrip('/')}/api/csrf")
+    token = json.loads(browser.find_element(By.TAG_NAME, "body").text)["csrf_token"]
+    with _another_origin() as elsewhere:
+        browser.get(elsewhere)
+        read = browser.execute_async_script(_FETCH, f"{dashboard.rstrip('/')}/api/csrf", "GET", None, None, None)
+        assert read.startswith("blocked") and token not in read, read
+        # Even a page that knew the token: its JSON POST needs a preflight, which the API
+        # refuses; a simple POST carries its own Origin, which the dashboard refuses.
+        action = f"{dashboard.rstrip('/')}/api/tables/result_tasks/actions/cancel"
+        pending = _pending_result_task(engine)
+        for content_type in ("application/json", "text/plain"):
+            sent = browser.execute_async_script(_FETCH, action, "POST", content_type, token, {"ids": [pending]})
+            assert token not in sent, sent
+        assert _status(engine, pending) == "pending"
+
+
+#: Run in a page by execute_async_script: fetch(url) with the browser's cookies; calls
+#: back "read <body>" or "blocked <error>" (a response a page of another origin may not read).
+_FETCH = """
+const [url, method, type, token, body, done] = arguments;
+const init = {method, credentials: "include"};
+if (method === "POST") {
+  init.body = JSON.stringify(body);
+  init.headers = {"Content-Type": type, "X-CSRF-Token": token};
+  if (type !== "application/json") { init.mode = "no-cors"; delete init.headers["X-CSRF-Token"]; }
+}
+fetch(url, init).then(r => r.text()).then(t => done("read " + t), e => done("blocked " + e));
+"""
+
+
+@contextlib.contextmanager
+def _another_origin() -> Iterator[str]:
+    """A page served by another port of this machine: another origin, the same site."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<!doctype html><title>elsewhere</title><p>another origin"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _pending_result_task(engine: Engine) -> int:
+    results = table_of(ResultTask)
+    with engine.begin() as conn:
+        return int(conn.execute(insert(results).values(task="t", payload={}).returning(results.c.id)).scalar_one())
+
+
+def _status(engine: Engine, key: int) -> str | None:
+    results = table_of(ResultTask)
+    with engine.connect() as conn:
+        return conn.scalar(select(results.c.status).where(results.c.id == key))

@@ -50,8 +50,7 @@ from flask import (
     session,
     url_for,
 )
-from sqlalchemy import JSON, BigInteger, ColumnElement, Engine, Integer, SmallInteger, String, Text, case, cast, func
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import Engine
 
 from .. import admin
 from .. import sql as q
@@ -69,6 +68,18 @@ from ..model import (
 )
 from ..registry import declared_workers_table
 from ..rules import Concurrency, RateLimit
+from .api import api_blueprint
+from .reads import (
+    _DEFAULT_LEASE,
+    _ERROR_VIEW,
+    _as_text,
+    _attempt,
+    _job_id,
+    _job_view,
+    _list_page,
+    _running_jobs,
+    _split,
+)
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
 
@@ -87,15 +98,6 @@ _CSP = (
 )
 _ACTIONS = ("requeue", "cancel", "delete", "requeue_matching", "pause", "resume", "limit")
 _STATUSES = frozenset(s.value for s in JobStatus)
-#: A list shows the first characters of a JSON value stored uncompressed in at most
-#: this many bytes (the last ones of a text of at most ``_PREVIEW_TEXT_BYTES``), and only
-#: the size of a bigger one: PostgreSQL would read, decompress and render all of it to
-#: give a few characters (a 4 MB payload for 60 of them). Its job page shows the start.
-_PREVIEW_BYTES = 4096
-_PREVIEW_TEXT_BYTES = 16384
-_PREVIEW_CHARS = 200
-#: How much of ``last_error`` the job page shows before linking to the whole.
-_ERROR_VIEW = 100_000
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ def dashboard_blueprint(
     truncate: int = 2000,
     name: str = "sqla_queue_dashboard",
     trusted_hosts: Sequence[str] | None = None,
+    api_actions: bool = False,
 ) -> Blueprint:
     """The dashboard as a blueprint to register in your app (``url_prefix`` of your choice).
 
@@ -198,12 +201,16 @@ def dashboard_blueprint(
     Whatever it is, a POST whose ``Origin`` (or ``Referer``) is not the request's own
     host is refused with a 400: behind a proxy, pass the original ``Host`` on (or use
     Werkzeug's ``ProxyFix``).
+
+    The JSON API under ``/api/`` (:mod:`sqla_queue.dashboard.api`) reads what the pages
+    do; its actions are refused unless ``api_actions=True`` (and not ``read_only``).
     """
     settings = _Settings(
         engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate,
         trusted_hosts=trusted_hosts,
     )
     bp = Blueprint(name, __name__, template_folder="templates")
+    bp.register_blueprint(api_blueprint(settings, actions=api_actions), url_prefix="/api")  # under every check of bp
 
     @bp.before_request
     def _authorize() -> Any:
@@ -411,130 +418,6 @@ def dashboard_blueprint(
     return bp
 
 
-#: The values each integer column type can hold: a key outside them names no job (and
-#: PostgreSQL would refuse the statement that looks for it).
-_INT_RANGES = ((BigInteger, 63), (SmallInteger, 15), (Integer, 31))
-
-
-def _as_text(column: Any) -> ColumnElement[str] | None:
-    """``column`` as text rendered by PostgreSQL, for the types whose values can be big
-    (JSON, text without a length); None for the others (and for a ``TypeDecorator``,
-    whose Python side may change what the value shows)."""
-    kind = column.type
-    if isinstance(kind, JSONB):
-        return func.jsonb_pretty(column)
-    if isinstance(kind, JSON):
-        return cast(column, Text)
-    if isinstance(kind, String) and kind.length is None:
-        return column  # type: ignore[no-any-return]
-    return None
-
-
-#: The lease a worker not seen for is shown as gone, when the dashboard was given none.
-_DEFAULT_LEASE = 60.0
-
-
-def _attempt(entry: dict[str, Any]) -> dict[str, str]:
-    """One entry of a job's history as the page shows it: every field a text."""
-    seconds = entry.get("seconds")
-    return {
-        "attempt": str(entry.get("attempt", "")),
-        "outcome": str(entry.get("outcome") or ""),
-        "worker": str(entry.get("worker") or ""),
-        "started_at": str(entry.get("started_at") or ""),
-        "seconds": f"{float(seconds):.3f}" if isinstance(seconds, int | float) else "",
-        "error": str(entry.get("error") or ""),
-    }
-
-
-def _job_view(settings: _Settings, entry: _Table, key: Any) -> tuple[dict[str, Any], dict[str, int]] | None:
-    """A job's columns, each value that can be big cut in SQL to what the page shows
-    (``truncate`` characters, ``last_error`` more), with the full lengths of those: the
-    page of a job with a 4 MB payload reads a few kilobytes. None when there is no job."""
-    table = entry.qt.table
-    shown: list[Any] = []
-    measured: list[str] = []
-    attempts = history_column(table)  # read whole: bounded by its entries and their size
-    for column in table.c:
-        text = _as_text(column)
-        if text is None or column is attempts:
-            shown.append(column)
-            continue
-        bound = _ERROR_VIEW if column.name == "last_error" else settings.truncate
-        shown.append(func.left(text, bound + 1).label(column.name))
-        measured.append(column.name)
-    lengths = [func.length(_as_text(table.c[name])) for name in measured]
-    with settings.engine.connect() as conn:
-        row = conn.execute(q.get_job(entry.model, key).with_only_columns(*shown, *lengths)).first()
-    if row is None:
-        return None
-    values = dict(zip(table.c.keys(), row[: len(shown)], strict=True))
-    return values, {name: int(n or 0) for name, n in zip(measured, row[len(shown):], strict=True)}
-
-
-def _list_columns(entry: _Table) -> list[Any]:
-    """The columns a list shows, a payload and an error only as a bounded preview (see
-    :data:`_PREVIEW_BYTES`) with their stored size."""
-    c = entry.qt.c
-    columns: list[Any] = [
-        entry.qt.pk, c.queue, c.status, c.attempts, c.max_attempts, c.run_after, c.created_at, c.lease_owner,
-    ]
-    if entry.has_task:
-        columns.append(c.task)
-    previews = [("last_error", True)] + ([("payload", False)] if entry.has_payload else [])
-    for name, tail in previews:
-        column = c[name]
-        if isinstance(column.type, String):
-            # The length of a text, compressed or not, is in its header: nothing is read.
-            text: Any = column
-            size: Any = func.octet_length(column)
-            small = size <= _PREVIEW_TEXT_BYTES
-        else:
-            text = cast(column, Text)
-            size = func.pg_column_size(column)  # as stored: a JSON value has no cheaper length
-            small = (size <= _PREVIEW_BYTES) & func.pg_column_compression(column).is_(None)
-        cut = func.right(text, _PREVIEW_CHARS) if tail else func.left(text, _PREVIEW_CHARS)
-        columns += [case((small, cut), else_=None).label(name), size.label(f"{name}_bytes")]
-    return columns
-
-
-#: How many of its running jobs the workers page names for each worker.
-_RUNNING_SHOWN = 10
-
-
-def _running_jobs(engine: Engine, entry: _Table) -> dict[str | None, list[Any]]:
-    """The running jobs of each worker (its executors' together), up to
-    :data:`_RUNNING_SHOWN` each, newest first: what each is running."""
-    c = entry.qt.c
-    columns = [entry.qt.pk, c.lease_owner, c.queue, *([c.task] if entry.has_task else [])]
-    stmt = q.list_jobs(entry.model, statuses=["running"], limit=1000).with_only_columns(*columns)
-    with engine.connect() as conn:
-        rows = conn.execute(stmt).all()
-    running: dict[str | None, list[Any]] = {}
-    for row in rows:
-        match = admin._EXECUTOR.match(row.lease_owner or "")
-        worker = match["worker"] if match else row.lease_owner
-        jobs = running.setdefault(worker, [])
-        if len(jobs) < _RUNNING_SHOWN:
-            jobs.append(row._mapping)
-    return running
-
-
-def _job_id(entry: _Table, value: str) -> Any:
-    try:
-        key = admin.parse_job_id(entry.model, value)
-    except ValueError:
-        abort(404)
-    column_type = entry.qt.pk.type
-    if isinstance(key, int):
-        for kind, bits in _INT_RANGES:
-            if isinstance(column_type, kind):
-                if not -(2**bits) <= key < 2**bits:
-                    abort(404)
-                break
-    return key
-
-
 def _trusted_hosts(hosts: Sequence[str] | None) -> tuple[str, ...] | None:
     """``hosts`` lower-cased, without brackets or ports; ValueError when one is no name."""
     if hosts is None:
@@ -596,12 +479,6 @@ def _check_request(trusted: Sequence[str] | None) -> None:
         abort(400, "a NUL character in the request")
 
 
-def _split(values: list[str]) -> tuple[str, ...]:
-    """Repeated query arguments, each also split on commas: ``?queue=a,b&queue=c``."""
-    parts = (part.strip() for value in values for part in value.split(","))
-    return tuple(dict.fromkeys(part for part in parts if part))
-
-
 def _jobs_page(settings: _Settings, entry: _Table, *, dead: bool) -> str:
     args = request.args
     statuses = ("failed",) if dead else tuple(s for s in _split(args.getlist("status")) if s in _STATUSES)
@@ -612,17 +489,9 @@ def _jobs_page(settings: _Settings, entry: _Table, *, dead: bool) -> str:
         error_contains=args.get("error") or None,
     )
     before = args.get("before")
-    # admin.list_jobs' statement, reading only what the page shows.
-    stmt = q.list_jobs(
-        entry.model, **filters.builder_kwargs(), before=_job_id(entry, before) if before else None,
-        limit=settings.page_size + 1,
-    ).with_only_columns(*_list_columns(entry))
-    with settings.engine.connect() as conn:
-        rows = list(conn.execute(stmt).all())
+    page = _list_page(settings, entry, filters, before=_job_id(entry, before) if before else None,
+                      limit=settings.page_size)
     pk = entry.qt.pk.name
-    more = len(rows) > settings.page_size
-    rows = rows[: settings.page_size]
-    page = admin.JobPage(rows, rows[-1]._mapping[pk] if more else None)
     query = {"queue": ",".join(filters.queues), "task": ",".join(filters.tasks), "error": filters.error_contains or ""}
     if not dead:
         query["status"] = ",".join(filters.statuses)
@@ -746,6 +615,7 @@ def create_app(
     secret_key: str | None = None,
     page_size: int = 50,
     trusted_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    api_actions: bool = False,
 ) -> Flask:
     """A Flask app serving only the dashboard, at ``/``: what ``sqla-queue dashboard``
     runs. A random ``secret_key`` unless given (sessions, hence CSRF tokens, last as long
@@ -757,7 +627,7 @@ def create_app(
     app.register_blueprint(
         dashboard_blueprint(
             engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size,
-            trusted_hosts=trusted_hosts,
+            trusted_hosts=trusted_hosts, api_actions=api_actions,
         )
     )
     return app
@@ -773,6 +643,7 @@ def serve(
     lease: float | None = None,
     ready: Callable[[str], None] | None = None,
     trusted_hosts: Sequence[str] | None = None,
+    api_actions: bool = False,
 ) -> None:
     """Serve :func:`create_app` with Werkzeug's threaded server until interrupted; prints
     (or passes to ``ready``) the address once it listens (``port=0``: a free port).
@@ -783,7 +654,8 @@ def serve(
     from werkzeug.serving import make_server
 
     app = create_app(
-        engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts)
+        engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts),
+        api_actions=api_actions,
     )
     server = make_server(host, port, app, threaded=True)
     shown = f"[{host}]" if ":" in host else host
