@@ -42,7 +42,7 @@ from sqla_queue.alembic import (
     compose,
     queue_schema_table,
 )
-from sqla_queue.model import constraint_name
+from sqla_queue.model import WORKFLOW_COLUMNS, constraint_name
 
 from .helpers import Server, table_of
 from .models import EmailJob, UuidJob
@@ -864,32 +864,40 @@ def test_a_changed_unique_declaration_is_migrated_by_autogenerate(project: Proje
 
 
 @pytest.mark.system
-def test_autogenerate_adds_the_columns_of_results_progress_and_history(
+def test_autogenerate_adds_the_columns_of_results_progress_history_and_workflows(
     project: Project, new_database: NewDatabase
 ) -> None:
-    """ResultMixin and HistoryMixin mixed into a deployed queue: three nullable JSONB
-    columns, no index, the same as create_all; downgrade drops them."""
+    """ResultMixin, HistoryMixin and WorkflowMixin mixed into a deployed queue: three
+    nullable JSONB columns, the workflow's five (two with server defaults for the rows
+    already there) and its index, built concurrently; the same as create_all; downgrade
+    drops them."""
     project.models(models())
     project.autogenerate("initial")
     project.alembic("upgrade", "head")
     project.models(
         models()
-        .replace("class Task(Base, TaskMixin):", "class Task(Base, TaskMixin, ResultMixin, HistoryMixin):")
+        .replace("class Task(Base, TaskMixin):", "class Task(Base, TaskMixin, ResultMixin, HistoryMixin, WorkflowMixin):")
         .replace("from sqla_queue import JobMixin, TaskMixin", "from sqla_queue import HistoryMixin, JobMixin, "
-                 "ResultMixin, TaskMixin")
+                 "ResultMixin, TaskMixin, WorkflowMixin")
     )
     migration = project.autogenerate("results")
     upgrade = project.upgrade_body(migration)
     for column in ("result", "progress", "history"):
         assert f"op.add_column('tasks', sa.Column('{column}', sa.JSON(none_as_null=True).with_variant(" in upgrade
-    assert upgrade.count("op.add_column(") == 3 and "create_index" not in upgrade and "nullable=True" in upgrade
+    for column in WORKFLOW_COLUMNS:
+        assert f"op.add_column('tasks', sa.Column('{column}'" in upgrade
+    assert upgrade.count("op.add_column(") == 3 + len(WORKFLOW_COLUMNS)
+    index = next(line for line in upgrade.splitlines() if "create_index" in line)
+    assert "sq_ops.create_index_concurrently(" in index and "tasks_workflow_idx" in index, index
+    assert "['workflow_id']" in index and "workflow_id IS NOT NULL" in index, index
+    assert upgrade.count("create_index") == 1
     project.alembic("upgrade", "head")
     reference = new_database()
     project.create_all(reference)
     assert schema(project.url) == schema(reference)
     project.alembic("check")
     project.alembic("downgrade", "-1")
-    assert not {"result", "progress", "history"} & set(schema(project.url)["tasks"]["columns"])
+    assert not {"result", "progress", "history", *WORKFLOW_COLUMNS} & set(schema(project.url)["tasks"]["columns"])
 
 
 @pytest.mark.system

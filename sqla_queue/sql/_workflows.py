@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import CTE, Select, String, and_, case, func, literal, null, or_, select
+from sqlalchemy import CTE, Select, String, and_, any_, case, func, literal, null, or_, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..model import WAKE_NONE, QueueTable, has_workflows, notify_channel, queue_table, status_literal, wake_mode
@@ -96,10 +97,12 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
     # The rows to write, locked in key order: two statements releasing the same children
     # wait for each other instead of deadlocking. A row the statement moves itself (a
     # cancel of a whole workflow) is not written twice.
+    # Found by the key from the few targets (an array, so an index scan whatever the
+    # planner guesses of the CTEs' sizes), locked in key order.
     targets = select(counted.c.child).union(select(doomed.c.id))
     locked = (
         select(key.label("id"))
-        .where(key.in_(targets), key.not_in(select(moved_key)), c.status == status_literal(PENDING))
+        .where(key == any_(_keys(qt, targets)), key.not_in(select(moved_key)), c.status == status_literal(PENDING))
         .order_by(key)
         .with_for_update()
         .cte("sqla_queue_locked")
@@ -112,8 +115,8 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
     released = (
         qt.table.update()
         .where(
+            key == any_(_keys(qt, select(locked.c.id))),
             key == counted.c.child,
-            key.in_(select(locked.c.id)),
             key.not_in(select(doomed.c.id)),
             c.status == status_literal(PENDING),
             c.waiting_on > 0,
@@ -124,7 +127,10 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
     )
     cascaded = (
         qt.table.update()
-        .where(key == doomed.c.id, key.in_(select(locked.c.id)), c.status == status_literal(PENDING))
+        .where(
+            key == any_(_keys(qt, select(locked.c.id).where(locked.c.id.in_(select(doomed.c.id))))),
+            c.status == status_literal(PENDING),
+        )
         .values(
             status=status_literal(CANCELLED),
             finished_at=_clock(),
@@ -136,6 +142,11 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
         .cte("sqla_queue_cascaded")
     )
     return moved, [released, cascaded]
+
+
+def _keys(qt: QueueTable, chosen: Select[Any]) -> ColumnElement[Any]:
+    """``ARRAY(chosen)``: keys as one value, for ``= ANY``."""
+    return func.array(chosen.scalar_subquery(), type_=ARRAY(qt.pk.type))
 
 
 def workflow_jobs(model: QueueModel, workflow_id: Any, *, columns: Sequence[Any] = ()) -> Select[Any]:
