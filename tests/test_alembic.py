@@ -876,7 +876,8 @@ def test_autogenerate_adds_the_columns_of_results_progress_history_and_workflows
     project.alembic("upgrade", "head")
     project.models(
         models()
-        .replace("class Task(Base, TaskMixin):", "class Task(Base, TaskMixin, ResultMixin, HistoryMixin, WorkflowMixin):")
+        .replace("class Task(Base, TaskMixin):",
+                 "class Task(Base, TaskMixin, ResultMixin, HistoryMixin, WorkflowMixin):")
         .replace("from sqla_queue import JobMixin, TaskMixin", "from sqla_queue import HistoryMixin, JobMixin, "
                  "ResultMixin, TaskMixin, WorkflowMixin")
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from sqlalchemy import CTE, Select, String, and_, any_, case, func, literal, null, or_, select
+from sqlalchemy import CTE, CompoundSelect, Select, String, and_, any_, case, func, literal, null, or_, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -144,7 +144,7 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
     return moved, [released, cascaded]
 
 
-def _keys(qt: QueueTable, chosen: Select[Any]) -> ColumnElement[Any]:
+def _keys(qt: QueueTable, chosen: Select[Any] | CompoundSelect[Any]) -> ColumnElement[Any]:
     """``ARRAY(chosen)``: keys as one value, for ``= ANY``."""
     return func.array(chosen.scalar_subquery(), type_=ARRAY(qt.pk.type))
 
