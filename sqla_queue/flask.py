@@ -57,7 +57,7 @@ from .enqueue.session import enqueue
 from .enqueue.unique import Enqueued, EnqueuedMany, UniqueKey
 from .errors import QueuesTableNotDeclared
 from .model import JobStatus, queue_table
-from .tasks import Handler, Tasks
+from .tasks import Handler, TaskRegistry
 from .worker import Worker, WorkerConfig
 
 __all__ = ["FlaskQueue"]
@@ -70,7 +70,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 @dataclass
 class _Registration:
     model: Any
-    handler: Handler | Tasks
+    handler: Handler | TaskRegistry
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,7 +94,9 @@ class FlaskQueue:
         app.extensions["sqla_queue"] = self
         app.cli.add_command(_queue_commands)
 
-    def add_worker(self, model: Any, handler: Handler | Tasks, *, name: str | None = None, **options: Any) -> None:
+    def add_worker(
+        self, model: Any, handler: Handler | TaskRegistry, *, name: str | None = None, **options: Any
+    ) -> None:
         """Register the worker ``flask queue worker NAME`` runs (NAME defaults to the table)."""
         key = name or queue_table(model).table.name
         if key in self._workers:
@@ -560,6 +562,6 @@ def _schedules_command(name: str | None) -> None:
     """List the periodic schedules with their last and next tick."""
     ext = _extension()
     registration = ext._registration(name)
-    own = registration.handler.schedules if isinstance(registration.handler, Tasks) else ()
+    own = registration.handler.schedules if isinstance(registration.handler, TaskRegistry) else ()
     schedules = [*own, *registration.options.get("schedules", ())]
     click.echo(admin.format_schedules(ext.db.engine, registration.model, schedules))
