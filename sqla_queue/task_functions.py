@@ -75,7 +75,8 @@ def check_payload(name: str, fn: Handler, signature: inspect.Signature | None, p
     try:
         signature.bind(**payload)
     except TypeError as exc:
-        raise TaskArgumentError(f"cannot enqueue task {name!r}: {exc} (its payload parameters: {signature})") from None
+        bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()])
+        raise TaskArgumentError(f"cannot enqueue task {name!r}: {exc} (its payload parameters: {bare})") from None
     named = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD}
     clash = sorted(named.intersection(payload))
     if clash:  # taken by a **kwargs, yet the call would give that parameter the job (or session) too
