@@ -67,7 +67,8 @@ def main(url: str) -> None:
             assert not session.new
         stats = run_until_idle(engine, Task, tasks)
         assert stats.done == 3, stats
-        assert sorted(sent) == [f"receipt of order {order_id} to {to}" for to in ("ada@example.com", "books@example.com")]
+        receipts = [f"receipt of order {order_id} to {to}" for to in ("ada@example.com", "books@example.com")]
+        assert sorted(sent) == receipts, sent
         with engine.connect() as conn:
             assert conn.scalar(select(func.count()).select_from(Charge)) == 1
         asyncio.run(enqueue_async(url, order_id))
