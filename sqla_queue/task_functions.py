@@ -77,9 +77,11 @@ def check_payload(name: str, fn: Handler, signature: inspect.Signature | None, p
     except TypeError as exc:
         bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()])
         raise TaskArgumentError(f"cannot enqueue task {name!r}: {exc} (its payload parameters: {bare})") from None
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return  # bound: each key is a keyword-only parameter
     named = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD}
     clash = sorted(named.intersection(payload))
-    if clash:  # taken by a **kwargs, yet the call would give that parameter the job (or session) too
+    if clash:  # taken by the **kwargs, yet the call would give that parameter the job (or session) too
         raise TaskArgumentError(
             f"cannot enqueue task {name!r}: the payload key {clash[0]!r} names a positional parameter of its function"
         )
