@@ -47,6 +47,7 @@ from .errors import (
     RetryLater,
     Snooze,
     SqlaQueueError,
+    TaskArgumentError,
     UnknownTask,
 )
 from .flow import queues_table
@@ -72,7 +73,7 @@ from .registry import workers_table
 from .results import parent_counts, parent_results, result, wait_for_result
 from .rules import Concurrency, InOrder, RateLimit
 from .sql import Backoff, ClaimToken
-from .tasks import Tasks
+from .task_functions import TaskFunction, Tasks
 from .worker import JobEvent, JobOutcome, Worker, WorkerConfig, WorkerObserver, WorkerStartError, WorkerStats
 from .worker.aio import AsyncWorker
 
@@ -119,6 +120,8 @@ __all__ = [
     "Snooze",
     "Schedule",
     "SqlaQueueError",
+    "TaskArgumentError",
+    "TaskFunction",
     "TaskMixin",
     "Tasks",
     "UNIQUE_ACTIVE",

@@ -2,15 +2,15 @@
 
 TARGET is module:attribute (the module importable from the current directory): a
 sqla_queue Worker or AsyncWorker, a function returning one, or, for the commands that do
-not run jobs, a queue model together with --url (or DATABASE_URL).
+not run jobs, a queue model together with --url (or DATABASE_URL). worker, stats, jobs
+and dashboard take several: one worker per table in one process, each table in turn, or
+every table on one dashboard.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import inspect
 import json
 import logging
 import os
@@ -21,16 +21,24 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeVar
 
-from sqlalchemy import URL, Engine
-from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
+from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from . import admin
+from .cli_targets import (
+    CommandError,
+    dashboard_targets,
+    database_url,
+    load_target,
+    on_admin_target,
+    on_each_target,
+    worker_from,
+)
 from .enqueue._rules import check_queue
 from .errors import SqlaQueueError
 from .model import JobStatus, queue_table
-from .urls import psycopg_url
 
 T = TypeVar("T")
 
@@ -82,110 +90,7 @@ def _alembic_init(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- targets --------------------------------------------------------------------------------
-
-
-class CommandError(Exception):
-    """A usage error worth one clear line, not a traceback."""
-
-
-def load_target(spec: str) -> Any:
-    """Import ``module:attr.path``; the current directory is importable, as for ``python -m``."""
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise CommandError(f"TARGET must look like 'module:attribute', got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise CommandError(f"{spec!r}: {module_name} has no attribute {attr_path!r}") from None
-    return obj
-
-
-def _worker_from(target: Any) -> Any:
-    """The Worker or AsyncWorker ``target`` is, or that calling it returns."""
-    from .worker import Worker
-    from .worker.aio import AsyncWorker
-
-    kinds = (Worker, AsyncWorker)
-    if isinstance(target, kinds):
-        return target
-    if callable(target) and not isinstance(target, type):
-        made = target()
-        if isinstance(made, kinds):
-            return made
-        if inspect.iscoroutine(made):
-            made.close()  # never awaited: closed, so no "never awaited" warning follows the error
-            raise CommandError(f"{target!r} is a coroutine function: make it a plain one returning the worker")
-        raise CommandError(
-            f"{target!r} returned {type(made).__name__}, not a sqla_queue.Worker or AsyncWorker"
-        )
-    raise CommandError(
-        f"{target!r} is not a sqla_queue.Worker or AsyncWorker, nor a function returning one"
-    )
-
-
-def _engine_and_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The engine (an ``AsyncEngine`` for an AsyncWorker target) and the queue model."""
-    engine, model, worker = _resolve_target(args.target, args.url)
-    if worker is not None:
-        args.schedules_found = tuple(worker.schedules)
-    return engine, model
-
-
-def _resolve_target(spec: str, url: URL | None) -> tuple[Any, Any, Any]:
-    """``(engine, model, worker)`` of a TARGET: a model (with ``url`` or DATABASE_URL;
-    worker None), a Worker or AsyncWorker, or a function returning one (called once)."""
-    from sqlalchemy import create_engine
-
-    from .errors import NotAQueueModel
-    from .worker import Worker
-    from .worker.aio import AsyncWorker
-
-    target = load_target(spec)
-    if isinstance(target, type):
-        if url is None:
-            raw = os.environ.get("DATABASE_URL")
-            if not raw:
-                raise CommandError("a model TARGET needs --url or DATABASE_URL")
-            try:
-                url = database_url(raw)
-            except argparse.ArgumentTypeError as exc:
-                raise CommandError(f"DATABASE_URL: {exc}") from None
-        try:
-            queue_table(target)
-        except NotAQueueModel as exc:
-            raise CommandError(str(exc)) from None
-        return create_engine(url), target, None
-    worker = target if isinstance(target, Worker | AsyncWorker) else _worker_from(target)
-    return worker.engine, worker.model, worker
-
-
 # -- argument types: a bad value is a usage error naming its option, never a traceback ------
-
-
-def database_url(text: str) -> URL:
-    """A PostgreSQL URL whose driver is installed; ``postgresql://`` means psycopg 3."""
-    try:
-        url = psycopg_url(text)
-        dialect = url.get_dialect()
-    except ArgumentError as exc:  # also NoSuchModuleError: an unknown dialect or driver
-        raise argparse.ArgumentTypeError(f"not a usable database URL ({exc})") from None
-    if url.get_backend_name() != "postgresql":
-        raise argparse.ArgumentTypeError(f"sqla_queue needs PostgreSQL, not {url.get_backend_name()!r}")
-    try:
-        dialect.import_dbapi()
-    except ImportError:
-        raise argparse.ArgumentTypeError(
-            f"the driver of {url.drivername!r} is not installed (postgresql+psycopg:// uses psycopg 3)"
-        ) from None
-    return url
 
 
 _DURATION = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -408,7 +313,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     workers = []
     for spec in args.target:  # each target's own worker; the flags apply to every one
         try:
-            workers.append(_worker_from(load_target(spec)).with_options(**overrides))
+            workers.append(worker_from(load_target(spec)).with_options(**overrides))
         except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from None
     kinds = {isinstance(w, AsyncWorker) for w in workers}
@@ -443,50 +348,26 @@ async def _run_async(workers: list[Any], *, until_idle: bool) -> None:
             await engine.dispose()
 
 
-def _on_admin_target(args: argparse.Namespace, command: Callable[[Engine, Any], T]) -> T:
-    """``command(engine, model)`` on the target's own engine, its pooled connections closed
-    afterwards (left open, only the garbage collector would close them).
-
-    An AsyncWorker's engine is used as SQLAlchemy's asyncio extension uses it: its
-    synchronous core, run in a greenlet on an event loop. So the command connects exactly
-    as the worker does (URL, ``connect_args``, events), not through a look-alike engine.
-    """
-    from sqlalchemy.ext.asyncio import AsyncEngine
-    from sqlalchemy.util import greenlet_spawn
-
-    engine, model = _engine_and_model(args)
-
-    def checked(engine: Engine, model: Any) -> T:
-        admin.check_table(engine, model)  # the worker's words for a missing or unmigrated table
-        return command(engine, model)
-
-    if not isinstance(engine, AsyncEngine):
-        try:
-            return checked(engine, model)
-        finally:
-            engine.dispose()
-    async_engine = engine
-
-    async def run() -> T:
-        try:
-            return cast("T", await greenlet_spawn(checked, async_engine.sync_engine, model))
-        finally:
-            await async_engine.dispose()
-
-    return asyncio.run(run())
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
-    back, dead = _on_admin_target(args, lambda engine, model: admin.sweep(engine, model, limit=args.limit))
+    back, dead = on_admin_target(args, lambda engine, model: admin.sweep(engine, model, limit=args.limit))
     print(f"swept {back + dead} expired lease(s): {back} back to pending, {dead} dead-lettered")
     return 0
 
 
+def _sections(found: list[tuple[str, str]]) -> str:
+    """One target's text as it is; several, each under its table's name."""
+    if len(found) == 1:
+        return found[0][1]
+    return "\n\n".join(f"== {table} ==\n{text}" for table, text in found)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps(_on_admin_target(args, admin.stats_json), indent=2))
+        found = on_each_target(args, admin.stats_json)
+        # One target: its object, as ever; several: a list of them (each names its table).
+        print(json.dumps(found[0][1] if len(found) == 1 else [stats for _, stats in found], indent=2))
     else:
-        print(_on_admin_target(args, admin.format_stats))
+        print(_sections(on_each_target(args, admin.format_stats)))
     return 0
 
 
@@ -541,7 +422,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
             error_contains=kwargs["error_contains"], statuses=statuses,
         )
 
-    count = _on_admin_target(args, _with_filters(args, requeue))
+    count = on_admin_target(args, _with_filters(args, requeue))
     what = " or ".join(statuses) if args.status else "dead-lettered"
     print(f"requeued {count} {what} job(s)")
     return 0
@@ -554,20 +435,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     def cancel(engine: Engine, model: Any, filters: admin.JobFilters) -> list[Any]:
         return admin.cancel(engine, model, ids=list(filters.ids) or None, queues=list(filters.queues) or None)
 
-    cancelled = _on_admin_target(args, _with_filters(args, cancel))
+    cancelled = on_admin_target(args, _with_filters(args, cancel))
     print(f"cancelled {len(cancelled)} job(s)")
     return 0
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    changed = _on_admin_target(args, lambda engine, model: admin.pause_queues(engine, model, args.queue))
+    changed = on_admin_target(args, lambda engine, model: admin.pause_queues(engine, model, args.queue))
     for queue, paused in changed:
         print(f"paused {queue}" if paused else f"{queue} was paused already")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    changed = _on_admin_target(args, lambda engine, model: admin.resume_queues(engine, model, args.queue))
+    changed = on_admin_target(args, lambda engine, model: admin.resume_queues(engine, model, args.queue))
     for queue, resumed in changed:
         print(f"resumed {queue}" if resumed else f"{queue} was not paused")
     return 0
@@ -580,7 +461,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CommandError(str(exc)) from None
 
-    _on_admin_target(args, limit)
+    on_admin_target(args, limit)
     def shown(value: int | None) -> str:
         return "the model's" if value is None else str(value)
 
@@ -609,6 +490,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
         if qt.is_task_table:
             if args.task is None:
                 raise CommandError(f"{qt.table.name!r} is a task table: name the TASK, and give its payload in --json")
+            _check_task(getattr(args, "handler_found", None), args.task, values)
             row: dict[str, Any] = {"task": args.task, "payload": values}
         elif args.task is not None:
             raise CommandError(f"{qt.table.name!r} has no task column: give the job's columns in --json, and no TASK")
@@ -620,7 +502,7 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
             except (TypeError, ValueError) as exc:
                 raise CommandError(str(exc)) from None
 
-    found = _on_admin_target(args, enqueue)
+    found = on_admin_target(args, enqueue)
     if args.unique_key is None:
         print(f"enqueued job {found}")
     elif found.inserted:
@@ -628,6 +510,24 @@ def cmd_enqueue(args: argparse.Namespace) -> int:
     else:
         print(f"skipped: job {found.job_id} holds the key {args.unique_key!r}")
     return 0
+
+
+def _check_task(handler: Any, name: str, payload: dict[str, Any]) -> None:
+    """With a worker TARGET, the task must be one its registry runs, and a function that
+    takes its payload as keywords must take this one (as ``task.enqueue()`` checks it)."""
+    from .errors import TaskArgumentError, UnknownTask
+    from .task_functions import check_payload
+    from .tasks import TaskRegistry, payload_signature
+
+    if not isinstance(handler, TaskRegistry):
+        return  # a model TARGET: no code to check against
+    try:
+        function = handler.lookup(name).function or handler.lookup(name).fn
+        signature = payload_signature(function)
+        if signature is not None:
+            check_payload(name, function, signature, payload)
+    except (UnknownTask, TaskArgumentError) as exc:
+        raise CommandError(str(exc)) from None
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
@@ -638,11 +538,14 @@ def cmd_workers(args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
         return admin.format_workers(rows, args.lease)
 
-    print(_on_admin_target(args, workers))
+    print(on_admin_target(args, workers))
     return 0
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    if args.before is not None and len(args.target) > 1:
+        raise CommandError("argument --before: a page of one table's jobs: give its TARGET alone")
+
     def jobs(engine: Engine, model: Any, filters: admin.JobFilters) -> str:
         before = None
         if args.before is not None:
@@ -654,7 +557,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                                columns=admin.listed_columns(model))
         return admin.format_jobs(model, page)
 
-    print(_on_admin_target(args, _with_filters(args, jobs)))
+    print(_sections(on_each_target(args, _with_filters(args, jobs))))
     return 0
 
 
@@ -667,7 +570,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         row = admin.get_job(engine, model, job_id)
         return None if row is None else admin.format_job(row)
 
-    shown = _on_admin_target(args, show)
+    shown = on_admin_target(args, show)
     if shown is None:
         print(f"sqla-queue: no job {args.job_id}", file=sys.stderr)
         return 1
@@ -682,7 +585,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
         deleted = admin.delete_jobs(engine, model, filters, limit=args.limit, free_keys=args.free_keys)
         return deleted, 0 if args.free_keys else admin.key_holders(engine, model, filters)
 
-    count, kept = _on_admin_target(args, _with_filters(args, delete))
+    count, kept = on_admin_target(args, _with_filters(args, delete))
     print(f"deleted {count} job(s)")
     if kept:
         print(
@@ -700,7 +603,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         trusted_hosts = served_hosts(args.host, args.trusted_host)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    engine, models, lease = _dashboard_targets(args)
+    engine, models, lease = dashboard_targets(args)
     if args.lease is not None:
         lease = args.lease
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -719,31 +622,6 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], float | None]:
-    """One synchronous engine (the first target's; an AsyncWorker's URL is reached with
-    psycopg's synchronous side) and every target's model, with the workers' lease when
-    they all have the same."""
-    from sqlalchemy import create_engine
-    from sqlalchemy.ext.asyncio import AsyncEngine
-
-    engine: Any = None
-    models: list[Any] = []
-    leases: set[float] = set()
-    for spec in args.target:
-        target_engine, model, worker = _resolve_target(spec, args.url)
-        if worker is not None:
-            leases.add(float(worker.config.lease))
-        if engine is None:
-            engine = target_engine
-        elif target_engine is not engine:  # not connected yet: nothing to close but the pool
-            (target_engine.sync_engine if isinstance(target_engine, AsyncEngine) else target_engine).dispose()
-        if model not in models:
-            models.append(model)
-    if isinstance(engine, AsyncEngine):
-        engine = create_engine(engine.url.set(drivername="postgresql+psycopg"))
-    return engine, models, (leases.pop() if len(leases) == 1 else None)
-
-
 def cmd_schedules(args: argparse.Namespace) -> int:
     def schedules(engine: Engine, model: Any) -> str:
         # Set once the target turned out to be a worker: a model alone does not say
@@ -751,13 +629,13 @@ def cmd_schedules(args: argparse.Namespace) -> int:
         found = getattr(args, "schedules_found", None)
         return admin.format_schedules(engine, model, found or (), code_known=found is not None)
 
-    print(_on_admin_target(args, schedules))
+    print(on_admin_target(args, schedules))
     return 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     statuses = args.status or ["done", "cancelled"]
-    count = _on_admin_target(
+    count = on_admin_target(
         args,
         lambda engine, model: admin.prune(
             engine, model, older_than=args.older_than, statuses=statuses, limit=args.limit
@@ -831,9 +709,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve Prometheus metrics on this port (the prometheus extra)")
     worker.set_defaults(func=cmd_worker, parser=worker)
 
-    def admin(name: str, help: str) -> argparse.ArgumentParser:
+    def admin(name: str, help: str, *, several: bool = False) -> argparse.ArgumentParser:
         sub = _subcommand(subparsers, name, help)
-        sub.add_argument("target", help="module:attr of a Worker or AsyncWorker (or factory), or of a queue model")
+        if several:
+            sub.add_argument("target", nargs="+", help="module:attr of a Worker or AsyncWorker (or factory), or of "
+                             "a queue model; several: each table in turn")
+        else:
+            sub.add_argument("target", help="module:attr of a Worker or AsyncWorker (or factory), or of a queue model")
         sub.add_argument(
             "--url",
             type=database_url,
@@ -845,8 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--limit", type=positive_int, default=1000, help="rows per statement")
     sweep.set_defaults(func=cmd_sweep)
 
-    stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age")
-    stats.add_argument("--json", action="store_true", help="as JSON (with the table's dead tuples)")
+    stats = admin("stats", "jobs per queue and status, and the oldest runnable job's age", several=True)
+    stats.add_argument("--json", action="store_true",
+                       help="as JSON (with the table's dead tuples); several targets: a list, one object per table")
     stats.set_defaults(func=cmd_stats)
 
     def filters(sub: argparse.ArgumentParser, *, statuses: Sequence[str] | None, ids: bool = True) -> None:
@@ -906,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a worker not seen for this long is shown as gone (default 60s, the workers' lease)")
     workers.set_defaults(func=cmd_workers)
 
-    jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text")
+    jobs = admin("jobs", "list jobs, newest first, by queue, status, task or error text", several=True)
     filters(jobs, statuses=[s.value for s in JobStatus], ids=False)
     jobs.add_argument("--limit", type=positive_int, default=50, help="jobs per page (default 50)")
     jobs.add_argument("--before", metavar="ID", help="the page after this job id (printed under a full page)")
@@ -927,7 +810,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dashboard = _subcommand(subparsers, "dashboard", "serve the web dashboard (127.0.0.1 unless --host)")
     dashboard.add_argument(
-        "target", nargs="+", help="module:attr of a Worker or AsyncWorker (or factory), or of a queue model"
+        "target", nargs="+", help="module:attr of a Worker or AsyncWorker (or factory), or of a queue model; "
+        "several: every table on one dashboard"
     )
     dashboard.add_argument(
         "--url", type=database_url, help="database URL when TARGET is a model (default: DATABASE_URL)"

@@ -36,7 +36,7 @@ from .enqueue.bulk import enqueue_many
 from .enqueue.session import QueueSession
 from .model import TaskMixin
 from .retry import Backoff
-from .tasks import Tasks
+from .task_functions import Tasks
 from .urls import psycopg_url
 from .worker import Worker
 

@@ -48,6 +48,14 @@ class BulkRowError(EnqueueError):
         return type(self), (self.index, self.reason)
 
 
+class TaskArgumentError(EnqueueError, TypeError):
+    """A task function was given arguments its function cannot take as the job's payload
+    (``send_mail.enqueue(session, to=...)``): one missing, one it has no parameter for,
+    a positional one. Raised before anything is added to the session, as a ``TypeError``
+    (what a wrong call raises) and an :class:`EnqueueError` (what every refused enqueue
+    raises)."""
+
+
 class LeaseLost(SqlaQueueError):
     """The worker no longer owns the job: its lease expired and it was swept or re-claimed.
 

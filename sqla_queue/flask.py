@@ -12,7 +12,7 @@
         queue.enqueue(EmailJob(order=order))   # commits with the order, or not at all
         db.session.commit()
 
-    $ flask queue worker            # runs EmailJob's worker inside the app context
+    $ flask queue worker            # every registered worker (here EmailJob's), in one process
     $ flask queue stats
 
 ``queue.enqueue``/``enqueue_many`` act on the current ``db.session`` and are typed.
@@ -56,8 +56,9 @@ from .enqueue.options import EnqueueKwargs
 from .enqueue.session import enqueue
 from .enqueue.unique import Enqueued, EnqueuedMany, UniqueKey
 from .errors import QueuesTableNotDeclared
+from .group import Workers
 from .model import JobStatus, queue_table
-from .tasks import Handler, Tasks
+from .tasks import Handler, TaskRegistry
 from .worker import Worker, WorkerConfig
 
 __all__ = ["FlaskQueue"]
@@ -70,7 +71,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 @dataclass
 class _Registration:
     model: Any
-    handler: Handler | Tasks
+    handler: Handler | TaskRegistry
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,7 +95,9 @@ class FlaskQueue:
         app.extensions["sqla_queue"] = self
         app.cli.add_command(_queue_commands)
 
-    def add_worker(self, model: Any, handler: Handler | Tasks, *, name: str | None = None, **options: Any) -> None:
+    def add_worker(
+        self, model: Any, handler: Handler | TaskRegistry, *, name: str | None = None, **options: Any
+    ) -> None:
         """Register the worker ``flask queue worker NAME`` runs (NAME defaults to the table)."""
         key = name or queue_table(model).table.name
         if key in self._workers:
@@ -302,7 +305,8 @@ _name = click.argument("name", required=False)
     help="logging level, unless the app configured logging itself",
 )
 def _worker_command(name: str | None, until_idle: bool, log_level: str, **options: Any) -> None:
-    """Run a registered worker until SIGTERM/SIGINT."""
+    """Run a registered worker until SIGTERM/SIGINT; without NAME, every registered
+    worker, in this one process, with one shutdown."""
     # As the sqla-queue command does: without it the worker's log lines go nowhere.
     # basicConfig leaves a logging set-up the app made itself alone.
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
@@ -311,15 +315,23 @@ def _worker_command(name: str | None, until_idle: bool, log_level: str, **option
         return value.total_seconds() if isinstance(value, timedelta) else value
 
     overrides = worker_overrides(**{k: seconds(v) for k, v in options.items()})
+    ext = _extension()
+    names = [name] if name is not None else ext.worker_names
+    if not names:
+        raise click.UsageError("no worker is registered: queue.add_worker(Model, handler) first")
     try:
-        worker = _extension().make_worker(name, **overrides)
+        workers = [ext.make_worker(each, **overrides) for each in names]
     except ValueError as exc:  # e.g. a heartbeat not shorter than the lease
         raise click.UsageError(str(exc)) from None
     try:
-        check_database(worker.engine, worker.model)
+        for worker in workers:
+            check_database(worker.engine, worker.model)
     except (OperationalError, ProgrammingError, WorkerStartError) as exc:
         raise click.ClickException(str(getattr(exc, "orig", exc)).strip().splitlines()[0]) from None
-    worker.run(until_idle=until_idle)
+    if len(workers) == 1:
+        workers[0].run(until_idle=until_idle)
+    else:  # one per registration: a signal stops them all, their graces side by side
+        Workers(workers).run(until_idle=until_idle)
 
 
 @_queue_commands.command("sweep")
@@ -562,6 +574,6 @@ def _schedules_command(name: str | None) -> None:
     """List the periodic schedules with their last and next tick."""
     ext = _extension()
     registration = ext._registration(name)
-    own = registration.handler.schedules if isinstance(registration.handler, Tasks) else ()
+    own = registration.handler.schedules if isinstance(registration.handler, TaskRegistry) else ()
     schedules = [*own, *registration.options.get("schedules", ())]
     click.echo(admin.format_schedules(ext.db.engine, registration.model, schedules))

@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, a
 from sqlalchemy.orm import Session, scoped_session
 
 from .model import queue_table
-from .tasks import Tasks
+from .tasks import TaskRegistry
 from .worker import Worker, WorkerStats
 from .worker.aio import AsyncWorker
 
@@ -164,7 +164,7 @@ def _assert_not_enqueued(source: Session | Connection | Engine, model: type[Any]
 def run_until_idle(
     engine: Engine,
     model: Any,
-    handler: Callable[..., Any] | Tasks,
+    handler: Callable[..., Any] | TaskRegistry,
     **options: Any,
 ) -> WorkerStats:
     """Run a thread :class:`~sqla_queue.Worker` until no job is runnable, none is
@@ -188,7 +188,7 @@ def run_until_idle(
 async def arun_until_idle(
     engine: AsyncEngine,
     model: Any,
-    handler: Callable[..., Any] | Tasks,
+    handler: Callable[..., Any] | TaskRegistry,
     **options: Any,
 ) -> WorkerStats:
     """:func:`run_until_idle` on an :class:`~sqla_queue.AsyncWorker` (async handlers)."""

@@ -67,6 +67,22 @@ def test_stats_as_json(engine: Engine, url: str, capsys: Any) -> None:
     assert all(q["oldest_runnable_seconds"] is None for q in found["queues"] if q["status"] != "pending")
 
 
+def test_stats_of_two_tables(engine: Engine, url: str, capsys: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(insert(JOBS), [{"queue": "mail", "status": "pending"}] * 2)
+        conn.execute(insert(table_of(Task)), [{"task": "t", "queue": "reports", "status": "failed"}])
+    models = ["tests.models:EmailJob", "tests.models:Task"]
+    assert main(["stats", *models, "--url", url]) == 0
+    email, tasks = capsys.readouterr().out.split("\n\n")
+    assert email.splitlines()[0] == "== email_jobs ==" and email.splitlines()[3].split()[:3] == ["mail", "pending", "2"]
+    assert tasks.splitlines()[0] == "== tasks ==" and tasks.splitlines()[3].split()[:3] == ["reports", "failed", "1"]
+    assert main(["stats", *models, "--url", url, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [(one["table"], [(q["queue"], q["jobs"]) for q in one["queues"] if q["jobs"]]) for one in found] == [
+        ("email_jobs", [("mail", 2)]), ("tasks", [("reports", 1)])
+    ]
+
+
 def test_sweep_requeue_prune(engine: Engine, url: str, capsys: Any) -> None:
     with engine.begin() as conn:
         conn.execute(insert(JOBS).values(status="running", lease_owner="gone", attempts=1), [{"queue": "q"}] * 2)

@@ -74,3 +74,20 @@ def test_bad_option_values_are_usage_errors(url: str, capsys: Any, flag: list[st
     with pytest.raises(SystemExit) as exit_:
         main(["enqueue", "tests.models:Task", "t", "--url", url, *flag])
     assert exit_.value.code == 2
+
+
+def test_a_worker_target_checks_the_task_and_its_payload_against_its_function(
+    engine: Engine, capsys: Any
+) -> None:
+    target = "tests.worker_app:make_worker"  # its Tasks registry runs greet(job, *, name, times=1)
+    assert main(["enqueue", target, "greet", "--json", '{"name": "ada"}']) == 0
+    for task, payload, error in [
+        ("greet", '{"name": "ada", "nom": "ada"}', "unexpected keyword argument 'nom'"),
+        ("greet", "{}", "missing a required argument: 'name'"),
+        ("nope", "{}", "unknown task 'nope'"),
+    ]:
+        assert main(["enqueue", target, task, "--json", payload]) == 2
+        assert error in capsys.readouterr().err
+    assert [(job.task, job.payload) for job in rows(engine, TASKS)] == [("greet", {"name": "ada"})]
+    # A task that reads job.payload itself takes any payload, as a model TARGET does.
+    assert main(["enqueue", target, "work", "--json", '{"sleep": 0}']) == 0

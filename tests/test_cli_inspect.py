@@ -75,6 +75,20 @@ def test_jobs_filters_by_queue_status_and_error(engine: Engine, url: str, capsys
     assert listed(capsys, url, "--queue", "nowhere") == []
 
 
+def test_jobs_of_two_tables(engine: Engine, url: str, capsys: Any, jobs: dict[str, int]) -> None:
+    failed_task = add(engine, TASKS, task="report", status="failed", last_error="boom")
+    add(engine, TASKS, task="report")
+    assert main(["jobs", MODEL, TASK_MODEL, "--url", url, "--status", "failed"]) == 0
+    email, tasks = capsys.readouterr().out.split("\n\n")
+    assert email.splitlines()[0] == "== email_jobs =="
+    assert sorted(int(line.split()[0]) for line in email.splitlines()[3:]) == [jobs["b_failed"], jobs["c_failed"]]
+    assert tasks.splitlines()[0] == "== tasks ==" and [line.split()[0] for line in tasks.splitlines()[3:]] == [
+        str(failed_task)
+    ]
+    assert main(["jobs", MODEL, TASK_MODEL, "--url", url, "--before", "5"]) == 2
+    assert "give its TARGET alone" in capsys.readouterr().err
+
+
 def test_jobs_filters_by_task(engine: Engine, url: str, capsys: Any) -> None:
     resize = add(engine, TASKS, task="resize")
     crop = add(engine, TASKS, task="crop", payload={"w": 10})

@@ -421,3 +421,72 @@ def test_flask_queue_dashboard_is_a_blueprint_behind_the_apps_auth(app: Any) -> 
     assert cancel.status_code == 302
     with app.app_context():
         assert shop.db.session.get(shop.ConfirmationEmail, 1).status == "cancelled"
+
+
+def _tables_app(server: Server) -> Any:
+    from .flask_tables_app import create_app
+
+    return create_app(server.url.render_as_string(hide_password=False))
+
+
+def _fill_two_tables(engine: Any, n: int) -> None:
+    from sqlalchemy import insert
+
+    from .helpers import table_of
+    from .models import EmailJob, Task
+
+    with engine.begin() as conn:
+        conn.execute(insert(table_of(Task)), [{"task": "report", "payload": {"name": f"r{i}"}} for i in range(n)])
+        conn.execute(insert(table_of(EmailJob)), [{"recipient": f"m{i}@example.com"} for i in range(n)])
+
+
+def _effects(engine: Any) -> list[tuple[str, str]]:
+    from .helpers import table_of
+    from .models import Effect
+
+    effects = table_of(Effect)
+    with engine.connect() as conn:
+        return sorted((row.worker, row.note) for row in conn.execute(select(effects.c.worker, effects.c.note)))
+
+
+def test_flask_queue_worker_without_a_name_runs_every_registered_worker(engine: Any, server: Server) -> None:
+    app = _tables_app(server)
+    runner = app.test_cli_runner()
+    _fill_two_tables(engine, 2)
+    one = runner.invoke(args=["queue", "worker", "mail", "--until-idle"])  # NAME: that worker alone
+    assert one.exit_code == 0, one.output
+    assert _effects(engine) == [("email", "m0@example.com"), ("email", "m1@example.com")]
+    every = runner.invoke(args=["queue", "worker", "--until-idle", "--concurrency", "1"])
+    assert every.exit_code == 0, every.output
+    assert _effects(engine) == [("email", "m0@example.com"), ("email", "m1@example.com"),
+                                ("report", "r0"), ("report", "r1")]
+    with app.app_context():
+        app.extensions["sqlalchemy"].engine.dispose()
+
+
+@pytest.mark.system
+def test_flask_queue_worker_serves_every_table_in_one_process_and_stops_on_sigterm(
+    engine: Any, server: Server, tmp_path: Path
+) -> None:
+    import signal
+
+    from .helpers import wait_for
+
+    _fill_two_tables(engine, 3)
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "flask", "--app", "tests.flask_tables_app", "queue", "worker"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for(lambda: len(_effects(engine)) == 6, timeout=60, what="both tables' jobs done")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    text = log.read_text()
+    assert "table=tasks" in text and "table=email_jobs" in text
+    assert text.count(" stopped: ") == 2, text

@@ -85,6 +85,11 @@ def later(job: Any) -> None:
         raise RetryLater(float(job.payload["delay"]), "not yet")
 
 
+@tasks.task
+def greet(job: Any, *, name: str, times: int = 1) -> None:
+    """Takes its payload as keywords: ``sqla-queue enqueue`` checks a payload against them."""
+
+
 async_tasks = Tasks()
 
 

@@ -47,7 +47,7 @@ from ..ops import QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
 from ..rules import check_retention, rate_periods
 from ..runtime import Event, is_async_callable
-from ..tasks import Handler, ResolvedHandler, Tasks, resolve_handler
+from ..tasks import Handler, ResolvedHandler, TaskRegistry, resolve_handler
 from .completer import Completer
 from .config import WorkerConfig, check_options
 from .context import WorkerContext
@@ -129,7 +129,7 @@ class Worker:
         self,
         engine: Engine,
         model: Any,
-        handler: Handler | Tasks,
+        handler: Handler | TaskRegistry,
         *,
         config: WorkerConfig | None = None,
         session_factory: Callable[[], Session] | None = None,
@@ -175,7 +175,7 @@ class Worker:
         ops = self._ops = QueueOps(
             driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease,
             statement_deadline=cfg.statement_deadline, timeout=cfg.timeout,
-            task_timeouts=resolved.timeouts() if isinstance(resolved, Tasks) else None,
+            task_timeouts=resolved.timeouts() if isinstance(resolved, TaskRegistry) else None,
         )
         ctx = self._context = WorkerContext(
             cfg, self.ledger, driver, ops, self.signal, self.stats, self.owner, self.hooks
@@ -229,7 +229,7 @@ class Worker:
         found = [d for d in (getattr(o, "declare_labels", None) for o in observers) if callable(d)]
         if not found:
             return
-        tasks = list(resolved) if isinstance(resolved, Tasks) else []
+        tasks = list(resolved) if isinstance(resolved, TaskRegistry) else []
         queues = [*(self.config.queues or ()), *(s.queue for s in self.schedules if s.queue is not None)]
         default = getattr(self._qt.c.queue.default, "arg", None) if "queue" in self._qt.c else None
         if isinstance(default, str):
@@ -254,10 +254,17 @@ class Worker:
                 f"it; run it on sqla_queue.AsyncWorker, or make it a plain function"
             )
 
-    def _resolve_handlers(self, handler: Handler | Tasks) -> ResolvedHandler | Tasks:
-        if isinstance(handler, Tasks):
+    def _resolve_handlers(self, handler: Handler | TaskRegistry) -> ResolvedHandler | TaskRegistry:
+        if isinstance(handler, TaskRegistry):
             if not self._qt.is_task_table:
                 raise TypeError(f"a Tasks registry needs a TaskMixin model, {self.model!r} is not one")
+            own = handler.model
+            if own is not None and queue_table(own).table is not self._qt.table:
+                # Its task functions enqueue into that table: this worker would never see their jobs.
+                raise ValueError(
+                    f"this Tasks registry enqueues into {queue_table(own).table.name!r}, not into "
+                    f"{self._qt.table.name!r}, the table of this worker"
+                )
             for name in handler:
                 self._check_handler(handler.lookup(name))
             return handler
@@ -290,7 +297,7 @@ class Worker:
     def schedules(self) -> tuple[Schedule, ...]:
         """The periodic schedules this worker runs: its ``schedules`` option and those of
         its Tasks registry (``@tasks.periodic``)."""
-        own = self.handler.schedules if isinstance(self.handler, Tasks) else ()
+        own = self.handler.schedules if isinstance(self.handler, TaskRegistry) else ()
         return check_schedules([*own, *self.config.schedules])
 
     def services(self) -> list[Service]:

@@ -29,7 +29,7 @@ from ..enqueue.session import AsyncQueueSession
 from ..model import ClaimToken
 from ..periodic import Schedule
 from ..runtime import run_in_greenlet
-from ..tasks import Handler, ResolvedHandler, Tasks
+from ..tasks import Handler, ResolvedHandler, TaskRegistry
 from . import Worker
 from .config import WorkerConfig, check_options
 from .executor import ExecutorPool
@@ -109,7 +109,7 @@ class AsyncWorker:
         self,
         engine: AsyncEngine,
         model: Any,
-        handler: Handler | Tasks,
+        handler: Handler | TaskRegistry,
         *,
         config: WorkerConfig | None = None,
         session_factory: Callable[[], AsyncSession | Session] | None = None,
@@ -132,7 +132,7 @@ class AsyncWorker:
 
     engine: _Delegated[AsyncEngine] = _Delegated()
     model: _Delegated[Any] = _Delegated()
-    handler: _Delegated[Handler | Tasks] = _Delegated()
+    handler: _Delegated[Handler | TaskRegistry] = _Delegated()
     config: _Delegated[WorkerConfig] = _Delegated()
     session_factory: _Delegated[Callable[[], Any]] = _Delegated()
     owner: _Delegated[str] = _Delegated()

@@ -38,7 +38,7 @@ from ..driver import DbConnection, Driver
 from ..errors import DeadLetter, JobCancelled, LeaseLost, ResultNotStorable, RetryLater, Snooze, UnknownTask
 from ..ops import Claimed, ClaimRequest, Operations
 from ..runtime import Runtime
-from ..tasks import ResolvedHandler, Tasks
+from ..tasks import ResolvedHandler, TaskRegistry
 from .completer import Completer, progress_of
 from .context import WorkerContext
 from .ledger import Held, Ledger, Start
@@ -105,7 +105,7 @@ class Executor:
     def __init__(
         self,
         ctx: WorkerContext,
-        handler: ResolvedHandler | Tasks,
+        handler: ResolvedHandler | TaskRegistry,
         session_factory: Callable[[], Any],
         job_context: Callable[[], AbstractContextManager[Any] | AbstractAsyncContextManager[Any]] | None,
     ) -> None:
@@ -229,7 +229,7 @@ class Executor:
 
     def _resolve(self, job: Any) -> ResolvedHandler:
         handler = self.handler
-        return handler.lookup(job.task) if isinstance(handler, Tasks) else handler
+        return handler.lookup(job.task) if isinstance(handler, TaskRegistry) else handler
 
     def _awaitable(self, held: Held, handler: ResolvedHandler, result: Any) -> Outcome:
         close = getattr(result, "close", None)

@@ -20,10 +20,19 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from sqla_queue import AsyncQueueSession, BulkRowError, EnqueueError, QueueSession, enqueue_many, enqueue_values
+from sqla_queue import (
+    AsyncQueueSession,
+    BulkRowError,
+    EnqueueError,
+    QueueSession,
+    TaskArgumentError,
+    Tasks,
+    enqueue_many,
+    enqueue_values,
+)
 
 from ..bad_values import COLUMN_CASES, OPTION_CASES, row_values
-from ..models import EmailJob
+from ..models import EmailJob, Task
 
 #: Port 1 on loopback: nothing listens there, and the unit tier refuses the attempt first.
 NOWHERE = "postgresql+psycopg://nobody@127.0.0.1:1/nowhere"
@@ -226,6 +235,65 @@ def test_async_enqueue_many_refuses_bad_options_before_any_row_is_read(options: 
                     await session.enqueue_many(EmailJob, rows(), **options)
                 assert not isinstance(raised.value, BulkRowError)
                 assert pulled == 0 and not session.in_transaction()
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(body())
+
+
+# -- a task's function: task.enqueue(session, **payload) ----------------------------------------
+
+tasks = Tasks(Task)
+
+
+@tasks.task
+def anything(job: Task, /, **payload: Any) -> None:
+    """Takes any payload: what is refused is the value, not the call."""
+
+
+@tasks.task
+def mail(job: Task, *, to: str) -> None:
+    """Takes one payload keyword."""
+
+
+PAYLOAD_CASES = [case for case in COLUMN_CASES if case.values[1] == "payload"]
+
+
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), PAYLOAD_CASES)
+def test_a_task_function_refuses_a_bad_payload_before_anything_is_sent(
+    engine: Engine, model: Any, column: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with Session(engine) as session:
+        with pytest.raises(error, match=message):
+            anything.enqueue(session, **value)
+        assert not session.new and not session.in_transaction()
+
+
+@pytest.mark.parametrize(("options", "message"), OPTION_CASES)
+def test_a_task_function_refuses_bad_options_before_anything_is_sent(
+    engine: Engine, options: dict[str, Any], message: str
+) -> None:
+    with Session(engine) as session:
+        with pytest.raises(EnqueueError, match=message):
+            anything.with_options(**options).enqueue(session, a=1)
+        assert not session.new and not session.in_transaction()
+
+
+@pytest.mark.parametrize(("model", "column", "value", "error", "message"), PAYLOAD_CASES[:2])
+def test_a_task_function_refuses_on_an_async_session_at_the_call(
+    model: Any, column: str, value: Any, error: type[Exception], message: str
+) -> None:
+    async def body() -> None:
+        async_engine = _async_engine()
+        try:
+            async with AsyncQueueSession(async_engine) as session:
+                with pytest.raises(error, match=message):
+                    anything.enqueue(session, **value)
+                with pytest.raises(TaskArgumentError, match="unexpected keyword argument 'cc'"):
+                    mail.enqueue(session, to="a@example.com", cc="b@example.com")  # type: ignore[call-overload]
+                with pytest.raises(TaskArgumentError, match="unexpected keyword argument 'cc'"):
+                    mail.with_options(unique_key="k").enqueue(session, to="a", cc="b")  # type: ignore[call-overload]
+                assert not session.new and not session.in_transaction()
         finally:
             await async_engine.dispose()
 
