@@ -28,7 +28,15 @@ from . import sql as q
 from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError, take_turn
 from .jsontext import dialect_json_serializer, progress_encoder
 from .loader import RowLoader
-from .model import TIMEOUT_COLUMNS, flow_rules, progress_column, queue_table, result_column, translated_schema
+from .model import (
+    TIMEOUT_COLUMNS,
+    flow_rules,
+    has_workflows,
+    progress_column,
+    queue_table,
+    result_column,
+    translated_schema,
+)
 from .periodic import Schedule, schedules_table
 from .registry import declared_workers_table
 from .rules import takes_turns
@@ -457,12 +465,45 @@ class QueueOps:
                 compile_(q.claim_template(model, queues=queues, fresh=True, after=True)),
                 compile_(q.complete_many_if_owner_then_claim(model, queues=queues, fresh=True, after=True)),
             )
+        #: A table with workflows: the finishing statements for jobs without children
+        #: (see ``sql.for_leaves``), by the statement they stand in for, and the claimed
+        #: tokens known to be such jobs (the child_ids column, read at the claim).
+        self._leaf_twins: dict[int, Statement] = {}
+        self._leaves: set[ClaimToken] = set()
+        self._child_ids_index: int | None = None
+        if has_workflows(table):
+            with q.for_leaves():
+                for wrapped, leaf in (
+                    (self._claims[False][1], q.complete_many_if_owner_then_claim(
+                        model, queues=queues, isolated=False, fresh=True)),
+                    (self._claims[True][1], q.complete_many_if_owner_then_claim(
+                        model, queues=queues, isolated=True, fresh=True)),
+                ):
+                    self._leaf_twins[id(wrapped)] = compile_(leaf)
+                if self._cursor_claims is not None:
+                    self._leaf_twins[id(self._cursor_claims[1])] = compile_(
+                        q.complete_many_if_owner_then_claim(model, queues=queues, fresh=True, after=True)
+                    )
         self._next_due = compile_(q.next_run_after(model, queues=queues))
         self._release_lost = compile_(q.release_lost_claims(table))
         self._fail_unclaimable = compile_(q.fail_unclaimable(table))
         self._done = compile_(q.complete_many_if_owner(table))
         self._retry = compile_(q.retry_many_if_owner(table))
         self._fail = compile_(q.fail_many_if_owner(table))
+        #: Run by SQLAlchemy on the handler's connection (its own cache compiles it once).
+        self._complete_one = q.complete_template(table, single=True)
+        self._complete_one_leaf = self._complete_one
+        if has_workflows(table):
+            with q.for_leaves():
+                twins: tuple[tuple[Statement, Any], ...] = (
+                    (self._done, q.complete_many_if_owner(table)),
+                    (self._retry, q.retry_many_if_owner(table)),
+                    (self._fail, q.fail_many_if_owner(table)),
+                )
+                for wrapped, leaf in twins:
+                    self._leaf_twins[id(wrapped)] = compile_(leaf)
+                self._complete_one_leaf = q.complete_template(table, single=True)
+            self._child_ids_index = list(table.c).index(table.c.child_ids)
         self._snooze = compile_(q.snooze_many_if_owner(table))
         self._release = {
             refund: compile_(q.release_many_if_owner(table, refund_attempt=refund)) for refund in (True, False)
@@ -472,8 +513,6 @@ class QueueOps:
         # Every executor claims under a name of its own, each starting with the worker's.
         self._extend = compile_(q.extend_unlocked_leases_if_owner(table, owner_prefix=True))
         self._owned = compile_(q.owned_tokens(table, owner_prefix=True))
-        #: Run by SQLAlchemy on the handler's connection (its own cache compiles it once).
-        self._complete_one = q.complete_template(table, single=True)
         #: Statements for the rare cases, compiled when first needed.
         self._rare: dict[tuple[str, bool], Statement] = {}
         self._sweeps: dict[int, Statement] = {}
@@ -617,6 +656,7 @@ class QueueOps:
             tokens = tokens[cut:]
             results = results[cut:] if results is not None else None
             progress = progress[cut:] if progress is not None else None
+        stmt = self._for(stmt, tokens)
         values = token_values(request.owner, tokens)
         if results is not None:
             values[q.RESULTS_PARAM] = list(results)
@@ -650,6 +690,8 @@ class QueueOps:
                 append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False, None)))
                 continue
             token = _new_tuple(ClaimToken, (row[pk], row[attempt]))
+            if self._child_ids_index is not None and row[self._child_ids_index] is None:
+                self._leaf(token)
             solitary = isolated and is_solitary(row[self._isolated_index], row[self._last_error_index])
             timeout = None
             if deadline is not None and row[deadline[1]] is not None:
@@ -662,6 +704,28 @@ class QueueOps:
                 continue
             append(_new_tuple(Claimed, (token, job, None, solitary, timeout)))
         return found
+
+    #: The most tokens of jobs without children remembered; past it they are forgotten,
+    #: which only costs their finishing statements the release (tokens a worker never
+    #: finishes, whose leases it lost, are never taken out otherwise).
+    LEAVES_KEPT = 100_000
+
+    def _leaf(self, token: ClaimToken) -> None:
+        if len(self._leaves) >= self.LEAVES_KEPT:
+            self._leaves.clear()
+        self._leaves.add(token)
+
+    def _for(self, stmt: Statement, tokens: Sequence[ClaimToken]) -> Statement:
+        """``stmt``, or for tokens all of jobs without children, its twin without the
+        release; the tokens are forgotten either way (their attempt ends here)."""
+        twin = self._leaf_twins.get(id(stmt))
+        if twin is None:
+            return stmt
+        leaves = self._leaves
+        chosen = twin if all(token in leaves for token in tokens) else stmt
+        for token in tokens:
+            leaves.discard(token)
+        return chosen
 
     def claim_candidates(
         self, conn: DbConnection, *, isolated: bool, limit: int, skip: Sequence[Any]
@@ -758,6 +822,7 @@ class QueueOps:
         of ``lists`` (one value per token). ``status``: what every moved token was left
         in, or None when each row says (its third column)."""
         moved: Moved = {}
+        stmt = self._for(stmt, tokens)
         for part in parts(len(tokens)):
             values = token_values(owner, tokens[part])
             for name, per_token in (lists or {}).items():
@@ -787,7 +852,9 @@ class QueueOps:
             values[q.RESULT_PARAM] = result
         if self.stores_progress:
             values[q.ONE_PROGRESS_PARAM] = progress
-        return sa.execute(self._complete_one, values).first() is not None
+        leaf = token in self._leaves
+        self._leaves.discard(token)
+        return sa.execute(self._complete_one_leaf if leaf else self._complete_one, values).first() is not None
 
     def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
         """A handler's return value as the JSON text the completion stores (the engine's

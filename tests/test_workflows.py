@@ -30,6 +30,7 @@ from sqla_queue.sql import CASCADE_REASON
 
 from .helpers import table_of, wait_for
 from .models import Effect, StepJob, StepTask
+from .test_ops import on_driver
 from .workers import async_engine_like
 from .workflow_app import tasks as app_tasks
 
@@ -420,3 +421,44 @@ def test_a_table_without_results_still_releases(engine: Engine) -> None:
         steps = table_of(StepJob)
         waiting = conn.execute(select(steps.c.waiting_on).where(steps.c.id == child.id)).scalar_one()
     assert waiting == 0
+
+
+# -- the worker's operations: jobs without children finish without the release -------------
+
+
+@pytest.mark.parametrize("driver", ["thread", "asyncio"])
+@pytest.mark.parametrize("how", ["complete", "complete_then_claim", "fail"])
+def test_operations_release_children_of_a_batch_mixing_parents_and_leaves(
+    engine: Engine, driver: str, how: str
+) -> None:
+    """A batch of a parent and a job without children is finished by the statement that
+    releases (or cancels under the policy); a batch of leaves alone by its twin without the
+    release. Both end their jobs."""
+    flow = Workflow()
+    parent = flow.add(job("named", name="p"))
+    leaf = flow.add(job("named", name="leaf"))
+    child = flow.add(job("named", name="c"), after=[parent])
+    lone = flow.add(job("named", name="lone"))
+    enqueued(engine, flow)
+    with on_driver(driver, engine) as on:
+        ops = on.ops(StepTask)
+        first = on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 2)))
+        assert [c.token.job_id for c in first] == [parent.id, leaf.id]
+        tokens = [c.token for c in first]
+        if how == "complete":
+            on(lambda conn: ops.complete(conn, "w", tokens))
+        elif how == "fail":
+            on(lambda conn: ops.fail(conn, "w", tokens, ["no", "no"]))
+        else:
+            on(lambda conn: ops.complete_then_claim(conn, tokens, ops.claim_request("w", 5)))
+        ended = "failed" if how == "fail" else "done"
+        found = rows(engine, flow)
+        assert (found[parent.id].status, found[leaf.id].status) == (ended, ended)
+        if how == "fail":
+            assert found[child.id].status == "cancelled"
+        else:
+            assert found[child.id].waiting_on == 0 and found[child.id].run_after < WAITING_RUN_AFTER
+        if how != "complete_then_claim":  # the lone job: a leaf alone, by the twin
+            (claimed,) = on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1, key=lone.id)))
+            on(lambda conn: ops.complete(conn, "w", [claimed.token]))
+            assert rows(engine, flow)[lone.id].status == "done"

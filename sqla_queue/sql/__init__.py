@@ -144,6 +144,7 @@ from ._transitions import (
 from ._unique import insert_unique, keeps_unique_key, unique_holder
 from ._workers import forget_worker, prune_workers, record_worker, worker_rows
 from ._workflows import CASCADE_REASON as CASCADE_REASON
+from ._workflows import for_leaves as for_leaves
 from ._workflows import parents_of, workflow_jobs
 
 __all__ = [

@@ -12,9 +12,9 @@ from typing import Any
 from sqlalchemy import Select, select
 from sqlalchemy.sql.dml import ReturningUpdate
 
-from ..model import QueueTable, has_workflows, result_column
+from ..model import QueueTable, result_column
 from ._results import results_notified
-from ._workflows import release_children
+from ._workflows import release_children, releases
 
 __all__ = ["Finishing", "finished"]
 
@@ -30,7 +30,7 @@ def finished(qt: QueueTable, update: ReturningUpdate[Any], *, failed_only: bool 
     ``failed_only``: of the rows ``update`` returns, only those with status ``failed``
     finished (a retry's); its RETURNING must then include ``status``."""
     results = result_column(qt.table) is not None
-    flows = has_workflows(qt.table)
+    flows = releases(qt)
     if not results and not flows:
         return update
     if flows:

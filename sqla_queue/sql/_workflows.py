@@ -16,7 +16,9 @@ counts when it is requeued and ends ``done``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Final
 
 from sqlalchemy import CTE, CompoundSelect, Select, String, and_, any_, case, func, literal, null, or_, select
@@ -27,13 +29,35 @@ from ..model import WAKE_NONE, QueueTable, has_workflows, notify_channel, queue_
 from ._base import CANCELLED, DONE, FAILED, PENDING, QueueModel, _clock
 from ._notify import pg_notify
 
-__all__ = ["CASCADE_REASON", "edges_cleared", "release_children", "workflow_jobs"]
+__all__ = ["CASCADE_REASON", "edges_cleared", "for_leaves", "release_children", "releases", "workflow_jobs"]
 
 #: ``last_error`` of a job cancelled because a job above it ended failed or cancelled.
 CASCADE_REASON: Final = "cancelled: a job it waited for ended failed or cancelled (the workflow's policy is 'cancel')"
 #: The labels of the columns :func:`release_children` adds to a finishing UPDATE's RETURNING.
 NOW_LABEL: Final = "sqla_queue_now"
 POLICY_LABEL: Final = "sqla_queue_policy"
+
+
+_LEAVES: ContextVar[bool] = ContextVar("sqla_queue_leaves", default=False)
+
+
+@contextmanager
+def for_leaves() -> Iterator[None]:
+    """Build the finishing statements of a table with workflows for jobs that wait for
+    nobody's end but their own: jobs without children (``child_ids`` NULL, which never
+    changes once enqueued), which have nothing to release. They are the statements of a
+    table without workflows; the worker runs them for a batch of such jobs only, and
+    saves the release's cost on the jobs of a workflow table that no job waits for."""
+    token = _LEAVES.set(True)
+    try:
+        yield
+    finally:
+        _LEAVES.reset(token)
+
+
+def releases(qt: QueueTable) -> bool:
+    """Whether the finishing statements built now release children (see :func:`for_leaves`)."""
+    return has_workflows(qt.table) and not _LEAVES.get()
 
 
 def _ended(status: ColumnElement[Any]) -> ColumnElement[bool]:
@@ -50,7 +74,7 @@ def edges_cleared(qt: QueueTable, status: ColumnElement[Any]) -> dict[str, Any]:
     """The SET of a finishing statement whose rows move to ``status``: the ``child_ids``
     of each parent it is done with cleared (see the module's docstring); nothing on a
     table without workflows."""
-    if not has_workflows(qt.table):
+    if not releases(qt):
         return {}
     c = qt.c
     return {"child_ids": case((_counts(status, c.on_parent_failure), null()), else_=c.child_ids)}
