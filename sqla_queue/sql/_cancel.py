@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import null, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..model import queue_table, status_literal
+from ..model import QueueTable, queue_table, status_literal
 from ._base import CANCELLED, PENDING, RUNNING, QueueModel, _clock, _kind_filter, _pk_in, _queue_filter, _status
 from ._history import history_values
 from ._results import Finishing, _notify_finished
@@ -32,12 +32,22 @@ def cancel_jobs(
     :func:`sqla_queue.cancel`'s NOTIFY, or their next poll of their jobs.
     """
     qt = queue_table(model)
-    c = qt.c
-    conditions: list[ColumnElement[bool]] = [
-        c.status.in_([status_literal(PENDING), status_literal(RUNNING)]), *_queue_filter(qt, queues), *_kind_filter(qt)
-    ]
+    conditions: list[ColumnElement[bool]] = [_unfinished(qt), *_queue_filter(qt, queues), *_kind_filter(qt)]
     if ids is not None:
         conditions.append(_pk_in(qt, ids))
+    return _cancel(qt, conditions)
+
+
+def _unfinished(qt: QueueTable) -> ColumnElement[bool]:
+    """What a cancel takes: pending and running jobs."""
+    column: ColumnElement[str] = qt.c.status
+    return column.in_([status_literal(PENDING), status_literal(RUNNING)])
+
+
+def _cancel(qt: QueueTable, conditions: list[ColumnElement[bool]]) -> Finishing:
+    """The cancel of the rows ``conditions`` pick (among them :func:`_unfinished`),
+    locked, each returned with its status before."""
+    c = qt.c
     before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
     name = qt.pk.name
     update = (
