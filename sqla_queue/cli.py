@@ -700,7 +700,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         trusted_hosts = served_hosts(args.host, args.trusted_host)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    engine, models, lease = _dashboard_targets(args)
+    engine, models, lease, schedules = _dashboard_targets(args)
     if args.lease is not None:
         lease = args.lease
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -713,26 +713,32 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         for model in models:
             admin.check_table(engine, model)
         serve(engine, models, host=args.host, port=args.port, read_only=args.read_only, lease=lease,
-              trusted_hosts=trusted_hosts)
+              trusted_hosts=trusted_hosts, schedules=schedules)
     finally:
         engine.dispose()
     return 0
 
 
-def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], float | None]:
+def _dashboard_targets(
+    args: argparse.Namespace,
+) -> tuple[Engine, list[Any], float | None, dict[Any, tuple[Any, ...]]]:
     """One synchronous engine (the first target's; an AsyncWorker's URL is reached with
     psycopg's synchronous side) and every target's model, with the workers' lease when
-    they all have the same."""
+    they all have the same, and the schedules of each model a worker target runs (a
+    model target's are not known)."""
     from sqlalchemy import create_engine
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     engine: Any = None
     models: list[Any] = []
     leases: set[float] = set()
+    schedules: dict[Any, tuple[Any, ...]] = {}
     for spec in args.target:
         target_engine, model, worker = _resolve_target(spec, args.url)
         if worker is not None:
             leases.add(float(worker.config.lease))
+            known = {s.name: s for s in schedules.get(model, ())}
+            schedules[model] = tuple({**known, **{s.name: s for s in worker.schedules}}.values())
         if engine is None:
             engine = target_engine
         elif target_engine is not engine:  # not connected yet: nothing to close but the pool
@@ -741,7 +747,7 @@ def _dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], flo
             models.append(model)
     if isinstance(engine, AsyncEngine):
         engine = create_engine(engine.url.set(drivername="postgresql+psycopg"))
-    return engine, models, (leases.pop() if len(leases) == 1 else None)
+    return engine, models, (leases.pop() if len(leases) == 1 else None), schedules
 
 
 def cmd_schedules(args: argparse.Namespace) -> int:

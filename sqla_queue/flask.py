@@ -57,6 +57,7 @@ from .enqueue.session import enqueue
 from .enqueue.unique import Enqueued, EnqueuedMany, UniqueKey
 from .errors import QueuesTableNotDeclared
 from .model import JobStatus, queue_table
+from .periodic import Schedule
 from .tasks import Handler, Tasks
 from .worker import Worker, WorkerConfig
 
@@ -146,10 +147,16 @@ class FlaskQueue:
         if not models:
             raise RuntimeError("register a worker (add_worker) before building the dashboard")
         leases = {float(reg.options.get("lease", WorkerConfig.lease)) for reg in self._workers.values()}
+        schedules: dict[Any, dict[str, Schedule]] = {model: {} for model in models}
+        for registration in self._workers.values():
+            own = registration.handler.schedules if isinstance(registration.handler, Tasks) else ()
+            for schedule in (*own, *registration.options.get("schedules", ())):
+                schedules[registration.model][schedule.name] = schedule
         db = self.db
         return dashboard_blueprint(
             lambda: db.engine, models, auth=auth, read_only=read_only, name=name,
             lease=leases.pop() if len(leases) == 1 else None, trusted_hosts=trusted_hosts,
+            schedules={model: tuple(found.values()) for model, found in schedules.items()},
         )
 
     @property

@@ -67,8 +67,11 @@ from ..model import (
     queue_table,
     result_column,
 )
+from ..periodic import Schedule
 from ..registry import declared_workers_table
 from ..rules import Concurrency, RateLimit
+from .bulk import add_bulk_views
+from .schedules import add_schedule_views
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
 
@@ -181,6 +184,7 @@ def dashboard_blueprint(
     truncate: int = 2000,
     name: str = "sqla_queue_dashboard",
     trusted_hosts: Sequence[str] | None = None,
+    schedules: Mapping[Any, Sequence[Schedule]] | None = None,
 ) -> Blueprint:
     """The dashboard as a blueprint to register in your app (``url_prefix`` of your choice).
 
@@ -198,6 +202,10 @@ def dashboard_blueprint(
     Whatever it is, a POST whose ``Origin`` (or ``Referer``) is not the request's own
     host is refused with a 400: behind a proxy, pass the original ``Host`` on (or use
     Werkzeug's ``ProxyFix``).
+
+    ``schedules``: the periodic schedules your workers run, by model (a worker's
+    ``schedules``): its schedules page tells those in the code from watermark rows only,
+    and runs them now. A model left out shows its rows only (the code unknown).
     """
     settings = _Settings(
         engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate,
@@ -408,6 +416,14 @@ def dashboard_blueprint(
                     )
         return redirect(_back(entry))
 
+    def _guard() -> None:
+        """What every action checks, besides the Host and Origin of every request."""
+        if settings.read_only:
+            abort(403, "the dashboard is read-only")
+        _check_csrf()
+
+    add_schedule_views(bp, settings, schedules, guard=_guard)
+    add_bulk_views(bp, settings, guard=_guard, split=_split, statuses=_STATUSES)
     return bp
 
 
@@ -746,6 +762,7 @@ def create_app(
     secret_key: str | None = None,
     page_size: int = 50,
     trusted_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    schedules: Mapping[Any, Sequence[Schedule]] | None = None,
 ) -> Flask:
     """A Flask app serving only the dashboard, at ``/``: what ``sqla-queue dashboard``
     runs. A random ``secret_key`` unless given (sessions, hence CSRF tokens, last as long
@@ -757,7 +774,7 @@ def create_app(
     app.register_blueprint(
         dashboard_blueprint(
             engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size,
-            trusted_hosts=trusted_hosts,
+            trusted_hosts=trusted_hosts, schedules=schedules,
         )
     )
     return app
@@ -773,6 +790,7 @@ def serve(
     lease: float | None = None,
     ready: Callable[[str], None] | None = None,
     trusted_hosts: Sequence[str] | None = None,
+    schedules: Mapping[Any, Sequence[Schedule]] | None = None,
 ) -> None:
     """Serve :func:`create_app` with Werkzeug's threaded server until interrupted; prints
     (or passes to ``ready``) the address once it listens (``port=0``: a free port).
@@ -783,7 +801,8 @@ def serve(
     from werkzeug.serving import make_server
 
     app = create_app(
-        engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts)
+        engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts),
+        schedules=schedules,
     )
     server = make_server(host, port, app, threaded=True)
     shown = f"[{host}]" if ":" in host else host
