@@ -267,7 +267,8 @@ def check_schedules(schedules: Iterable[Schedule]) -> tuple[Schedule, ...]:
 
 def schedules_table(model: Any) -> Table:
     """The watermark table of ``model``'s queue table: one row per schedule, the last
-    tick enqueued. Named ``<table>_schedules``, in the queue table's schema and
+    tick enqueued, and since when it is paused (``paused_at``: no worker claims a paused
+    schedule's ticks). Named ``<table>_schedules``, in the queue table's schema and
     ``MetaData`` (so ``create_all`` and Alembic autogenerate see it).
 
     Call it beside the model (``schedules_table(EmailJob)``) for a table whose workers
