@@ -20,12 +20,14 @@ pytest.importorskip("flask")
 from flask import Flask
 from markupsafe import escape
 
+from sqla_queue.admin import JobFilters
+from sqla_queue.bulk_actions import count_matching, run_bulk
 from sqla_queue.control import Cancel, parse
 from sqla_queue.dashboard import create_app
 from sqla_queue.model import notify_channel
 
 from .helpers import table_of
-from .models import EmailJob, OnceJob, Task
+from .models import EmailJob, OnceJob, ResultTask, Task
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
@@ -233,3 +235,26 @@ def test_read_only_mode_hides_and_refuses_the_bulk_actions(engine: Engine) -> No
         assert client.post("/email_jobs/bulk", data={**posted, "csrf_token": token.group(1) if token else ""}
                            ).status_code == 403
     assert statuses(engine, JOBS, keys) == ["pending", "pending"]
+
+
+def test_a_walk_takes_every_matching_job_in_batches_on_a_table_that_keeps_results(engine: Engine) -> None:
+    """The cancel of a table that keeps results and history, five jobs in batches of
+    two: three statements, the running job's attempt ended in its history."""
+    results = table_of(ResultTask)
+    pending = add(engine, results, 4, task="t")
+    running = add(engine, results, task="t", status="running", lease_owner="w:1:a/0", attempts=1,
+                  started_at=func.now())
+    add(engine, results, task="other")
+    filters = JobFilters(tasks=("t",))
+    counted = count_matching(engine, ResultTask, "cancel", filters)
+    assert (counted.matched, counted.acting, counted.holding_keys) == (5, 5, 0)
+    sizes: list[int] = []
+    done = run_bulk(engine, ResultTask, "cancel", filters, created_before=counted.as_of, batch=2,
+                    on_batch=sizes.append)
+    assert sizes == [2, 2, 1] and (done.done, done.batches) == (5, 3)
+    assert statuses(engine, results, pending + running) == ["cancelled"] * 5
+    with engine.connect() as conn:
+        history = conn.scalar(select(results.c.history).where(results.c.id == running[0]))
+    assert history is not None and [entry["outcome"] for entry in history] == ["cancelled"]
+    with pytest.raises(ValueError, match="unknown bulk action"):
+        run_bulk(engine, ResultTask, "drop", filters, created_before=counted.as_of)

@@ -158,6 +158,8 @@ def test_pause_and_resume_from_the_page(engine: Engine, client: Any) -> None:
     # A schedule with no row yet is paused too: its row is made, paused.
     client.post("/tasks/schedules/action", data={**form(page, name=f"nightly {XSS}"), "action": "pause"})
     assert state(engine, f"nightly {XSS}").paused_at is not None
+    flashed = client.get("/tasks/schedules").get_data(as_text=True)
+    assert "<script>" not in flashed and "paused schedule nightly &lt;script&gt;" in flashed
     resumed_at = datetime.now(UTC)
     client.post("/tasks/schedules/action", data={**form(page, name="hourly"), "action": "resume"})
     after = state(engine, "hourly")

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine, String, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from sqla_queue import JobMixin, Schedule, WorkerStartError, schedules_table
+from sqla_queue import JobMixin, Schedule, WorkerStartError, admin, schedules_table
 from sqla_queue import sql as q
 from sqla_queue.schedule_actions import pause, resume, run_now, schedule_views
 
@@ -143,6 +143,7 @@ def test_a_paused_schedule_enqueues_nothing_and_resume_skips_the_pause(engine: E
         scheduler.run_due(minute(0))
         assert pause(engine, Task, "report", now=minute(0.5)) is True
         assert pause(engine, Task, "report", now=minute(0.6)) is False  # paused already
+        assert "(paused)" in admin.format_schedules(engine, Task, [REPORT])  # sqla-queue schedules
         paused_at = _state(engine, "report").paused_at
         assert paused_at is not None
         for n in (1, 2, 3):
