@@ -223,3 +223,18 @@ def test_a_page_whose_watermark_table_is_missing_says_so(engine: Engine) -> None
     finally:
         with engine.begin() as conn:
             conn.exec_driver_sql("ALTER TABLE tasks_schedules_away RENAME TO tasks_schedules")
+
+
+def test_a_run_whose_job_cannot_be_made_changes_nothing(engine: Engine) -> None:
+    def broken(tick: datetime) -> dict[str, Any]:
+        raise RuntimeError(f"no report for {XSS}")
+
+    app = create_app(engine, [Task], schedules={Task: [Schedule("broken", every=60, values=broken)]})
+    with app.test_client() as client:
+        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+        watermark(engine, "broken", datetime(2026, 1, 1, tzinfo=UTC))
+        fields = form(client.get("/tasks/schedules/run?name=broken").get_data(as_text=True), name="broken")
+        assert client.post("/tasks/schedules/run", data=fields).status_code == 302
+        page = client.get("/tasks/schedules").get_data(as_text=True)
+    assert "its job could not be enqueued, nothing changed: RuntimeError: no report for &lt;script&gt;" in page
+    assert jobs(engine) == [] and state(engine, "broken").last_tick == datetime(2026, 1, 1, tzinfo=UTC)

@@ -10,7 +10,7 @@ blueprint's ``schedules`` (by model), and without them the page shows the rows a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from flask import Blueprint, abort, flash, redirect, render_template, request, url_for
@@ -91,7 +91,13 @@ def add_schedule_views(
         if view.schedule is None:
             abort(404)
         seen = _seen(request.form.get("seen", ""))
-        ran = schedule_actions.run_now(settings.engine, entry.model, view.schedule, seen=seen)
+        try:
+            ran = schedule_actions.run_now(settings.engine, entry.model, view.schedule, seen=seen)
+        except Exception as exc:  # noqa: BLE001 - the schedule's own (its values callable, a value refused)
+            # Rolled back with the watermark: nothing was enqueued, as a failed tick.
+            flash(f"schedule {view.name}: its job could not be enqueued, nothing changed: "
+                  f"{type(exc).__name__}: {exc}", "error")
+            return redirect(url_for(".schedules", table=entry.key))
         if ran.refused == "ticked":
             flash(f"schedule {view.name} ticked since the page was shown: nothing was enqueued. "
                   "Look at it again before running it now", "error")
@@ -147,4 +153,5 @@ def _seen(value: str) -> datetime | None:
 
 
 def _moment(value: datetime | None) -> str:
-    return "-" if value is None else value.isoformat(sep=" ", timespec="seconds")
+    """A moment in UTC, as the page says its times are."""
+    return "-" if value is None else value.astimezone(UTC).isoformat(sep=" ", timespec="seconds")
