@@ -4,7 +4,7 @@
 Each batch is one statement in a transaction of its own (:func:`~sqla_queue.sql.requeue_batch`,
 :func:`~sqla_queue.sql.cancel_batch`, :func:`~sqla_queue.sql.delete_batch`), so a large
 selection never holds its locks for long and a worker's claims and heartbeats go on
-between batches. The walk goes in key order from where the last batch ended, over the
+between batches. The walk goes down the keys from where the last batch ended, over the
 jobs created up to the moment of the count: jobs enqueued since are left alone.
 """
 
@@ -77,8 +77,8 @@ def run_bulk(
     on_batch: Callable[[int], None] | None = None,
 ) -> BulkResult:
     """Run ``action`` on every job ``filters`` match that was created at
-    ``created_before`` or earlier, ``batch`` rows per statement, each in a transaction
-    of its own, until a batch comes back short. A cancel tells the running jobs'
+    ``created_before`` or earlier, newest first, ``batch`` rows per statement, each in a
+    transaction of its own, until the walk is at its end. A cancel tells the running jobs'
     workers, as :func:`sqla_queue.cancel` does; a delete keeps the jobs that still hold
     their unique key unless ``free_keys``. ``on_batch`` is told each batch's count."""
     _check(action)
@@ -89,20 +89,22 @@ def run_bulk(
         "requeue": q.requeue_batch, "cancel": q.cancel_batch, "delete": q.delete_batch
     }
     builder = builders[action]
-    after: Any = None
+    before: Any = None
     done = batches = 0
     while True:
         with engine.begin() as conn:
-            rows = conn.execute(builder(model, **kwargs, after=after)).all()
+            rows = conn.execute(builder(model, **kwargs, before=before)).all()
             if action == "cancel":
                 tell_cancelled(conn, model, rows)
         batches += 1
         done += len(rows)
         if on_batch is not None:
             on_batch(len(rows))
-        if len(rows) < batch:
+        # A cancel or a delete takes every row it picks: a short batch is the last. A
+        # requeue may pick a dead letter whose key a newer one takes: its last moves none.
+        if not rows or (action != "requeue" and len(rows) < batch):
             return BulkResult(done, batches)
-        after = max(row[0] for row in rows)
+        before = min(row[0] for row in rows)
 
 
 def _kwargs(filters: JobFilters) -> dict[str, Any]:

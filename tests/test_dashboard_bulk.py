@@ -258,3 +258,19 @@ def test_a_walk_takes_every_matching_job_in_batches_on_a_table_that_keeps_result
     assert history is not None and [entry["outcome"] for entry in history] == ["cancelled"]
     with pytest.raises(ValueError, match="unknown bulk action"):
         run_bulk(engine, ResultTask, "drop", filters, created_before=counted.as_of)
+
+
+def test_a_requeue_walk_keeps_the_unique_keys_as_requeue_failed_does(engine: Engine) -> None:
+    """Dead letters of one key: only the newest moves (the older ones then held by it);
+    a dead letter whose key a done job holds (UNIQUE_EVER) stays. In batches of two, the
+    walk goes on past a batch that moved fewer than it picked, and ends at one that
+    moves none."""
+    once = [add(engine, ONCE, queue="q", status="failed", unique_key=key)[0] for key in ("k1", "k2", "k1", "k3")]
+    add(engine, ONCE, queue="q", status="done", unique_key="k3")  # holds k3
+    newest = add(engine, ONCE, queue="q", status="failed", unique_key="k1")
+    sizes: list[int] = []
+    counted = count_matching(engine, OnceJob, "requeue", JobFilters(queues=("q",)))
+    result = run_bulk(engine, OnceJob, "requeue", JobFilters(queues=("q",)), created_before=counted.as_of, batch=2,
+                      on_batch=sizes.append)
+    assert statuses(engine, ONCE, once + newest) == ["failed", "pending", "failed", "failed", "pending"]
+    assert sizes == [1, 1, 0] and result.done == 2

@@ -1,14 +1,13 @@
 """Bulk actions by filter: every job a filter matches requeued, cancelled or deleted,
-one bounded batch per statement, walking the table in key order.
+one bounded batch per statement, walking the table newest key first.
 
 Each batch is the fenced statement of its action (:func:`requeue_failed`'s, the cancel
 of :func:`cancel_jobs`, :func:`delete_jobs`') over at most ``limit`` rows: the next
-ones after the key ``after`` (the last key the previous batch returned) that the action
-takes, picked once in an ``InitPlan`` (``pk = ANY(ARRAY(…))``) and locked in key order.
-Rows that changed under the pick are passed over and the next ones taken, so a batch
-comes back short only at the end of the walk. ``created_before`` bounds the walk to the
-jobs that existed when it started: jobs enqueued meanwhile (a busy queue being
-cancelled) are not chased.
+ones before the key ``before`` (the last key of the previous batch) that the action
+takes, picked once and locked in key order (``pk = ANY(ARRAY(…))``, or a materialized
+CTE). Rows that changed under the pick are passed over and the next ones taken.
+``created_before`` bounds the walk to the jobs that existed when it started: jobs
+enqueued meanwhile (a busy queue being cancelled) are not chased.
 """
 
 from __future__ import annotations
@@ -17,16 +16,16 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Final, Literal
 
-from sqlalchemy import DateTime, Select, bindparam, delete, false, func, literal, select
+from sqlalchemy import DateTime, Select, bindparam, delete, false, func, literal, or_, select
 from sqlalchemy.sql.dml import ReturningDelete, ReturningUpdate
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..model import JobStatus, QueueTable, queue_table, status_literal
+from ..model import JobStatus, QueueTable, UniqueJobs, queue_table, status_literal, unique_jobs
 from ._base import FAILED, PENDING, RUNNING, QueueModel, _keys_of, _kind_filter
 from ._cancel import _cancel
 from ._inspect import _job_filter, _statuses
 from ._results import Finishing
-from ._retention import DELETABLE_STATUSES, _delete_conditions, _requeue_conditions, _requeue_values
+from ._retention import DELETABLE_STATUSES, _delete_conditions, _requeue_values
 from ._unique import keeps_unique_key
 
 #: How many rows one statement of a bulk action takes, by default.
@@ -48,20 +47,34 @@ def requeue_batch(
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
     created_before: datetime | None = None,
-    after: Any = None,
+    before: Any = None,
     limit: int = BULK_BATCH,
 ) -> ReturningUpdate[Any]:
-    """One batch of a requeue by filter: :func:`requeue_failed` (dead letters back to
-    ``pending`` with fresh attempts, none whose unique key another job holds) on the next
-    ``limit`` of them after the key ``after``, in key order; returns their keys.
+    """One batch of a requeue by filter: dead letters back to ``pending`` with fresh
+    attempts (:func:`requeue_failed`'s values), the next ``limit`` of them before the key
+    ``before``, newest first; returns the keys it moved.
 
-    ``statuses`` is the filter's (None: any): only ``failed`` jobs among them move."""
+    ``statuses`` is the filter's (None: any): only ``failed`` jobs among them move. As
+    :func:`requeue_failed`, a dead letter whose unique key another job holds (pending,
+    running, or a newer dead letter requeued first) stays: the walk passes over keys held
+    in the statuses of the model's :class:`~sqla_queue.UniqueJobs` (read through its
+    unique index), and of two dead letters of one key in a batch only the newer moves,
+    the older then held by it. So a batch may move fewer than it picked: the walk ends
+    at the first batch that moves none."""
     qt = queue_table(model)
     conditions = _conditions(qt, "requeue", statuses, queues=queues, tasks=tasks, error_contains=error_contains)
-    chosen = _batch(qt, conditions, after=after, created_before=created_before, limit=limit, skip_locked=False)
-    return (
-        qt.table.update().where(*conditions, _keys_of(qt, chosen)).values(**_requeue_values(0)).returning(qt.pk)
-    )
+    unique = _requeue_guard(qt)
+    columns = [qt.pk] if unique is None else [qt.pk, qt.c[unique.column]]
+    picked = _batch(qt, conditions, before=before, created_before=created_before, limit=limit, skip_locked=False,
+                    columns=columns).cte("sqla_queue_picked")
+    key = qt.pk.name
+    where: list[ColumnElement[bool]] = [qt.pk == picked.c[key], _status_in(qt, [FAILED])]
+    if unique is not None:
+        newer = picked.alias("sqla_queue_newer")
+        where.append(~select(literal(1)).where(
+            newer.c[unique.column] == picked.c[unique.column], newer.c[key] > picked.c[key]
+        ).exists())
+    return qt.table.update().where(*where).values(**_requeue_values(0)).returning(qt.pk)
 
 
 def cancel_batch(
@@ -72,12 +85,12 @@ def cancel_batch(
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
     created_before: datetime | None = None,
-    after: Any = None,
+    before: Any = None,
     limit: int = BULK_BATCH,
 ) -> Finishing:
     """One batch of a cancel by filter: the cancel of :func:`cancel_jobs` (pending
-    **and running** jobs, a fenced transition) on the next ``limit`` of them after the
-    key ``after``, in key order; returns ``(pk, status before)`` of each. Send the
+    **and running** jobs, a fenced transition) on the next ``limit`` of them before the
+    key ``before``, newest first; returns ``(pk, status before)`` of each. Send the
     running ones' workers the cancel message, as :func:`sqla_queue.cancel` does.
 
     ``statuses`` is the filter's (None: any): only pending and running jobs among them
@@ -85,7 +98,7 @@ def cancel_batch(
     heartbeat), as the cancel does: a running job is cancelled, never passed over."""
     qt = queue_table(model)
     conditions = _conditions(qt, "cancel", statuses, queues=queues, tasks=tasks, error_contains=error_contains)
-    chosen = _batch(qt, conditions, after=after, created_before=created_before, limit=limit, skip_locked=False)
+    chosen = _batch(qt, conditions, before=before, created_before=created_before, limit=limit, skip_locked=False)
     return _cancel(qt, [*conditions, _keys_of(qt, chosen)])
 
 
@@ -97,21 +110,21 @@ def delete_batch(
     tasks: Sequence[str] | None = None,
     error_contains: str | None = None,
     created_before: datetime | None = None,
-    after: Any = None,
+    before: Any = None,
     limit: int = BULK_BATCH,
     free_keys: bool = False,
 ) -> ReturningDelete[Any]:
     """One batch of a delete by filter: :func:`delete_jobs` (never a ``running`` job,
     nor one still holding its unique key unless ``free_keys``; rows another transaction
-    holds are skipped) on the next ``limit`` rows after the key ``after``, in key order;
-    returns their keys.
+    holds are skipped) on the next ``limit`` rows before the key ``before``, newest
+    first; returns their keys.
 
     ``statuses`` is the filter's (None: any): running jobs among them stay."""
     qt = queue_table(model)
     conditions = _conditions(
         qt, "delete", statuses, queues=queues, tasks=tasks, error_contains=error_contains, free_keys=free_keys
     )
-    chosen = _batch(qt, conditions, after=after, created_before=created_before, limit=limit, skip_locked=True)
+    chosen = _batch(qt, conditions, before=before, created_before=created_before, limit=limit, skip_locked=True)
     return delete(qt.table).where(_keys_of(qt, chosen)).returning(qt.pk)
 
 
@@ -169,11 +182,10 @@ def _conditions(
         return [false()]
     filters = _job_filter(qt, queues=queues, tasks=tasks, error_contains=error_contains)
     if action == "requeue":
-        return _requeue_conditions(qt, chosen, filters)
+        unique = _requeue_guard(qt)
+        return [_status_in(qt, chosen), *filters, *([] if unique is None else [~_key_held(qt, unique)])]
     if action == "cancel":
-        literals = [status_literal(s) for s in chosen]
-        status = qt.c.status == literals[0] if len(literals) == 1 else qt.c.status.in_(literals)
-        return [status, *filters, *_kind_filter(qt)]
+        return [_status_in(qt, chosen), *filters, *_kind_filter(qt)]
     return _delete_conditions(
         qt, queues=queues, statuses=chosen, tasks=tasks, error_contains=error_contains, free_keys=free_keys
     )
@@ -183,21 +195,51 @@ def _batch(
     qt: QueueTable,
     conditions: list[ColumnElement[bool]],
     *,
-    after: Any,
+    before: Any,
     created_before: datetime | None,
     limit: int,
     skip_locked: bool,
+    columns: Sequence[Any] | None = None,
 ) -> Select[Any]:
-    """The keys of the next ``limit`` rows after ``after`` that ``conditions`` pick,
-    created at ``created_before`` or earlier, locked in key order."""
+    """The keys (or ``columns``) of the next ``limit`` rows before ``before`` that
+    ``conditions`` pick, created at ``created_before`` or earlier, newest first, locked."""
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
     where = list(conditions)
-    if after is not None:
-        where.append(qt.pk > bindparam("sqla_queue_after", after, type_=qt.pk.type))
+    if before is not None:
+        where.append(qt.pk < bindparam("sqla_queue_before", before, type_=qt.pk.type))
     if created_before is not None:
         where.append(_created_before(qt, created_before))
-    return select(qt.pk).where(*where).order_by(qt.pk).limit(limit).with_for_update(skip_locked=skip_locked)
+    return (
+        select(*(columns or [qt.pk])).where(*where).order_by(qt.pk.desc()).limit(limit)
+        .with_for_update(skip_locked=skip_locked)
+    )
+
+
+def _status_in(qt: QueueTable, statuses: Sequence[JobStatus]) -> ColumnElement[bool]:
+    """``status`` is one of ``statuses``, as literals (the partial indexes match them)."""
+    column: ColumnElement[str] = qt.c.status
+    literals = [status_literal(s) for s in statuses]
+    return column == literals[0] if len(literals) == 1 else column.in_(literals)
+
+
+def _requeue_guard(qt: QueueTable) -> UniqueJobs | None:
+    """The model's unique jobs when a requeued dead letter could take a key another
+    job holds (:func:`requeue_failed`'s guard): ``failed`` is not among its statuses."""
+    unique = unique_jobs(qt.table)
+    return unique if unique is not None and FAILED not in unique.statuses else None
+
+
+def _key_held(qt: QueueTable, unique: UniqueJobs) -> ColumnElement[bool]:
+    """Another job holds the row's key now: one in the statuses of the unique index,
+    found through that index (its predicate, word for word)."""
+    holder = qt.table.alias("sqla_queue_holder")
+    key = holder.c[unique.column]
+    holding = [holder.c.status == status_literal(s) for s in unique.statuses]
+    return select(literal(1)).where(
+        key == qt.c[unique.column], key.isnot(None), or_(*holding) if len(holding) > 1 else holding[0],
+        holder.c[qt.pk.key] != qt.pk,
+    ).exists()
 
 
 def _created_before(qt: QueueTable, moment: datetime) -> ColumnElement[bool]:
