@@ -238,3 +238,24 @@ def test_a_run_whose_job_cannot_be_made_changes_nothing(engine: Engine) -> None:
         page = client.get("/tasks/schedules").get_data(as_text=True)
     assert "its job could not be enqueued, nothing changed: RuntimeError: no report for &lt;script&gt;" in page
     assert jobs(engine) == [] and state(engine, "broken").last_tick == datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_flask_queue_s_dashboard_knows_the_schedules_of_its_workers(engine: Engine) -> None:
+    """``queue.dashboard()`` takes each registration's schedules: its registry's and its
+    ``schedules=`` option's."""
+    from types import SimpleNamespace
+
+    from sqla_queue import Tasks
+    from sqla_queue.flask import FlaskQueue
+
+    tasks = Tasks()
+    tasks.periodic(every=60, name="digest")(lambda job: None)
+    queue = FlaskQueue(db=SimpleNamespace(engine=engine))
+    queue.add_worker(Task, tasks)
+    queue.add_worker(Task, lambda job: None, name="reports", schedules=[HOURLY])
+    app = Flask(__name__)
+    app.secret_key = "test"
+    app.register_blueprint(queue.dashboard(auth=None))
+    with app.test_client() as client:
+        shown = rows(client.get("/tasks/schedules").get_data(as_text=True))
+    assert {name: cells[5] for name, cells in shown.items()} == {"digest": "yes", "hourly": "yes"}
