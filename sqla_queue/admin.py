@@ -57,6 +57,7 @@ __all__ = [
     "prune",
     "requeue",
     "resume_queues",
+    "schedule_rows",
     "stats_json",
     "sweep",
 ]
@@ -422,19 +423,18 @@ def format_schedules(
     given, not its worker): the rows then show their last tick only, and a closing line
     says how to see the rest, rather than calling live schedules ``(not in code)``."""
     now = now or datetime.now(UTC)
-    table = schedules_table(model)
-    with engine.connect() as conn:
-        exists = conn.scalar(text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _regclass(conn, table)})
-        rows = {r.name: r for r in conn.execute(q.schedule_states(model))} if exists else {}
+    rows = schedule_rows(engine, model) or {}
     if not schedules and not rows:
         return "(no schedules)"
     header = ("schedule", "when", "timezone", "last tick", "next tick")
     lines: list[tuple[str, ...]] = [header]
     for schedule in sorted(schedules, key=lambda s: s.name):
         row = rows.get(schedule.name)
+        paused = row is not None and row.paused_at is not None
         lines.append((
             schedule.name, schedule.expression, schedule.timezone,
-            _moment(row.last_tick) if row is not None else "-", _moment(schedule.next_tick(now)),
+            _moment(row.last_tick) if row is not None else "-",
+            "(paused)" if paused else _moment(schedule.next_tick(now)),
         ))
     known = {s.name for s in schedules}
     for name, row in rows.items():
@@ -446,6 +446,15 @@ def format_schedules(
     if not code_known:
         text_lines.append("(the schedules in code are unknown: give the worker, not the model, to see them)")
     return "\n".join(text_lines)
+
+
+def schedule_rows(engine: Engine, model: Any) -> dict[str, Row[Any]] | None:
+    """The watermark row of each schedule of ``model``'s table, by name
+    (:func:`~sqla_queue.sql.schedule_states`); None when the table does not exist."""
+    table = schedules_table(model)
+    with engine.connect() as conn:
+        exists = conn.scalar(text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _regclass(conn, table)})
+        return {r.name: r for r in conn.execute(q.schedule_states(model))} if exists else None
 
 
 def _regclass(conn: Any, table: Any) -> str:

@@ -96,7 +96,15 @@ def request_cancel(
     transaction (checked arguments: :func:`cancel` is the public call)."""
     if ids is not None and not ids:
         return []
-    rows: list[Any] = list(bind.execute(cancel_jobs(model, ids=ids, queues=queues, workflow_id=workflow)).all())
+    stmt = cancel_jobs(model, ids=ids, queues=queues, workflow_id=workflow)
+    return tell_cancelled(bind, model, list(bind.execute(stmt).all()))
+
+
+def tell_cancelled(bind: Session | Connection, model: Any, rows: Sequence[Any]) -> list[Any]:
+    """The cancel message to the workers of the running jobs among ``rows`` (the ``(pk,
+    status before)`` a cancel statement returned), in ``bind``'s transaction; the keys
+    of every row. What makes a cancel statement (:func:`~sqla_queue.sql.cancel_jobs`,
+    :func:`~sqla_queue.sql.cancel_batch`) the cancel :func:`cancel` is."""
     running = [row[0] for row in rows if row[1] == JobStatus.RUNNING.value]
     if running:
         conn = bind.connection() if isinstance(bind, Session) else bind

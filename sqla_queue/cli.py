@@ -603,7 +603,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         trusted_hosts = served_hosts(args.host, args.trusted_host)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    engine, models, lease = dashboard_targets(args)
+    engine, models, lease, schedules = dashboard_targets(args)
     if args.lease is not None:
         lease = args.lease
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -616,7 +616,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         for model in models:
             admin.check_table(engine, model)
         serve(engine, models, host=args.host, port=args.port, read_only=args.read_only, lease=lease,
-              trusted_hosts=trusted_hosts, api_actions=args.api_actions)
+              trusted_hosts=trusted_hosts, api_actions=args.api_actions, schedules=schedules)
     finally:
         engine.dispose()
     return 0

@@ -181,20 +181,26 @@ def on_each_target(args: argparse.Namespace, command: Callable[[Engine, Any], T]
     return [on_admin_target(argparse.Namespace(**{**vars(args), "target": spec}), named) for spec in args.target]
 
 
-def dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], float | None]:
+def dashboard_targets(
+    args: argparse.Namespace,
+) -> tuple[Engine, list[Any], float | None, dict[Any, tuple[Any, ...]]]:
     """One synchronous engine (the first target's; an AsyncWorker's URL is reached with
     psycopg's synchronous side) and every target's model, with the workers' lease when
-    they all have the same."""
+    they all have the same, and the schedules of each model a worker target runs (a
+    model target's are not known)."""
     from sqlalchemy import create_engine
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     engine: Any = None
     models: list[Any] = []
     leases: set[float] = set()
+    schedules: dict[Any, tuple[Any, ...]] = {}
     for spec in args.target:
         target_engine, model, worker = resolve_target(spec, args.url)
         if worker is not None:
             leases.add(float(worker.config.lease))
+            known = {s.name: s for s in schedules.get(model, ())}
+            schedules[model] = tuple({**known, **{s.name: s for s in worker.schedules}}.values())
         if engine is None:
             engine = target_engine
         elif target_engine is not engine:  # not connected yet: nothing to close but the pool
@@ -203,4 +209,4 @@ def dashboard_targets(args: argparse.Namespace) -> tuple[Engine, list[Any], floa
             models.append(model)
     if isinstance(engine, AsyncEngine):
         engine = create_engine(engine.url.set(drivername="postgresql+psycopg"))
-    return engine, models, (leases.pop() if len(leases) == 1 else None)
+    return engine, models, (leases.pop() if len(leases) == 1 else None), schedules

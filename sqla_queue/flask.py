@@ -58,6 +58,7 @@ from .enqueue.unique import Enqueued, EnqueuedMany, UniqueKey
 from .errors import QueuesTableNotDeclared
 from .group import Workers
 from .model import JobStatus, queue_table
+from .periodic import Schedule
 from .tasks import Handler, TaskRegistry
 from .worker import Worker, WorkerConfig
 
@@ -150,11 +151,17 @@ class FlaskQueue:
         if not models:
             raise RuntimeError("register a worker (add_worker) before building the dashboard")
         leases = {float(reg.options.get("lease", WorkerConfig.lease)) for reg in self._workers.values()}
+        schedules: dict[Any, dict[str, Schedule]] = {model: {} for model in models}
+        for registration in self._workers.values():
+            own = registration.handler.schedules if isinstance(registration.handler, TaskRegistry) else ()
+            for schedule in (*own, *registration.options.get("schedules", ())):
+                schedules[registration.model][schedule.name] = schedule
         db = self.db
         return dashboard_blueprint(
             lambda: db.engine, models, auth=auth, read_only=read_only, name=name,
             lease=leases.pop() if len(leases) == 1 else None, trusted_hosts=trusted_hosts,
             api_actions=api_actions,
+            schedules={model: tuple(found.values()) for model, found in schedules.items()},
         )
 
     @property

@@ -977,18 +977,30 @@ class ScheduleOps:
 
     def check_table(self, driver: Driver) -> None:
         """Fail fast (:class:`~sqla_queue.driver.WorkerStartError`) when the watermark
-        table is missing from the database."""
+        table is missing from the database, or lacks a column (``paused_at``, which
+        every claim reads, came later: a table made before it needs a migration)."""
         table = self.table
         conn = driver.connect("start-up check")
         try:
             with driver.deadline(conn, 30):
-                rows = conn.query("SELECT to_regclass(%s) IS NOT NULL", (_qualified(driver, table),))
+                name = _qualified(driver, table)
+                rows = conn.query("SELECT to_regclass(%s) IS NOT NULL", (name,))
+                columns = conn.query(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
+                    "AND NOT attisdropped", (name,)
+                ) if rows and rows[0][0] else []
         finally:
             conn.close()
         if not rows or not rows[0][0]:
             raise WorkerStartError(
                 f"table {driver.table_name(table)!r} does not exist in that database: the schedules need it "
                 f"(sqla_queue.schedules_table(model) adds it to the model's metadata: create it, or migrate)"
+            )
+        missing = sorted(set(table.c.keys()) - {row[0] for row in columns})
+        if missing:
+            raise WorkerStartError(
+                f"table {driver.table_name(table)!r} has no column {', '.join(missing)}: migrate it "
+                f"(alembic revision --autogenerate adds what sqla_queue.schedules_table(model) declares)"
             )
 
     def claim_tick(self, sa: Connection, name: str, tick: datetime) -> tuple[bool, datetime | None]:

@@ -32,7 +32,7 @@ from sqlalchemy import Column, DateTime, String, Table, func
 
 from .model import MAX_DELAY_SECONDS, check_max_attempts, check_priority, check_queue, companion_table, queue_table
 
-__all__ = ["MAX_BACKFILL", "Schedule", "schedules_table"]
+__all__ = ["MAX_BACKFILL", "Schedule", "declared_schedules_table", "schedules_table"]
 
 #: The most missed ticks one schedule enqueues after an outage (besides the latest).
 MAX_BACKFILL: Final = 1000
@@ -267,7 +267,8 @@ def check_schedules(schedules: Iterable[Schedule]) -> tuple[Schedule, ...]:
 
 def schedules_table(model: Any) -> Table:
     """The watermark table of ``model``'s queue table: one row per schedule, the last
-    tick enqueued. Named ``<table>_schedules``, in the queue table's schema and
+    tick enqueued, and since when it is paused (``paused_at``: no worker claims a paused
+    schedule's ticks). Named ``<table>_schedules``, in the queue table's schema and
     ``MetaData`` (so ``create_all`` and Alembic autogenerate see it).
 
     Call it beside the model (``schedules_table(EmailJob)``) for a table whose workers
@@ -286,4 +287,13 @@ def schedules_table(model: Any) -> Table:
         # The value before the last claim: which missed ticks that claim enqueued.
         Column("previous_tick", DateTime(timezone=True)),
         Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        # Set while the schedule is paused: no worker's claim of a tick matches the row.
+        Column("paused_at", DateTime(timezone=True)),
     )
+
+
+def declared_schedules_table(table: Table) -> Table | None:
+    """The watermark table :func:`schedules_table` declared for the queue ``table``, if
+    any (without declaring one: the dashboard asks before it shows a schedules page)."""
+    found: Table | None = table.info.get(_INFO_KEY)
+    return found

@@ -800,10 +800,40 @@ def test_autogenerate_adds_the_schedules_table_to_an_existing_queue(
     project.create_all(reference)
     migrated = schema(project.url)
     assert migrated == schema(reference)
-    assert set(migrated["tasks_schedules"]["columns"]) == {"name", "last_tick", "previous_tick", "updated_at"}
+    assert set(migrated["tasks_schedules"]["columns"]) == {
+        "name", "last_tick", "previous_tick", "updated_at", "paused_at"
+    }
     project.alembic("check")
     project.alembic("downgrade", "-1")
     assert "tasks_schedules" not in schema(project.url)
+
+
+@pytest.mark.system
+def test_autogenerate_adds_paused_at_to_a_watermark_table_made_before_it(
+    project: Project, new_database: NewDatabase
+) -> None:
+    """A watermark table of a release before pauses: autogenerate adds the one nullable
+    column (no rewrite, nothing else), and the result is what create_all makes."""
+    project.models(models(more=SCHEDULES))
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    engine = create_engine(project.url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE tasks_schedules DROP COLUMN paused_at")
+    finally:
+        engine.dispose()
+    migration = project.autogenerate("pauses")
+    upgrade = project.upgrade_body(migration)
+    added = "op.add_column('tasks_schedules', sa.Column('paused_at', sa.DateTime(timezone=True), nullable=True))"
+    assert added in upgrade
+    assert upgrade.count("op.") == 1
+    assert "op.drop_column('tasks_schedules', 'paused_at')" in migration.split("def downgrade()")[1]
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    assert schema(project.url) == schema(reference)
+    project.alembic("check")
 
 
 QUEUES = """

@@ -1,6 +1,7 @@
 """The dashboard in a real browser: ``sqla-queue dashboard`` started on a free port,
-headless Chromium driven through chromedriver to filter jobs, requeue a dead letter and
-cancel a pending job, the database checked after each, a screenshot of every page.
+headless Chromium driven through chromedriver to filter jobs, requeue a dead letter,
+cancel a pending job and every job a filter matches, and run a schedule now, the
+database checked after each, a screenshot of every page.
 
 CI installs Debian's ``chromium`` and ``chromium-driver`` (.ci/run) and fails this test
 when they are missing; elsewhere it is skipped, saying what to install. Screenshots go
@@ -18,15 +19,17 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
+from sqla_queue import sql as q
+
 from .helpers import Server, table_of, wait_for
-from .models import RESULT_WORKERS, EmailJob, Order, ResultTask, Task
+from .models import RESULT_WORKERS, TASK_SCHEDULES, EmailJob, Order, ResultTask, Task
 
 pytestmark = pytest.mark.system
 
@@ -85,10 +88,13 @@ def browser() -> Iterator[Any]:
 def dashboard(server: Server, engine: Engine) -> Iterator[str]:
     """``sqla-queue dashboard`` on a free port (``--port 0``); its address, once it listens."""
     url = server.url.render_as_string(hide_password=False)
+    # The periodic app's worker: the schedules page knows its schedule (in the code).
     process = subprocess.Popen(
         [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
-         "tests.models:ResultTask", "--url", url, "--port", "0", "--api-actions"],
+         "tests.models:ResultTask", "tests.periodic_app:make_worker", "--url", url, "--port", "0",
+         "--api-actions"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "SQLA_QUEUE_TEST_URL": url},
     )
     try:
         assert process.stdout is not None
@@ -175,6 +181,19 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     assert "status=pending" in browser.current_url  # back on the filtered page
     assert keys["mail_pending"] not in shown()
 
+    # cancel every job the filter still matches: the count first, then the confirm
+    browser.find_element(By.ID, "bulk-cancel").click()
+    wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the bulk action's confirm page")
+    assert "1 job(s) match the filter" in browser.find_element(By.ID, "bulk-count").text
+    assert status_of(engine, keys["mail_other"]) == "pending"  # counting changed nothing
+    browser.save_screenshot(str(shots / "bulk-confirm.png"))
+    browser.find_element(By.ID, "bulk-confirm").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+    assert "cancelled 1 job(s) matching the filter" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    assert status_of(engine, keys["mail_other"]) == "cancelled"
+    assert status_of(engine, keys["sms_pending"]) == "pending"  # another queue: not in the filter
+    assert shown() == []
+
     # requeue the dead letter from the dead-letter page
     page("/email_jobs/dead", "dead-letters")
     assert shown() == [keys["dead"]]
@@ -200,6 +219,24 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     page("/email_jobs/workers", "workers")
     assert "web-1:4242:1a2b3c4d" in browser.find_element(By.ID, "running").text  # its running jobs' owner
     assert browser.find_element(By.ID, "listening")  # and the live workers' table above it
+
+    # the schedules page: the code's schedule and a row only, run now through its confirm page
+    with engine.begin() as conn:
+        conn.execute(q.claim_schedule_tick(Task, schedule=f"gone {xss}", tick=datetime(2026, 1, 1, tzinfo=UTC)))
+    page("/tasks/schedules", "schedules")
+    rows = {row.get_attribute("data-schedule"): row.text
+            for row in browser.find_elements(By.CSS_SELECTOR, "#schedules tr[data-schedule]")}
+    assert set(rows) == {"beat", f"gone {xss}"} and "every 1s" in rows["beat"]
+    browser.find_element(By.CSS_SELECTOR, 'tr[data-schedule="beat"] a.run-now').click()
+    wait_for(lambda: browser.find_elements(By.ID, "run-now"), what="the run now's confirm page")
+    browser.find_element(By.ID, "run-now").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+    assert "ran schedule beat now" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    with engine.connect() as conn:
+        (beat,) = conn.execute(select(TASKS).where(TASKS.c.task == "beat")).all()
+        last = conn.scalar(select(TASK_SCHEDULES.c.last_tick).where(TASK_SCHEDULES.c.name == "beat"))
+    assert last == beat.run_after  # the watermark moved to the run's moment
+    browser.save_screenshot(str(shots / "schedules-ran.png"))
 
 
 def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

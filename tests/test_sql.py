@@ -1025,3 +1025,29 @@ def test_next_due_and_isolated_waiting_with_several_queues_run_as_compiled_once(
         assert float(run(q.next_run_after(EmailJob, queues=["b", "c"]))) == pytest.approx(120, abs=2)
         assert float(run(q.next_run_after(EmailJob, queues=["x", "c"]))) == pytest.approx(30, abs=2)
         assert run(q.isolated_waiting(EmailJob, queues=["b", "c"])) is True
+
+
+@pytest.mark.timeout(300)
+def test_a_bulk_batch_reads_the_key_index_from_where_the_last_one_ended(engine: Engine) -> None:
+    """A batch of an action by filter walks the primary key down from ``before``: it
+    reads about its ``limit`` rows wherever the walk is, never the whole table sorted;
+    a requeue's guard of unique keys reads the unique index, not the table."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO email_jobs (recipient, status, queue, finished_at, last_error) "
+            "SELECT 'x', CASE WHEN i % 2 = 0 THEN 'failed' ELSE 'pending' END, 'q' || (i % 5), now(), 'boom' "
+            "FROM generate_series(1, 100000) i"
+        ))
+        conn.execute(text("ANALYZE email_jobs"))
+    moment = datetime.now(UTC)
+    batches = {
+        "requeue": q.requeue_batch(EmailJob, queues=["q1"], created_before=moment, before=50_000),
+        "cancel": q.cancel_batch(EmailJob, queues=["q1"], statuses=["failed", "pending"], before=50_000),
+        "delete": q.delete_batch(EmailJob, queues=["q1"], error_contains="boo", created_before=moment, before=50_000),
+    }
+    with engine.connect() as conn:
+        plans = {name: _generic_plan(conn, stmt) for name, stmt in batches.items()}
+    for name, plan in plans.items():
+        assert "Index Scan Backward using email_jobs_pkey" in plan, (name, plan)
+        assert "Sort" not in plan and "Seq Scan" not in plan, (name, plan)
+

@@ -66,9 +66,11 @@ from ..model import (
     queue_table,
     result_column,
 )
+from ..periodic import Schedule
 from ..registry import declared_workers_table
 from ..rules import Concurrency, RateLimit
 from .api import api_blueprint
+from .bulk import add_bulk_views
 from .reads import (
     _DEFAULT_LEASE,
     _ERROR_VIEW,
@@ -80,6 +82,7 @@ from .reads import (
     _running_jobs,
     _split,
 )
+from .schedules import add_schedule_views
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
 
@@ -184,6 +187,7 @@ def dashboard_blueprint(
     name: str = "sqla_queue_dashboard",
     trusted_hosts: Sequence[str] | None = None,
     api_actions: bool = False,
+    schedules: Mapping[Any, Sequence[Schedule]] | None = None,
 ) -> Blueprint:
     """The dashboard as a blueprint to register in your app (``url_prefix`` of your choice).
 
@@ -204,6 +208,10 @@ def dashboard_blueprint(
 
     The JSON API under ``/api/`` (:mod:`sqla_queue.dashboard.api`) reads what the pages
     do; its actions are refused unless ``api_actions=True`` (and not ``read_only``).
+
+    ``schedules``: the periodic schedules your workers run, by model (a worker's
+    ``schedules``): its schedules page tells those in the code from watermark rows only,
+    and runs them now. A model left out shows its rows only (the code unknown).
     """
     settings = _Settings(
         engine, models, read_only=read_only, lease=lease, page_size=page_size, truncate=truncate,
@@ -415,6 +423,14 @@ def dashboard_blueprint(
                     )
         return redirect(_back(entry))
 
+    def _guard() -> None:
+        """What every action checks, besides the Host and Origin of every request."""
+        if settings.read_only:
+            abort(403, "the dashboard is read-only")
+        _check_csrf()
+
+    add_schedule_views(bp, settings, schedules, guard=_guard)
+    add_bulk_views(bp, settings, guard=_guard, split=_split, statuses=_STATUSES)
     return bp
 
 
@@ -616,6 +632,7 @@ def create_app(
     page_size: int = 50,
     trusted_hosts: Sequence[str] = LOOPBACK_HOSTS,
     api_actions: bool = False,
+    schedules: Mapping[Any, Sequence[Schedule]] | None = None,
 ) -> Flask:
     """A Flask app serving only the dashboard, at ``/``: what ``sqla-queue dashboard``
     runs. A random ``secret_key`` unless given (sessions, hence CSRF tokens, last as long
@@ -627,7 +644,7 @@ def create_app(
     app.register_blueprint(
         dashboard_blueprint(
             engine, models, auth=auth, read_only=read_only, lease=lease, page_size=page_size,
-            trusted_hosts=trusted_hosts, api_actions=api_actions,
+            trusted_hosts=trusted_hosts, api_actions=api_actions, schedules=schedules,
         )
     )
     return app
@@ -644,6 +661,7 @@ def serve(
     ready: Callable[[str], None] | None = None,
     trusted_hosts: Sequence[str] | None = None,
     api_actions: bool = False,
+    schedules: Mapping[Any, Sequence[Schedule]] | None = None,
 ) -> None:
     """Serve :func:`create_app` with Werkzeug's threaded server until interrupted; prints
     (or passes to ``ready``) the address once it listens (``port=0``: a free port).
@@ -656,6 +674,7 @@ def serve(
     app = create_app(
         engine, models, read_only=read_only, lease=lease, trusted_hosts=served_hosts(host, trusted_hosts),
         api_actions=api_actions,
+        schedules=schedules,
     )
     server = make_server(host, port, app, threaded=True)
     shown = f"[{host}]" if ":" in host else host

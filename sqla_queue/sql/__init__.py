@@ -93,6 +93,10 @@ from ._base import Duration as Duration
 from ._base import QueueModel as QueueModel
 from ._base import _queue_names as _queue_names
 from ._base import delay_from_insert, has_timeouts, seconds_interval, still_fresh
+from ._bulk import BULK_BATCH as BULK_BATCH
+from ._bulk import BULK_STATUSES as BULK_STATUSES
+from ._bulk import BulkAction as BulkAction
+from ._bulk import bulk_count, cancel_batch, delete_batch, requeue_batch
 from ._cancel import cancel_jobs, cancel_pending
 from ._claim import claim, claim_candidates, claim_template, fail_unclaimable
 from ._flow import pause_queue, paused_queues, queue_limits, resume_queue, set_queue_limits
@@ -126,7 +130,14 @@ from ._results import job_result, result_encoder
 from ._retention import DELETABLE_STATUSES as DELETABLE_STATUSES
 from ._retention import Ages as Ages
 from ._retention import archive_finished, delete_jobs, prune_finished, prune_lock_key, requeue_failed
-from ._schedules import claim_schedule_tick, schedule_states, schedule_tick_template
+from ._schedules import (
+    claim_schedule_run,
+    claim_schedule_tick,
+    pause_schedule,
+    resume_schedule,
+    schedule_states,
+    schedule_tick_template,
+)
 from ._transitions import (
     complete_if_owner,
     complete_many_if_owner,
@@ -151,6 +162,8 @@ __all__ = [
     "Backoff",
     "ClaimToken",
     "archive_finished",
+    "bulk_count",
+    "cancel_batch",
     "cancel_jobs",
     "cancel_pending",
     "job_result",
@@ -160,6 +173,7 @@ __all__ = [
     "worker_rows",
     "result_encoder",
     "claim",
+    "claim_schedule_run",
     "claim_schedule_tick",
     "claim_candidates",
     "claim_template",
@@ -168,6 +182,7 @@ __all__ = [
     "complete_many_if_owner_then_claim",
     "complete_template",
     "delay_from_insert",
+    "delete_batch",
     "delete_jobs",
     "extend_leases_if_owner",
     "extend_unlocked_leases_if_owner",
@@ -190,6 +205,7 @@ __all__ = [
     "next_run_after",
     "owned_tokens",
     "pause_queue",
+    "pause_schedule",
     "paused_queues",
     "prune_finished",
     "queue_depth",
@@ -199,8 +215,10 @@ __all__ = [
     "release_if_owner",
     "release_lost_claims",
     "release_many_if_owner",
+    "requeue_batch",
     "requeue_failed",
     "resume_queue",
+    "resume_schedule",
     "rule_counts",
     "retry_if_owner",
     "retry_many_if_owner",

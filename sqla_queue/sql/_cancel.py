@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import null, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..model import has_workflows, queue_table, status_literal
+from ..model import QueueTable, has_workflows, queue_table, status_literal
 from ._base import CANCELLED, PENDING, RUNNING, QueueModel, _clock, _kind_filter, _pk_in, _queue_filter, _status
 from ._finish import Finishing, finished
 from ._history import history_values
@@ -33,21 +33,31 @@ def cancel_jobs(
     cancel and a completion racing it lock the same row: the first to commit wins, the
     other matches nothing. ``ids`` and/or ``queues`` choose the jobs (an empty ``ids``
     cancels none; neither: every unfinished job); ``workflow_id``, the unfinished jobs of
-    one workflow (a table with :class:`~sqla_queue.WorkflowMixin`). Returns ``(pk, status before)`` of
-    each job cancelled; the running ones' workers learn it from
+    one workflow (a table with :class:`~sqla_queue.WorkflowMixin`). Returns ``(pk,
+    status before)`` of each job cancelled; the running ones' workers learn it from
     :func:`sqla_queue.cancel`'s NOTIFY, or their next poll of their jobs.
     """
     qt = queue_table(model)
-    c = qt.c
-    conditions: list[ColumnElement[bool]] = [
-        c.status.in_([status_literal(PENDING), status_literal(RUNNING)]), *_queue_filter(qt, queues), *_kind_filter(qt)
-    ]
+    conditions: list[ColumnElement[bool]] = [_unfinished(qt), *_queue_filter(qt, queues), *_kind_filter(qt)]
     if ids is not None:
         conditions.append(_pk_in(qt, ids))
     if workflow_id is not None:
         if not has_workflows(qt.table):
             raise TypeError(f"table {qt.table.name!r} keeps no workflows: mix sqla_queue.WorkflowMixin into its model")
-        conditions.append(c.workflow_id == workflow_id)
+        conditions.append(qt.c.workflow_id == workflow_id)
+    return _cancel(qt, conditions)
+
+
+def _unfinished(qt: QueueTable) -> ColumnElement[bool]:
+    """What a cancel takes: pending and running jobs."""
+    column: ColumnElement[str] = qt.c.status
+    return column.in_([status_literal(PENDING), status_literal(RUNNING)])
+
+
+def _cancel(qt: QueueTable, conditions: list[ColumnElement[bool]]) -> Finishing:
+    """The cancel of the rows ``conditions`` pick (among them :func:`_unfinished`),
+    locked, each returned with its status before."""
+    c = qt.c
     before = select(qt.pk, c.status).where(*conditions).with_for_update().subquery("sqla_queue_before")
     name = qt.pk.name
     update = (

@@ -56,16 +56,24 @@ def requeue_failed(
     ``IntegrityError`` (an UPDATE cannot skip a conflict), so run it again.
     """
     qt = queue_table(model)
+    conditions = _requeue_conditions(qt, statuses, _job_filter(
+        qt, ids=ids, queues=queues, tasks=tasks, error_contains=error_contains
+    ))
+    return qt.table.update().where(*conditions).values(**_requeue_values(delay)).returning(qt.pk)
+
+
+def _requeue_conditions(
+    qt: QueueTable, statuses: Sequence[JobStatus | str], filters: list[ColumnElement[bool]]
+) -> list[ColumnElement[bool]]:
+    """The rows a requeue moves: of ``statuses`` (failed and/or cancelled), matching
+    ``filters``, and none whose unique key another job holds."""
     wanted = list(dict.fromkeys(JobStatus(s) for s in statuses))
     if not wanted or any(s not in (FAILED, CANCELLED) for s in wanted):
         raise ValueError(f"only failed and cancelled jobs can be requeued, got {[str(s) for s in wanted]}")
     status: ColumnElement[bool] = (
         _status(qt, wanted[0]) if len(wanted) == 1 else qt.c.status.in_([status_literal(s) for s in wanted])
     )
-    conditions = [
-        status,
-        *_job_filter(qt, ids=ids, queues=queues, tasks=tasks, error_contains=error_contains),
-    ]
+    conditions = [status, *filters]
     unique = unique_jobs(qt.table)
     if unique is not None and any(s not in unique.statuses for s in wanted):
         other = qt.table.alias("sqla_queue_holder")
@@ -79,20 +87,20 @@ def requeue_failed(
             .where(other.c[unique.column] == qt.c[unique.column], other_pk != qt.pk, held)
             .exists()
         )
-    return (
-        qt.table.update()
-        .where(*conditions)
-        .values(
-            status=status_literal(PENDING),
-            attempts=0,
-            run_after=_clock() + _interval(delay, "delay"),
-            finished_at=null(),
-            lease_owner=null(),
-            lease_expires_at=null(),
-            isolated=False,
-        )
-        .returning(qt.pk)
-    )
+    return conditions
+
+
+def _requeue_values(delay: Duration) -> dict[str, Any]:
+    """A requeued job: pending, fresh attempts, after ``delay`` (``last_error`` kept)."""
+    return {
+        "status": status_literal(PENDING),
+        "attempts": 0,
+        "run_after": _clock() + _interval(delay, "delay"),
+        "finished_at": null(),
+        "lease_owner": null(),
+        "lease_expires_at": null(),
+        "isolated": False,
+    }
 
 
 #: The statuses :func:`delete_jobs` may delete: all but ``running``.
@@ -121,16 +129,11 @@ def delete_jobs(
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of at least 1, got {limit!r}")
-    wanted = _statuses(statuses)
-    if wanted is None:
-        wanted = list(DELETABLE_STATUSES)
-    if RUNNING in wanted:
-        raise ValueError("running jobs cannot be deleted: their worker holds them (cancel them first)")
     qt = queue_table(model)
-    conditions = _job_filter(qt, ids=ids, queues=queues, statuses=wanted, tasks=tasks, error_contains=error_contains)
-    kept = None if free_keys else keeps_unique_key(qt.table)
-    if kept is not None:
-        conditions.append(~kept)
+    conditions = _delete_conditions(
+        qt, ids=ids, queues=queues, statuses=statuses, tasks=tasks, error_contains=error_contains,
+        free_keys=free_keys,
+    )
     doomed = (
         select(qt.pk)
         .where(*conditions)
@@ -138,6 +141,31 @@ def delete_jobs(
         .with_for_update(skip_locked=True)
     )
     return delete(qt.table).where(_keys_of(qt, doomed)).returning(qt.pk)
+
+
+def _delete_conditions(
+    qt: QueueTable,
+    *,
+    ids: Iterable[Any] | None = None,
+    queues: Sequence[str] | None = None,
+    statuses: Sequence[JobStatus | str] | None = None,
+    tasks: Sequence[str] | None = None,
+    error_contains: str | None = None,
+    free_keys: bool,
+) -> list[ColumnElement[bool]]:
+    """The rows a delete removes: matching the filters, of ``statuses`` (None: every
+    deletable one; never ``running``), none still holding its unique key unless
+    ``free_keys``."""
+    wanted = _statuses(statuses)
+    if wanted is None:
+        wanted = list(DELETABLE_STATUSES)
+    if RUNNING in wanted:
+        raise ValueError("running jobs cannot be deleted: their worker holds them (cancel them first)")
+    conditions = _job_filter(qt, ids=ids, queues=queues, statuses=wanted, tasks=tasks, error_contains=error_contains)
+    kept = None if free_keys else keeps_unique_key(qt.table)
+    if kept is not None:
+        conditions.append(~kept)
+    return conditions
 
 
 #: Ages of finished jobs by status: what :func:`prune_finished` removes past which age.
