@@ -173,6 +173,25 @@ def test_quick_flow_run_prints_both_tables(server: Server) -> None:
     assert int(strict.split(" | ")[-1].rstrip(" |")) <= 500, strict
 
 
+@pytest.mark.timeout(180)
+def test_quick_workflows_run_prints_every_load_and_the_release_latency(server: Server) -> None:
+    """``benchmarks/workflows.py --quick``: each load drained to done (the script checks
+    every job is), its row printed, and the release latency of a chain."""
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("workflows.py")), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = ("| plain table |", "| workflow table, no dependencies |", "| fan-out 1 -> 399 |", "| fan-in 399 -> 1 |")
+    for row in rows:
+        assert row in result.stdout, result.stdout
+    assert "release latency, a parent's completion to its child's start (a chain of 30): p50" in result.stdout
+
+
 #: The first cells of the rows of ``pressure.py --quick``.
 PRESSURE_ROWS = (
     "2 producers, one job per transaction, session.enqueue(): wake-up with_commit / none |",
