@@ -462,3 +462,30 @@ def test_operations_release_children_of_a_batch_mixing_parents_and_leaves(
             (claimed,) = on(lambda conn: ops.fetch_claimed(conn, ops.claim_request("w", 1, key=lone.id)))
             on(lambda conn: ops.complete(conn, "w", [claimed.token]))
             assert rows(engine, flow)[lone.id].status == "done"
+
+
+# -- retention never strands a waiting child --------------------------------------------------
+
+
+def test_a_job_whose_children_still_wait_is_never_deleted_pruned_or_archived(engine: Engine) -> None:
+    """A pending parent, and a failed one held by the "hold" policy, keep their children
+    waiting: deleting them would strand the children, so delete, prune and archive pass
+    over them; once the workflow is cancelled they go like any job."""
+    flow = Workflow(on_parent_failure="hold")
+    held = flow.add(job("named", name="held"))
+    pending = flow.add(job("named", name="pending"))
+    child = flow.add(job("named", name="c"), after=[held, pending])
+    enqueued(engine, flow)
+    _end(engine, held.id, "fail")
+    with engine.begin() as conn:
+        deleted = conn.execute(q.delete_jobs(StepTask, ids=[held.id, pending.id])).all()
+        pruned = conn.execute(q.prune_finished(StepTask, older_than=0, statuses=["failed"])).rowcount
+    assert deleted == [] and pruned == 0
+    assert set(rows(engine, flow)) == {held.id, pending.id, child.id}
+    with Session(engine) as session:
+        cancel(session, StepTask, workflow=flow.id)
+        session.commit()
+    with engine.begin() as conn:
+        deleted = conn.execute(q.delete_jobs(StepTask, ids=[pending.id])).all()
+        pruned = conn.execute(q.prune_finished(StepTask, older_than=0, statuses=["failed"])).rowcount
+    assert [r[0] for r in deleted] == [pending.id] and pruned == 1

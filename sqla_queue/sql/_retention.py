@@ -31,6 +31,7 @@ from ._base import (
 )
 from ._inspect import _job_filter, _statuses
 from ._unique import keeps_unique_key
+from ._workflows import no_waiting_children
 
 
 def requeue_failed(
@@ -165,6 +166,7 @@ def _delete_conditions(
     kept = None if free_keys else keeps_unique_key(qt.table)
     if kept is not None:
         conditions.append(~kept)
+    conditions.extend(no_waiting_children(qt))
     return conditions
 
 
@@ -215,6 +217,7 @@ def _finished_before(
     kept = keeps_unique_key(qt.table)
     if kept is not None:
         where.append(~kept)  # "at most once, ever": a key's holder outlives any retention
+    where.extend(no_waiting_children(qt))
     if exclusive:
         where.insert(0, select(func.pg_try_advisory_xact_lock(prune_lock_key(qt.table))).scalar_subquery())
     return select(qt.pk).where(*where).limit(limit).with_for_update(skip_locked=True)

@@ -168,6 +168,22 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
     return moved, [released, cascaded]
 
 
+def no_waiting_children(qt: QueueTable) -> list[ColumnElement[bool]]:
+    """The condition of a delete, a prune or an archive on a table with workflows: not a
+    job that a child still waits for (one of its ``child_ids`` pending: it has not
+    ended, or it ended held by the ``hold`` policy). Deleting it would leave the child
+    waiting for good; cancel the child, or the workflow, first."""
+    if not has_workflows(qt.table):
+        return []
+    child = qt.table.alias("sqla_queue_waiting_child")
+    waiting = (
+        select(child.c[qt.pk.name])
+        .where(child.c[qt.pk.name] == any_(qt.c.child_ids), child.c.status == status_literal(PENDING))
+        .exists()
+    )
+    return [or_(qt.c.child_ids.is_(None), ~waiting)]
+
+
 def _keys(qt: QueueTable, chosen: Select[Any] | CompoundSelect[Any]) -> ColumnElement[Any]:
     """``ARRAY(chosen)``: keys as one value, for ``= ANY``."""
     return func.array(chosen.scalar_subquery(), type_=ARRAY(qt.pk.type))
