@@ -295,8 +295,8 @@ def _a_workflow_its_jobs_and_its_cancel(engine: Engine, dashboard: str, browser:
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
     assert "cancelled 5 job(s) of workflow" in browser.find_element(By.CSS_SELECTOR, ".flash").text
     with engine.connect() as conn:
-        found = dict(conn.execute(select(STEPS.c.status, func.count()).where(STEPS.c.workflow_id == flow.id)
-                                  .group_by(STEPS.c.status)).all())
+        counted = select(STEPS.c.status, func.count()).where(STEPS.c.workflow_id == flow.id).group_by(STEPS.c.status)
+        found: dict[str, int] = {row[0]: row[1] for row in conn.execute(counted).all()}
     assert found == {"done": 3, "failed": 1, "cancelled": 5}
 
 

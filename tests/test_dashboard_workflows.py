@@ -160,6 +160,7 @@ def test_a_job_s_page_links_its_workflow_parents_and_children_and_says_it_waits(
     root = page_of(client, f"/step_tasks/job/{diamond['root']}")
     assert linked(root.split('id="children"')[1], "child") == [diamond["left"], diamond["right"]]
     assert "waiting-on" not in root and "run after 20" in root
+    assert XSS not in root and "&lt;script&gt;" in root  # its payload, as text
     jobs = page_of(client, "/step_tasks/jobs?status=pending")
     assert "9999" not in jobs and cells(jobs, diamond["tail"]).count(">waiting<") == 1
     # A table without workflows, a job enqueued alone: no section.
@@ -287,6 +288,9 @@ def act(client: Any, body: Any, *, csrf: str | None, status: int = 200, headers:
 
 def test_the_api_answers_a_workflow_as_its_page_shows_it(client: Any, diamond: dict[str, Any]) -> None:
     flow = diamond["flow"]
+    actions = {t["table"]: t["actions"] for t in api_get(client, "/")["tables"]}
+    assert "/api/tables/step_tasks/actions/cancel_workflow" in actions["step_tasks"]
+    assert not any(a.endswith("/cancel_workflow") for a in actions["email_jobs"])  # no workflows there
     found = api_get(client, f"/tables/step_tasks/workflows/{flow.id}")
     assert found["workflow"] == str(flow.id) and found["policies"] == ["hold"]
     assert (found["total"], found["done"], found["waiting"]) == (5, 1, 2)
