@@ -225,12 +225,13 @@ def requeue(
 
 
 def cancel(
-    engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None
+    engine: Engine, model: Any, *, ids: Sequence[Any] | None = None, queues: Sequence[str] | None = None,
+    workflow: uuid.UUID | None = None,
 ) -> list[Any]:
-    """Cancel pending and running jobs (:func:`sqla_queue.cancel`) in a transaction of
-    its own; returns the keys cancelled."""
+    """Cancel pending and running jobs (:func:`sqla_queue.cancel`; ``workflow``: every
+    unfinished job of one) in a transaction of its own; returns the keys cancelled."""
     with engine.begin() as conn:
-        return _cancel(conn, model, ids=ids, queues=queues or None)
+        return _cancel(conn, model, ids=ids, queues=queues or None, workflow=workflow)
 
 
 def cancel_jobs(engine: Engine, model: Any, *, ids: Sequence[Any]) -> int:

@@ -25,11 +25,13 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.orm import Session
 
+from sqla_queue import Workflow, enqueue_workflow
 from sqla_queue import sql as q
 
 from .helpers import Server, table_of, wait_for
-from .models import RESULT_WORKERS, TASK_SCHEDULES, EmailJob, Order, ResultTask, Task
+from .models import RESULT_WORKERS, TASK_SCHEDULES, EmailJob, Order, ResultTask, StepTask, Task
 
 pytestmark = pytest.mark.system
 
@@ -37,6 +39,7 @@ pytest.importorskip("flask")
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
+STEPS = table_of(StepTask)
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = ("/usr/bin/chromium", "chromium")
 CHROMEDRIVER = ("/usr/bin/chromedriver", "chromedriver")
@@ -91,7 +94,8 @@ def dashboard(server: Server, engine: Engine) -> Iterator[str]:
     # The periodic app's worker: the schedules page knows its schedule (in the code).
     process = subprocess.Popen(
         [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
-         "tests.models:ResultTask", "tests.periodic_app:make_worker", "--url", url, "--port", "0",
+         "tests.models:ResultTask", "tests.models:StepTask", "tests.periodic_app:make_worker", "--url", url,
+         "--port", "0",
          "--api-actions"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "SQLA_QUEUE_TEST_URL": url},
@@ -237,6 +241,63 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         last = conn.scalar(select(TASK_SCHEDULES.c.last_tick).where(TASK_SCHEDULES.c.name == "beat"))
     assert last == beat.run_after  # the watermark moved to the run's moment
     browser.save_screenshot(str(shots / "schedules-ran.png"))
+
+    _a_workflow_its_jobs_and_its_cancel(engine, dashboard, browser, shots)
+
+
+def _a_workflow_its_jobs_and_its_cancel(engine: Engine, dashboard: str, browser: Any, shots: Path) -> None:
+    """The workflow page's picture and list, a box's link to its job, the job's links to
+    its parents and its workflow, and the workflow's cancel through its confirm page."""
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    flow = Workflow(on_parent_failure="hold")
+    fetch = flow.add(StepTask(task="fetch", payload={"url": "https://example.com/feed"}))
+    parts = [flow.add(StepTask(task="parse", payload={"part": n}), after=[fetch]) for n in range(4)]
+    merge = flow.add(StepTask(task="merge", payload={}), after=parts)
+    report = flow.add(StepTask(task="report", payload={}), after=[merge])
+    notify = flow.add(StepTask(task="notify", payload={}), after=[merge])
+    flow.add(StepTask(task="archive", payload={}), after=[report, notify])
+    with Session(engine, expire_on_commit=False) as session:
+        enqueue_workflow(session, flow)
+        session.commit()
+    with engine.begin() as conn:  # fetch done; two parts done, one failed (its error has markup), one running
+        (root,) = conn.execute(q.claim(StepTask, owner="web-1:1:a/0", limit=1, lease=60)).all()
+        conn.execute(q.complete_if_owner(StepTask, owner="web-1:1:a/0", tokens=[(root.id, root.attempts)]))
+    with engine.begin() as conn:
+        claimed = {r.id: r for r in conn.execute(q.claim(StepTask, owner="web-1:1:a/0", limit=4, lease=60)).all()}
+        done = [(claimed[p.id].id, claimed[p.id].attempts) for p in parts[:2]]
+        conn.execute(q.complete_if_owner(StepTask, owner="web-1:1:a/0", tokens=done))
+        failed = claimed[parts[2].id]
+        conn.execute(q.fail_if_owner(StepTask, owner="web-1:1:a/0", token=(failed.id, failed.attempts),
+                                     error="Traceback ...\nValueError: <img src=x onerror=alert('x')>"))
+    browser.get(f"{dashboard.rstrip('/')}/step_tasks/workflow/{flow.id}")
+    wait_for(lambda: browser.execute_script("return document.readyState") == "complete", what="the workflow page")
+    with pytest.raises(NoAlertPresentException):  # no error's markup ran
+        browser.switch_to.alert  # noqa: B018 - the property raises when there is none
+    browser.save_screenshot(str(shots / "workflow.png"))
+    boxes = browser.find_elements(By.CSS_SELECTOR, "#workflow-graph a.box")
+    assert len(boxes) == 9 and len(browser.find_elements(By.CSS_SELECTOR, "#workflow-graph path.edge")) == 12
+    assert "ValueError: <img src=x" in browser.find_element(By.ID, "workflow-jobs").text
+    browser.find_element(By.CSS_SELECTOR, f'#workflow-graph a.box[data-job="{merge.id}"]').click()
+    wait_for(lambda: browser.find_elements(By.ID, "workflow-link"), what="the job's page")
+    assert browser.find_element(By.ID, "waiting-on").text == "waiting on 2 of 4 job(s)"
+    browser.save_screenshot(str(shots / "job-workflow.png"))
+    parents = browser.find_element(By.ID, "parents").text
+    assert "failed" in parents and "running" in parents and "9999" not in browser.page_source
+    browser.find_element(By.CSS_SELECTOR, f'#parents a.parent[data-id="{parts[2].id}"]').click()
+    wait_for(lambda: browser.current_url.endswith(f"/step_tasks/job/{parts[2].id}"), what="the parent's page")
+    browser.find_element(By.ID, "workflow-link").click()
+    wait_for(lambda: browser.find_elements(By.ID, "cancel-workflow"), what="the workflow page")
+    browser.find_element(By.ID, "cancel-workflow").click()
+    wait_for(lambda: browser.find_elements(By.ID, "cancel-workflow-confirm"), what="the cancel's confirm page")
+    browser.find_element(By.ID, "cancel-workflow-confirm").click()
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+    assert "cancelled 5 job(s) of workflow" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    with engine.connect() as conn:
+        counted = select(STEPS.c.status, func.count()).where(STEPS.c.workflow_id == flow.id).group_by(STEPS.c.status)
+        found: dict[str, int] = {row[0]: row[1] for row in conn.execute(counted).all()}
+    assert found == {"done": 3, "failed": 1, "cancelled": 5}
 
 
 def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,6 +83,7 @@ from .reads import (
     _split,
 )
 from .schedules import add_schedule_views
+from .workflows import add_workflow_views, job_workflow
 
 __all__ = ["LOOPBACK_HOSTS", "Auth", "create_app", "dashboard_blueprint", "serve"]
 
@@ -318,6 +319,7 @@ def dashboard_blueprint(
             limit=settings.truncate,
             error_length=lengths.get("last_error", 0),
             error_limit=_ERROR_VIEW,
+            workflow=job_workflow(settings, entry, values),
         )
 
     @bp.get("/<path:table>/job/<job_id>/raw/<column>")
@@ -431,6 +433,7 @@ def dashboard_blueprint(
 
     add_schedule_views(bp, settings, schedules, guard=_guard)
     add_bulk_views(bp, settings, guard=_guard, split=_split, statuses=_STATUSES)
+    add_workflow_views(bp, settings, guard=_guard)
     return bp
 
 

@@ -44,9 +44,10 @@ from werkzeug.exceptions import HTTPException, NotFound
 
 from .. import admin
 from ..errors import QueuesTableNotDeclared
-from ..model import JobStatus, check_queue, history_column, progress_column, result_column
+from ..model import JobStatus, check_queue, has_workflows, history_column, progress_column, result_column
 from ..registry import declared_workers_table
 from .reads import _DEFAULT_LEASE, _ERROR_VIEW, _job_id, _job_value, _job_view, _list_page, _running_jobs, _split
+from .workflows import parse_workflow_id, workflow_jobs, workflow_summary
 
 if TYPE_CHECKING:
     from . import _Settings, _Table
@@ -146,9 +147,10 @@ def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
                     "jobs": url_for(".jobs", table=key),
                     "dead": url_for(".dead", table=key),
                     "workers": url_for(".workers", table=key),
-                    "actions": [url_for(".action", table=key, verb=verb) for verb in _ACTIONS] if writable else [],
+                    "actions": [url_for(".action", table=key, verb=verb) for verb in _ACTIONS
+                                if verb != "cancel_workflow" or has_workflows(entry.qt.table)] if writable else [],
                 }
-                for key in settings.tables
+                for key, entry in settings.tables.items()
             ],
         })
 
@@ -264,6 +266,25 @@ def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
             ],
         })
 
+    @route("/tables/<path:table>/workflows/<workflow_id>", "GET")
+    def workflow(table: str, workflow_id: str) -> Response:
+        entry = entry_of(table)
+        found = parse_workflow_id(workflow_id)
+        summary = workflow_summary(settings, entry, found) if found and has_workflows(entry.qt.table) else None
+        if summary is None:
+            _fail(404, "no_such_workflow", f"no workflow {workflow_id} in {entry.key}")
+        after, limit = _page_arguments(entry, settings.page_size)
+        jobs, next_after = workflow_jobs(settings, entry, summary.id, after=after, limit=limit)
+        kept: dict[str, Any] = {"limit": limit} if "limit" in request.args else {}
+        return _json({
+            "table": entry.key, "workflow": summary.id, "policies": summary.policies, "total": summary.total,
+            "done": summary.done, "waiting": summary.waiting, "counts": summary.counts,
+            "jobs": [dataclasses.asdict(job) for job in jobs],
+            "next_after": next_after,
+            "next": url_for(".workflow", table=entry.key, workflow_id=str(summary.id), **kept, after=str(next_after))
+            if next_after is not None else None,
+        })
+
     @route("/tables/<path:table>/actions/<verb>", "POST")
     def action(table: str, verb: str) -> Response:
         if not writable:
@@ -368,6 +389,22 @@ def _list_arguments(entry: _Table, *, dead: bool, default_limit: int) -> tuple[a
     if not 1 <= limit <= _MAX_LIMIT:
         _fail(400, "bad_filter", f"limit is a whole number from 1 to {_MAX_LIMIT}")
     return filters, key, limit
+
+
+def _page_arguments(entry: _Table, default_limit: int) -> tuple[Any, int]:
+    """A workflow's page: ``after`` (a key) and ``limit``, strictly."""
+    args = request.args
+    unknown = sorted(set(args) - {"after", "limit"})
+    if unknown:
+        _fail(400, "bad_filter", f"unknown argument(s) {', '.join(unknown)}: a workflow's are after, limit")
+    after = args.get("after")
+    try:
+        limit = int(args.get("limit", default_limit))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _MAX_LIMIT:
+        _fail(400, "bad_filter", f"limit is a whole number from 1 to {_MAX_LIMIT}")
+    return (_key(entry, after, status=400, kind="bad_filter") if after else None), limit
 
 
 def _listed(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -508,6 +545,16 @@ def _limit(settings: _Settings, entry: _Table, body: Mapping[str, Any]) -> dict[
     return {"queue": queue, **limits}
 
 
+def _cancel_workflow(settings: _Settings, entry: _Table, body: Mapping[str, Any]) -> dict[str, Any]:
+    if not has_workflows(entry.qt.table):
+        _fail(400, "bad_body", f"{entry.key} keeps no workflows")
+    value = body.get("workflow")
+    workflow = parse_workflow_id(value) if isinstance(value, str) else None
+    if workflow is None:
+        _fail(400, "bad_body", '"workflow" is a workflow\'s id (a UUID)')
+    return {"workflow": workflow, "cancelled": len(admin.cancel(settings.engine, entry.model, workflow=workflow))}
+
+
 #: Every action of the dashboard's action endpoint, by the name its form sends.
 _ACTIONS: dict[str, Callable[[_Settings, _Table, Mapping[str, Any]], dict[str, Any]]] = {
     "requeue": _requeue,
@@ -517,6 +564,7 @@ _ACTIONS: dict[str, Callable[[_Settings, _Table, Mapping[str, Any]], dict[str, A
     "pause": _pause_or_resume(True),
     "resume": _pause_or_resume(False),
     "limit": _limit,
+    "cancel_workflow": _cancel_workflow,
 }
 
 
