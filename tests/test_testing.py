@@ -154,7 +154,9 @@ def test_run_until_idle_leaves_a_later_retry_pending(engine: Engine) -> None:
     def fails(job: EmailJob) -> None:
         raise RuntimeError("later")
 
-    stats = run_until_idle(engine, EmailJob, fails)  # default backoff: seconds away
+    # A retry a minute away (the default backoff's first is about a second away, which a
+    # loaded machine can reach before the run is idle).
+    stats = run_until_idle(engine, EmailJob, fails, backoff=Backoff(base=60.0, jitter=0.0))
     assert (stats.retried, stats.failed, stats.done) == (1, 0, 0)
     (job,) = assert_enqueued(engine, EmailJob)
     assert job.attempts == 1
