@@ -175,10 +175,10 @@ def test_quick_flow_run_prints_both_tables(server: Server) -> None:
 
 #: The first cells of the rows of ``pressure.py --quick``.
 PRESSURE_ROWS = (
-    "2 producers, one job per transaction, session.enqueue(): wake-up with_commit / none |",
-    "2 producers, one job per transaction, session.enqueue(): wake-up after_commit / none |",
-    "2 producers, one job per transaction, enqueue_values(): wake-up with_commit / none |",
-    "2 producers, one job per transaction, enqueue_values(): wake-up after_commit / none |",
+    "1 producer, one job per transaction, session.enqueue(): wake-up with_commit / none |",
+    "1 producer, one job per transaction, session.enqueue(): wake-up after_commit / none |",
+    "1 producer, one job per transaction, enqueue_values(): wake-up with_commit / none |",
+    "1 producer, one job per transaction, enqueue_values(): wake-up after_commit / none |",
     "held snapshot: throughput during the hold / clean run |",
     "held snapshot: pickup p99 during the hold / clean run |",
     "held snapshot: claim's mean time, the hold's last minute / its first |",
@@ -188,9 +188,9 @@ PRESSURE_ROWS = (
     "prune in batches of 10,000 beside claims |",
     "processing on the production cluster, 1 process x 4 threads, batch default (baseline 32) |",
     "processing on the production cluster, 2 processes x 4 threads, batch default (baseline 32) |",
-    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: server defaults |",
-    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: recommended autovacuum |",
-    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: recommended autovacuum, fillfactor 80 |",
+    "churn at 200 jobs/s for 0.02 min beside 20,000 finished rows: server defaults |",
+    "churn at 200 jobs/s for 0.02 min beside 20,000 finished rows: recommended autovacuum |",
+    "churn at 200 jobs/s for 0.02 min beside 20,000 finished rows: recommended autovacuum, fillfactor 80 |",
 )
 
 
