@@ -1,35 +1,43 @@
-"""Console commands (``alembic``, ``sqla-queue``, ``flask``, ``python -c``) run in a fresh
-process that starts in milliseconds instead of a second.
+"""Commands a user types (``alembic``, ``sqla-queue``, ``flask``, ``python FILE``,
+``python -c CODE``), each run in a process of its own that starts in milliseconds.
 
-A console script started as a new interpreter spends most of a second of CPU importing
-SQLAlchemy, Alembic, psycopg and sqla_queue before it does anything, and the Alembic tests
-run about a hundred of them. Here each command runs in a child of a multiprocessing fork
-server that imported those packages once (:data:`PRELOAD`): still a process of its own
-(its own modules, logging, working folder and environment; nothing of the test process
-but the imported packages), running the console script's own entry point, read from the
-installed script's metadata, with the given arguments, in the project folder. The output
-and exit status are the command's, as :func:`subprocess.run` would report them. What
-differs from typing the command is only the interpreter's start, which the tests that run
-the real scripts (``fresh=True`` in ``tests/test_alembic.py``, and ``tests/test_cli.py``)
-keep proving.
+A new interpreter spends most of a second of CPU importing SQLAlchemy, psycopg, Alembic
+(or FastAPI, SQLModel, Flask) before the command does anything, and the suite runs a few
+hundred such commands. Here each runs in a child of a multiprocessing fork server that
+imported those third-party packages once (:data:`PRELOAD`; sqla_queue's top level too,
+none of its optional modules): still a process of its own, with its own modules, logging,
+working folder, environment and ``sys.argv``, nothing of the test process's. It runs what
+the interpreter would: a console script's entry point (read from the installed script's
+metadata), a file as ``__main__`` with its folder first on ``sys.path``, or ``-c`` code
+with ``""`` first; then, at its end, the non-daemon threads are joined and the ``atexit``
+functions run. Its exit status and output are the command's, as :func:`subprocess.run`
+reports them.
+
+What differs from typing the command is only the interpreter's start; the tests that
+run commands as typed (``fresh=True`` of ``tests/test_alembic.py``, ``tests/test_cli.py``,
+``tests/test_demo.py``, one example of ``tests/test_examples.py``) keep proving that.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import multiprocessing
 import os
+import runpy
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-#: Imported once by the fork server: what the commands import before they do anything.
-#: A package that is not installed is skipped (the fork server ignores ImportError).
+#: Imported once by the fork server. A package that is not installed is skipped (the
+#: fork server ignores ImportError).
 PRELOAD = [
     "sqlalchemy",
     "sqlalchemy.orm",
+    "sqlalchemy.ext.asyncio",
     "sqlalchemy.dialects.postgresql.psycopg",
     "psycopg",
     "alembic.config",
@@ -37,33 +45,63 @@ PRELOAD = [
     "alembic.autogenerate",
     "alembic.runtime.migration",
     "mako.template",
-    "sqla_queue",
-    "sqla_queue.alembic",
-    "sqla_queue.alembic_ops",
-    "sqla_queue.cli",
     "sqlmodel",
+    "pydantic",
+    "fastapi",
+    "httpx",
     "flask",
     "flask.cli",
     "flask_sqlalchemy",
     "flask_migrate",
+    "sqla_queue",
 ]
 
 
-def _context() -> Any:
+class Result:
+    """The parts of :class:`subprocess.CompletedProcess` the tests read."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+def run(command: Sequence[str | Path], cwd: Path, env: dict[str, str], timeout: float) -> Result:
+    """Run ``command`` in ``cwd`` with exactly the environment ``env``: a console script
+    of this environment, ``sys.executable FILE ARGS`` or ``sys.executable -c CODE ARGS``."""
+    parts = [str(part) for part in command]
+    if Path(parts[0]) == Path(sys.executable):
+        if parts[1] == "-c":
+            what, path0, argv = ("code", parts[2]), "", ["-c", *parts[3:]]
+        elif not parts[1].startswith("-"):
+            script = os.path.join(str(cwd), parts[1])  # as the interpreter finds it
+            what, path0, argv = ("file", script), os.path.dirname(os.path.realpath(script)), parts[1:]
+        else:
+            raise ValueError(f"not a command this runs: {parts}")
+    else:
+        (entry,) = importlib.metadata.entry_points(group="console_scripts", name=Path(parts[0]).name)
+        what, path0, argv = ("entry", str(entry.value)), str(Path(parts[0]).parent), parts
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    return context
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        process = context.Process(target=_child, args=(what, path0, argv, str(cwd), env, out, err))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"{parts} did not exit within {timeout} s")
+        # A child that failed before it opened them (it could not even start) wrote nothing.
+        stdout, stderr = (Path(path).read_text() if os.path.exists(path) else "" for path in (out, err))
+        return Result(process.exitcode, stdout, stderr)
 
 
-def _entry_point(script: str) -> str:
-    """``module:function`` of an installed console script (``alembic``, ``flask``, …)."""
-    (found,) = importlib.metadata.entry_points(group="console_scripts", name=script)
-    return str(found.value)
-
-
-def _child(entry: str | None, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _child(
+    what: tuple[str, str], path0: str, argv: list[str], cwd: str, env: dict[str, str], out: str, err: str
+) -> None:
     """In the forked process: the command's folder, environment, ``sys.path[0]``,
-    ``sys.argv`` and standard streams, then its entry point (or the ``-c`` code)."""
+    ``sys.argv`` and standard streams; the command; then the interpreter's exit steps."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -74,47 +112,19 @@ def _child(entry: str | None, argv: list[str], cwd: str, env: dict[str, str], ou
         os.close(target)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the process's own, to its end
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    # As the interpreter sets it: the script's folder first, or "" (the current folder)
-    # for -c; never the test process's own current folder.
-    sys.path[:] = [argv[0] if entry is None else os.path.dirname(argv[0])] + [p for p in sys.path if p]
-    if entry is None:  # ["", "-c", CODE, *args]
-        sys.argv = ["-c", *argv[3:]]
-        exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        return
+    sys.path[:] = [path0, *(p for p in sys.path if p)]  # never the test process's folder
     sys.argv = list(argv)
-    module, _, function = entry.partition(":")
-    main = getattr(__import__(module, fromlist=[function]), function)
-    sys.exit(main())
-
-
-class Result:
-    """What :func:`subprocess.run` returns, the parts the tests read."""
-
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode = returncode
-        self.stdout = stdout
-        self.stderr = stderr
-
-
-def run(command: Sequence[str | Path], cwd: Path, env: dict[str, str], timeout: float) -> Result:
-    """Run ``command`` (a console script of this environment's ``bin``, or ``python -c``)
-    in a forked process; its exit status and output."""
-    parts = [str(part) for part in command]
-    if Path(parts[0]) == Path(sys.executable):
-        if parts[1] != "-c":
-            raise ValueError(f"only python -c runs forked: {parts}")
-        entry, argv = None, ["", *parts[1:]]
-    else:
-        entry, argv = _entry_point(Path(parts[0]).name), parts
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = _context().Process(target=_child, args=(entry, argv, str(cwd), env, out, err))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-            raise TimeoutError(f"{parts} did not exit within {timeout} s")
-        code = process.exitcode
-        stdout, stderr = Path(out).read_text(), Path(err).read_text()
-    return Result(code, stdout, stderr)
+    kind, value = what
+    code: Any = 0
+    try:
+        if kind == "entry":
+            module, _, function = value.partition(":")
+            code = getattr(__import__(module, fromlist=[function]), function)()
+        elif kind == "file":
+            runpy.run_path(value, run_name="__main__")
+        else:
+            exec(compile(value, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    finally:
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter exits: threads
+        atexit._run_exitfuncs()  # then the atexit functions, which a forked child skips
+    sys.exit(code)
