@@ -1,5 +1,6 @@
 """Commands a user types (``alembic``, ``sqla-queue``, ``flask``, ``python FILE``,
-``python -c CODE``), each run in a process of its own that starts in milliseconds.
+``python -m MODULE``, ``python -c CODE``), each run in a process of its own that starts in
+milliseconds.
 
 A new interpreter spends most of a second of CPU importing SQLAlchemy, psycopg, Alembic
 (or FastAPI, SQLModel, Flask) before the command does anything, and the suite runs a few
@@ -8,14 +9,15 @@ imported those third-party packages once (:data:`PRELOAD`; sqla_queue's top leve
 none of its optional modules): still a process of its own, with its own modules, logging,
 working folder, environment and ``sys.argv``, nothing of the test process's. It runs what
 the interpreter would: a console script's entry point (read from the installed script's
-metadata), a file as ``__main__`` with its folder first on ``sys.path``, or ``-c`` code
-with ``""`` first; then, at its end, the non-daemon threads are joined and the ``atexit``
-functions run. Its exit status and output are the command's, as :func:`subprocess.run`
-reports them.
+metadata), a file as ``__main__`` with its folder first on ``sys.path``, a module as
+``__main__`` with the current folder first, or ``-c`` code with ``""`` first; then, at
+its end, it joins the non-daemon threads and runs the ``atexit`` functions. Its exit
+status and output are the command's, as :func:`subprocess.run` reports them.
 
 What differs from typing the command is only the interpreter's start; the tests that
-run commands as typed (``fresh=True`` of ``tests/test_alembic.py``, ``tests/test_cli.py``,
-``tests/test_demo.py``, one example of ``tests/test_examples.py``) keep proving that.
+run commands as typed (``fresh=True`` in ``tests/test_alembic.py``,
+``tests/test_examples.py`` and ``tests/test_flask.py``; ``tests/test_cli.py``,
+``tests/test_demo.py``) keep proving that.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ class Result:
 
 def run(command: Sequence[str | Path], cwd: Path, env: dict[str, str], timeout: float) -> Result:
     """Run ``command`` in ``cwd`` with exactly the environment ``env``: a console script
-    of this environment, ``sys.executable FILE ARGS`` or ``sys.executable -c CODE ARGS``."""
+    of this environment, or ``sys.executable`` with ``FILE``, ``-m MODULE`` or ``-c CODE``,
+    then the arguments."""
     parts = [str(part) for part in command]
     if Path(parts[0]) == Path(sys.executable):
         if parts[1] == "-c":
             what, path0, argv = ("code", parts[2]), "", ["-c", *parts[3:]]
+        elif parts[1] == "-m":
+            what, path0, argv = ("module", parts[2]), str(cwd), ["-m", *parts[3:]]
         elif not parts[1].startswith("-"):
             script = os.path.join(str(cwd), parts[1])  # as the interpreter finds it
             what, path0, argv = ("file", script), os.path.dirname(os.path.realpath(script)), parts[1:]
@@ -122,6 +127,8 @@ def _child(
             code = getattr(__import__(module, fromlist=[function]), function)()
         elif kind == "file":
             runpy.run_path(value, run_name="__main__")
+        elif kind == "module":  # sys.argv[0] becomes the module's file, as with -m
+            runpy.run_module(value, run_name="__main__", alter_sys=True)
         else:
             exec(compile(value, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     finally:
