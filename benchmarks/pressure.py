@@ -303,9 +303,7 @@ def bench_producers(engine: Engine, url: URL, args: argparse.Namespace) -> list[
     than the wake-up costs, and a side is compared with its reference of the same
     minute."""
     rows = []
-    # Quick: one producer, so one process per side (each spawned process costs a second
-    # of imports; the split over processes is the processes benchmark's too).
-    counts = (1,) if args.quick else tuple(int(n) for n in args.producers.split(","))
+    counts = (2,) if args.quick else tuple(int(n) for n in args.producers.split(","))
     groups = [[side for side in PRODUCER_SIDES if side.startswith(f"{api} ")] for api in ("orm", "values", "raw")]
     for n in counts:
         rates: dict[str, list[float]] = {side: [] for side in PRODUCER_SIDES}
@@ -331,7 +329,7 @@ def bench_producers(engine: Engine, url: URL, args: argparse.Namespace) -> list[
                 ratio = paired(side, reference)
                 each = ", ".join(f"{a / b:.2f}" for a, b in zip(rates[side], rates[reference], strict=True))
                 rows.append(Row(
-                    f"{n} producer{'s' if n != 1 else ''}, one job per transaction, {what}: wake-up {mode} / none",
+                    f"{n} producers, one job per transaction, {what}: wake-up {mode} / none",
                     f"{med[side]:,.0f} commits/s (none {med[reference]:,.0f}); rounds {each}", raw,
                     ratio, f">= {target:.2f}x" if target else "", None if target is None else ratio >= target,
                 ))

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata
+import io
 import multiprocessing
 import os
 import runpy
+import subprocess
 import sys
 import tempfile
 import threading
@@ -69,9 +71,64 @@ class Result:
 
 
 def run(command: Sequence[str | Path], cwd: Path, env: dict[str, str], timeout: float) -> Result:
-    """Run ``command`` in ``cwd`` with exactly the environment ``env``: a console script
-    of this environment, or ``sys.executable`` with ``FILE``, ``-m MODULE`` or ``-c CODE``,
-    then the arguments."""
+    """Run ``command`` in ``cwd`` with exactly the environment ``env``, to its end: a
+    console script of this environment, or ``sys.executable`` with ``FILE``,
+    ``-m MODULE`` or ``-c CODE``, then the arguments."""
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        process = _process(command, cwd, env, out, err, daemon=False)
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"{command} did not exit within {timeout} s")
+        # A child that failed before it opened them (it could not even start) wrote nothing.
+        stdout, stderr = (Path(path).read_text() if os.path.exists(path) else "" for path in (out, err))
+        return Result(process.exitcode, stdout, stderr)
+
+
+class Started:
+    """A command :func:`start` started: the parts of :class:`subprocess.Popen` the tests
+    use (``pid``, ``poll()``, ``wait()``, ``kill()``)."""
+
+    def __init__(self, process: Any, command: Sequence[str | Path]) -> None:
+        self._process = process
+        self.args = [str(part) for part in command]
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status, ``-N`` for signal N; None while it runs."""
+        code: int | None = self._process.exitcode
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def start(command: Sequence[str | Path], cwd: Path, env: dict[str, str], log: Path) -> Started:
+    """Start ``command`` (as :func:`run` takes it) in the background, its standard output
+    and error appended to ``log`` together (``stderr=STDOUT``). A process left running
+    when the test process exits is ended then (a daemon of it)."""
+    process = _process(command, cwd, env, str(log), str(log), daemon=True)
+    process.start()
+    return Started(process, command)
+
+
+def _process(
+    command: Sequence[str | Path], cwd: Path, env: dict[str, str], out: str, err: str, *, daemon: bool
+) -> Any:
     parts = [str(part) for part in command]
     if Path(parts[0]) == Path(sys.executable):
         if parts[1] == "-c":
@@ -88,18 +145,7 @@ def run(command: Sequence[str | Path], cwd: Path, env: dict[str, str], timeout: 
         what, path0, argv = ("entry", str(entry.value)), str(Path(parts[0]).parent), parts
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        process = context.Process(target=_child, args=(what, path0, argv, str(cwd), env, out, err))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-            raise TimeoutError(f"{parts} did not exit within {timeout} s")
-        # A child that failed before it opened them (it could not even start) wrote nothing.
-        stdout, stderr = (Path(path).read_text() if os.path.exists(path) else "" for path in (out, err))
-        return Result(process.exitcode, stdout, stderr)
+    return context.Process(target=_child, args=(what, path0, argv, str(cwd), env, out, err), daemon=daemon)
 
 
 def _child(
@@ -110,13 +156,23 @@ def _child(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
     sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
-    for fd, path in ((1, out), (2, err)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the process's own, to its end
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    # One open file for both when they go to the same place (stderr=STDOUT): one offset.
+    first = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(first, 1)
+    second = first if err == out else os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(second, 2)
+    for fd in {first, second}:
+        os.close(fd)
+    # As the interpreter opens them: stdout to a file block-buffered, stderr line-buffered;
+    # both written through at once with PYTHONUNBUFFERED.
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=unbuffered, line_buffering=not unbuffered,
+        errors="backslashreplace",
+    )
     sys.path[:] = [path0, *(p for p in sys.path if p)]  # never the test process's folder
     sys.argv = list(argv)
     kind, value = what

@@ -175,10 +175,10 @@ def test_quick_flow_run_prints_both_tables(server: Server) -> None:
 
 #: The first cells of the rows of ``pressure.py --quick``.
 PRESSURE_ROWS = (
-    "1 producer, one job per transaction, session.enqueue(): wake-up with_commit / none |",
-    "1 producer, one job per transaction, session.enqueue(): wake-up after_commit / none |",
-    "1 producer, one job per transaction, enqueue_values(): wake-up with_commit / none |",
-    "1 producer, one job per transaction, enqueue_values(): wake-up after_commit / none |",
+    "2 producers, one job per transaction, session.enqueue(): wake-up with_commit / none |",
+    "2 producers, one job per transaction, session.enqueue(): wake-up after_commit / none |",
+    "2 producers, one job per transaction, enqueue_values(): wake-up with_commit / none |",
+    "2 producers, one job per transaction, enqueue_values(): wake-up after_commit / none |",
     "held snapshot: throughput during the hold / clean run |",
     "held snapshot: pickup p99 during the hold / clean run |",
     "held snapshot: claim's mean time, the hold's last minute / its first |",
