@@ -4,7 +4,8 @@ milliseconds.
 
 A new interpreter spends most of a second of CPU importing SQLAlchemy, psycopg, Alembic
 (or FastAPI, SQLModel, Flask) before the command does anything, and the suite runs a few
-hundred such commands. Here each runs in a child of a multiprocessing fork server that
+hundred such commands (:func:`run`) and starts a few hundred worker processes
+(:func:`start`, behind ``tests.helpers.WorkerProcess``). Here each runs in a child of a multiprocessing fork server that
 imported those third-party packages once (:data:`PRELOAD`; sqla_queue's top level too,
 none of its optional modules): still a process of its own, with its own modules, logging,
 working folder, environment and ``sys.argv``, nothing of the test process's. It runs what
@@ -15,9 +16,10 @@ its end, it joins the non-daemon threads and runs the ``atexit`` functions. Its 
 status and output are the command's, as :func:`subprocess.run` reports them.
 
 What differs from typing the command is only the interpreter's start; the tests that
-run commands as typed (``fresh=True`` in ``tests/test_alembic.py``,
-``tests/test_examples.py`` and ``tests/test_flask.py``; ``tests/test_cli.py``,
-``tests/test_demo.py``) keep proving that.
+run commands as typed, in new interpreters, keep proving that: ``fresh=True`` in
+``tests/test_alembic.py``, ``tests/test_examples.py`` and ``tests/test_flask.py``, and
+``tests/test_cli.py``, ``tests/test_demo.py`` and the ``subprocess`` workers of
+``tests/test_worker_processes.py``.
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ class Started:
         return code
 
     def kill(self) -> None:
-        self._process.kill()
+        if self.poll() is None:  # as Popen: never a signal to a pid that may be another's now
+            self._process.kill()
 
 
 def start(command: Sequence[str | Path], cwd: Path, env: dict[str, str], log: Path) -> Started:
