@@ -15,7 +15,6 @@ It reuses ``benchmarks/run.py``'s scratch database, table and process harness.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import resource
 import sys
@@ -50,7 +49,7 @@ def _child(url_text: str, concurrency: int, ready: Any, go: Any, stop: Any) -> N
 
 def drain(url: URL, engine: Engine, jobs: int, processes: int, concurrency: int = 4) -> tuple[float, float, int]:
     """(jobs/s, µs of CPU per job, largest peak RSS of a worker process in MiB)."""
-    ctx = mp.get_context("spawn")
+    ctx = bench.process_context()
     ready = ctx.Queue()
     go, stop = ctx.Event(), ctx.Event()
     url_text = url.render_as_string(hide_password=False)

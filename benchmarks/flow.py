@@ -24,7 +24,6 @@ It reuses ``benchmarks/run.py``'s scratch database and process helpers.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -100,7 +99,7 @@ def drain(url: URL, kind: str, jobs: int, processes: int) -> tuple[float, float]
         conn.execute(f"TRUNCATE {table} RESTART IDENTITY")
         conn.execute(f"INSERT INTO {table} (account) SELECT i %% {KEYS} FROM generate_series(1, %s) AS i", (jobs,))
         conn.execute(f"VACUUM ANALYZE {table}")
-    ctx = mp.get_context("spawn")
+    ctx = bench.process_context()
     ready = ctx.Queue()
     go, stop = ctx.Event(), ctx.Event()
     url_text = url.render_as_string(hide_password=False)

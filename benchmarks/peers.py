@@ -38,7 +38,6 @@ import asyncio
 import importlib
 import importlib.metadata
 import logging
-import multiprocessing as mp
 import os
 import queue as queue_module
 import random
@@ -365,7 +364,7 @@ def run_peer_processing(url: URL, side: str, value: int, processes: int, plan: P
     n = jobs_for(plan, side)
     reset_peer(side, url)
     asyncio.run(load_peer(side, url, n))
-    ctx = mp.get_context("spawn")
+    ctx = bench.process_context()
     ready = ctx.Queue()
     go, stop = ctx.Event(), ctx.Event()
     url_text = url.render_as_string(hide_password=False)
@@ -583,7 +582,7 @@ def _peer_pickup_child(side: str, url_text: str, out: Any, ready: Any, stop: Any
 
 async def bench_pickup(url: URL, engine: Engine, sides: Sequence[str], plan: Plan) -> dict[str, tuple[float, float]]:
     """p50 and p99 in ms of commit-return to handler-start, for an idle worker of each side."""
-    ctx = mp.get_context("spawn")
+    ctx = bench.process_context()
     ready = ctx.Queue()
     stop = ctx.Event()
     url_text = url.render_as_string(hide_password=False)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import multiprocessing as mp
 import os
 import pwd
 import shutil
@@ -276,7 +275,7 @@ def _producer_child(side: str, url_text: str, threads: int, seconds: float, read
 
 
 def run_producers(url: URL, side: str, producers: int, seconds: float) -> float:
-    ctx = mp.get_context("spawn")
+    ctx = bench.process_context()
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     processes = min(producers, 4)
     per = [producers // processes + (1 if i < producers % processes else 0) for i in range(processes)]
@@ -489,7 +488,7 @@ def run_hold(
         conn.execute(text("VACUUM ANALYZE bench_jobs"))
         conn.execute(text("SELECT pg_stat_statements_reset()"))
         conn.execute(text("SELECT pg_stat_reset_single_table_counters('bench_jobs'::regclass)"))
-    ctx = mp.get_context("spawn")
+    ctx = bench.process_context()
     ready, go, stop = ctx.Queue(), ctx.Event(), ctx.Event()
     url_text = url.render_as_string(hide_password=False)
     # The producers in processes of their own, two, so that the ORM's Python time per
@@ -510,7 +509,8 @@ def run_hold(
         log_from = _log_size()
         go.set()
         start = time.monotonic()
-        minute = 60.0 if minutes >= 5 else max(seconds / 10, 1.0)  # a tenth of a short run
+        # A tenth of a short run; at least 0.1 s (a quick run's whole load lasts a second).
+        minute = 60.0 if minutes >= 5 else max(seconds / 10, 0.1)
         next_sample = start + minute
         hold_from, hold_to = start + 0.2 * seconds, start + 0.8 * seconds
         while time.monotonic() < start + seconds:
@@ -552,7 +552,7 @@ def run_hold(
                 c0, t0 = before.get(queryid, (0.0, 0.0))
                 c1, t1 = after.get(queryid, (0.0, 0.0))
                 means.append(f"{(t1 - t0) / (c1 - c0):.2f}" if c1 > c0 else "-")
-            say(f"      ms a call, per {minute:.0f} s: {' '.join(means)}")
+            say(f"      ms a call, per {minute:g} s: {' '.join(means)}")
         passes = _autovacuum_passes(log_from)
         if passes:
             say(f"    autovacuum of bench_jobs: {len(passes)} passes, " + ", ".join(f"{p:.2f}" for p in passes) + " s")
@@ -702,6 +702,7 @@ def _claim_latency(url: URL, engine: Engine, n: int) -> list[float]:
 
 
 def _enqueue_rate(engine: Engine, seconds: float) -> float:
+    """Jobs per second, one ``session.enqueue()`` per transaction, for ``seconds``."""
     n, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline:
         with QueueSession(engine) as session:
@@ -713,6 +714,7 @@ def _enqueue_rate(engine: Engine, seconds: float) -> float:
 
 def bench_big(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
     finished, pending, probes = (20_000, 5_000, 200) if args.quick else (args.finished, 100_000, 2000)
+    enqueue_seconds = 0.5 if args.quick else 3.0
     results: dict[str, dict[str, float]] = {}
     for label, n_finished in (("empty", 0), ("big", finished)):
         with engine.begin() as conn:
@@ -734,7 +736,7 @@ def bench_big(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
         say(f"  big: {label}: {n_finished:,} finished + {pending:,} pending loaded in {time.perf_counter() - t0:.0f}s")
         times = _claim_latency(url, engine, probes)
         results[label] = {"p50": statistics.median(times) * 1000, "p99": percentile(times, 99) * 1000,
-                          "enqueue": _enqueue_rate(engine, 3.0)}
+                          "enqueue": _enqueue_rate(engine, enqueue_seconds)}
         if n_finished:
             # Prune in bounded batches while a probe claims beside it.
             beside: list[float] = []
@@ -791,7 +793,7 @@ def bench_big(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
 
 def bench_processes(engine: Engine, url: URL, args: argparse.Namespace) -> list[Row]:
     rows = []
-    jobs = 1_000 if args.quick else 40_000
+    jobs = 200 if args.quick else 40_000
     for processes in (1, 2) if args.quick else (1, 2, 3, 4):
         cfg = bench.Processing(processes, 4, 0, jobs)
         rates: dict[str, list[float]] = {"sqla_queue": [], "raw": []}
@@ -827,8 +829,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness")
     args = parser.parse_args(argv)
     if args.quick:
-        args.minutes, args.seconds, args.rounds, args.rate = 0.05, 0.5, 1, 200.0
-        args.settings_minutes = 0.05
+        # Tiny: the harness and every row, not figures. A steady-load run of 1.2 s still
+        # has ten samples (see run_hold) and a held snapshot from 20 % to 80 % of it.
+        args.minutes, args.seconds, args.rounds, args.rate = 0.02, 0.2, 1, 200.0
+        args.settings_minutes = 0.02
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - BENCHES.keys())
     if unknown:

@@ -148,7 +148,10 @@ def notifications_until_sentinel(listen_conn: Any, conninfo: str, timeout: float
 
 class WorkerProcess:
     """``sqla-queue worker TARGET`` (by default ``tests.worker_app:make_worker``) in a
-    process of its own."""
+    process of its own: ``python -m sqla_queue.cli worker TARGET ARGS``, started in
+    milliseconds by ``tests/console.py`` (a fresh interpreter would spend a second on its
+    imports first, and the system tests start a few hundred workers). ``proc`` has the
+    parts of :class:`subprocess.Popen` the tests use."""
 
     def __init__(
         self,
@@ -160,9 +163,10 @@ class WorkerProcess:
         runtime: str = "thread",
     ) -> None:
         import os
-        import subprocess
         import sys
         from pathlib import Path
+
+        from . import console
 
         self.log_path = Path(log_dir) / f"worker-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -171,12 +175,8 @@ class WorkerProcess:
         if url is not None:  # another database than the run's own (a private server)
             env["SQLA_QUEUE_TEST_URL"] = url
         repo = Path(__file__).resolve().parent.parent
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args],
-            cwd=repo,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+        self.proc: console.Started = console.start(
+            [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args], repo, env, self.log_path
         )
         self.pid = self.proc.pid
 

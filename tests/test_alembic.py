@@ -1,5 +1,9 @@
 """Alembic, run as users run it: the ``sqla-queue``, ``alembic`` and ``flask`` commands in a
-project folder of their own, each test against a database of its own."""
+project folder of their own, each test against a database of its own.
+
+Each command runs in a process of its own; most in a forked one that starts in
+milliseconds (``tests/console.py``), and ``test_sqla_queue_alembic_init`` (and Flask's
+``init``) as typed, in a new interpreter."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from sqla_queue.alembic import (
 )
 from sqla_queue.model import WORKFLOW_COLUMNS, constraint_name
 
+from . import console
 from .helpers import Server, table_of
 from .models import EmailJob, UuidJob
 
@@ -74,19 +79,27 @@ def new_database(server: Server) -> Iterator[NewDatabase]:
         admin.dispose()
 
 
-def run(command: list[str | Path], cwd: Path, *, ok: bool = True, **env: str) -> str:
-    """Run a console script; its stdout and stderr together. Fails the test on a bad exit."""
-    result = subprocess.run(
-        [str(part) for part in command],
-        check=False,
-        cwd=cwd,
-        # this checkout's sqla_queue, whatever the environment has installed
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
-             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env},
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+def run(command: list[str | Path], cwd: Path, *, ok: bool = True, fresh: bool = False, **env: str) -> str:
+    """Run a console script; its stdout and stderr together. Fails the test on a bad exit.
+
+    ``fresh``: in a new interpreter, as typed; else in a forked process that starts in
+    milliseconds (``tests/console.py``), the same entry point, folder and environment."""
+    # this checkout's sqla_queue, whatever the environment has installed
+    environment = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
+    result: subprocess.CompletedProcess[str] | console.Result
+    if fresh:
+        result = subprocess.run(
+            [str(part) for part in command],
+            check=False,
+            cwd=cwd,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+    else:
+        result = console.run(command, cwd, environment, timeout=90)
     output = result.stdout + result.stderr
     if (result.returncode == 0) != ok:
         raise AssertionError(f"{command} exited {result.returncode}:\n{output}")
@@ -96,13 +109,15 @@ def run(command: list[str | Path], cwd: Path, *, ok: bool = True, **env: str) ->
 class Project:
     """A user's project: ``alembic.ini``, ``migrations/`` and a ``models.py``."""
 
-    def __init__(self, root: Path, url: URL) -> None:
+    def __init__(self, root: Path, url: URL, fresh: bool = False) -> None:
         self.root = root
         self.url = url
         self.versions = root / "migrations" / "versions"
+        #: Run the commands in new interpreters, as typed (see :func:`run`).
+        self.fresh = fresh
 
     def alembic(self, *args: str, ok: bool = True) -> str:
-        return run([BIN / "alembic", "-c", "alembic.ini", *args], self.root, ok=ok)
+        return run([BIN / "alembic", "-c", "alembic.ini", *args], self.root, ok=ok, fresh=self.fresh)
 
     def models(self, source: str) -> None:
         (self.root / "models.py").write_text(textwrap.dedent(source))
@@ -120,12 +135,12 @@ class Project:
     def create_all(self, url: URL) -> None:
         """``metadata.create_all()`` of the current models, in a process of its own."""
         code = "import sys, models, sqlalchemy; models.Base.metadata.create_all(sqlalchemy.create_engine(sys.argv[1]))"
-        run([sys.executable, "-c", code, url.render_as_string(hide_password=False)], self.root)
+        run([sys.executable, "-c", code, url.render_as_string(hide_password=False)], self.root, fresh=self.fresh)
 
 
-def sqla_queue_init(root: Path, url: URL) -> Project:
+def sqla_queue_init(root: Path, url: URL, fresh: bool = False) -> Project:
     """``sqla-queue alembic init migrations``, then the two edits every user makes."""
-    out = run([BIN / "sqla-queue", "alembic", "init", "migrations"], root)
+    out = run([BIN / "sqla-queue", "alembic", "init", "migrations"], root, fresh=fresh)
     assert "set target_metadata" in out
     ini = root / "alembic.ini"
     database = url.render_as_string(hide_password=False).replace("%", "%%")
@@ -143,7 +158,7 @@ def sqla_queue_init(root: Path, url: URL) -> Project:
             "\nfrom models import Base\ntarget_metadata = Base.metadata\n",
         )
     )
-    return Project(root, url)
+    return Project(root, url, fresh=fresh)
 
 
 @pytest.fixture
@@ -636,8 +651,10 @@ def test_queue_schema_table_is_the_mixins_schema() -> None:
 
 @pytest.mark.system
 def test_sqla_queue_alembic_init(tmp_path: Path, new_database: NewDatabase) -> None:
+    """The console scripts as typed, each command in a new interpreter (the other tests
+    run the same entry points in forked processes: ``tests/console.py``)."""
     (tmp_path / "migrations").mkdir()  # an empty folder is fine, as for `alembic init`
-    project = sqla_queue_init(tmp_path, new_database())
+    project = sqla_queue_init(tmp_path, new_database(), fresh=True)
     assert {p.name for p in (tmp_path / "migrations").iterdir()} == {
         "env.py",
         "script.py.mako",
@@ -653,7 +670,7 @@ def test_sqla_queue_alembic_init(tmp_path: Path, new_database: NewDatabase) -> N
     project.alembic("upgrade", "head")
     assert "(head)" in project.alembic("current")
 
-    out = run([BIN / "sqla-queue", "alembic", "init", "migrations"], tmp_path, ok=False)
+    out = run([BIN / "sqla-queue", "alembic", "init", "migrations"], tmp_path, ok=False, fresh=True)
     assert "not empty" in out
 
 
@@ -728,8 +745,8 @@ def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
     url = new_database()
     env: dict[str, Any] = {"APP_DATABASE_URL": url.render_as_string(hide_password=False)}
 
-    def flask(*args: str) -> str:
-        return run([BIN / "flask", "--app", "app", "db", *args], tmp_path, **env)
+    def flask(*args: str, fresh: bool = False) -> str:
+        return run([BIN / "flask", "--app", "app", "db", *args], tmp_path, fresh=fresh, **env)
 
     def write_app(more: str) -> None:
         source = textwrap.dedent(FLASK_APP).replace("#MORE#", textwrap.dedent(more))
@@ -737,7 +754,7 @@ def test_flask_migrate(tmp_path: Path, new_database: NewDatabase) -> None:
 
     versions = tmp_path / "migrations" / "versions"
     write_app("")
-    flask("init")
+    flask("init", fresh=True)  # the console script as typed; the rest forked (tests/console.py)
     flask("migrate", "-m", "shipments")
     (first,) = versions.glob("*.py")
     assert "batch_op.create_index(batch_op.f('shipment_claim_idx')" in first.read_text()

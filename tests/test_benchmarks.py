@@ -207,9 +207,9 @@ PRESSURE_ROWS = (
     "prune in batches of 10,000 beside claims |",
     "processing on the production cluster, 1 process x 4 threads, batch default (baseline 32) |",
     "processing on the production cluster, 2 processes x 4 threads, batch default (baseline 32) |",
-    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: server defaults |",
-    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: recommended autovacuum |",
-    "churn at 200 jobs/s for 0.05 min beside 20,000 finished rows: recommended autovacuum, fillfactor 80 |",
+    "churn at 200 jobs/s for 0.02 min beside 20,000 finished rows: server defaults |",
+    "churn at 200 jobs/s for 0.02 min beside 20,000 finished rows: recommended autovacuum |",
+    "churn at 200 jobs/s for 0.02 min beside 20,000 finished rows: recommended autovacuum, fillfactor 80 |",
 )
 
 

@@ -15,7 +15,6 @@ import inspect
 import os
 import re
 import shlex
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from sqla_queue import WorkerConfig
 from sqla_queue import sql as q
 from sqla_queue.cli import build_parser
 
+from . import console
 from .helpers import Server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -178,13 +178,10 @@ def scratch_database(server: Server) -> Iterator[str]:
 @pytest.mark.system
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_every_snippet_file_runs(script: Path, scratch_database: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env={**os.environ, "DATABASE_URL": scratch_database},
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
+    """``python FILE`` in a process of its own, forked from one that imported the
+    third-party packages already (``tests/console.py``)."""
+    result = console.run(
+        [sys.executable, str(script)], REPO, {**os.environ, "DATABASE_URL": scratch_database}, timeout=100
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip(), "each snippet file prints what it checked"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from . import console
 from .helpers import Server
 
 pytestmark = pytest.mark.system
@@ -16,24 +17,26 @@ pytestmark = pytest.mark.system
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, server: Server, *args: str, tmp: Path | None = None) -> str:
-    """The example's output; with ``tmp``, its TMPDIR, to see what it leaves there."""
+def run_example(name: str, server: Server, *args: str, tmp: Path | None = None, fresh: bool = False) -> str:
+    """The example's output; with ``tmp``, its TMPDIR, to see what it leaves there.
+
+    ``fresh``: in a new interpreter, as typed; else in a process forked from one that
+    imported the third-party packages already (``tests/console.py``)."""
     env = {**os.environ, "DATABASE_URL": server.url.render_as_string(hide_password=False)}
     if tmp is not None:
         env.update(TMPDIR=str(tmp))
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [sys.executable, str(EXAMPLES / name), *args]
+    result: subprocess.CompletedProcess[str] | console.Result
+    if fresh:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    else:
+        result = console.run(command, Path.cwd(), env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
 def test_plain_sqlalchemy_example(server: Server) -> None:
-    out = run_example("plain_sqlalchemy.py", server)
+    out = run_example("plain_sqlalchemy.py", server, fresh=True)  # one example as typed, in a new interpreter
     assert "FOR UPDATE SKIP LOCKED" in out
     assert "3 invoices rendered, highest priority first: invoice ids [2, 1, 3]" in out
 

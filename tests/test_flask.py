@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 
 import sqla_queue
 
+from . import console
 from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel
 
 pytest.importorskip("flask_sqlalchemy")
@@ -208,16 +209,17 @@ def test_module_functions_accept_db_session(app: Any, listener: Any, server: Ser
     assert sorted(notifications_until_sentinel(listener, server.conninfo)) == [(channel, "core"), (channel, "default")]
 
 
-def _flask(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flask", "--app", str(EXAMPLE), "queue", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, **env},
-        timeout=90,
-        check=False,
-    )
+def _flask(
+    *args: str, env: dict[str, str], fresh: bool = False
+) -> subprocess.CompletedProcess[str] | console.Result:
+    """``python -m flask --app examples/flask_shop.py queue ARGS``. ``fresh``: in a new
+    interpreter, as typed; else in a process forked from one that imported Flask and
+    SQLAlchemy already (``tests/console.py``)."""
+    command = [sys.executable, "-m", "flask", "--app", str(EXAMPLE), "queue", *args]
+    if not fresh:
+        return console.run(command, REPO, {**os.environ, **env}, timeout=90)
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}, timeout=90,
+                          check=False)
 
 
 @pytest.mark.system
@@ -226,7 +228,7 @@ def test_flask_queue_worker_logs(app: Any, server: Server, tmp_path: Path) -> No
     assert response.status_code == 201
     env = {"DATABASE_URL": server.url.render_as_string(hide_password=False), "SHOP_OUTBOX": str(tmp_path)}
 
-    quiet = _flask("worker", "--until-idle", "--log-level", "warning", env=env)
+    quiet = _flask("worker", "--until-idle", "--log-level", "warning", env=env, fresh=True)  # as typed
     assert quiet.returncode == 0, quiet.stderr
     assert " INFO sqla_queue." not in quiet.stderr  # the level is honoured
     assert counts(app) == (1, 1)

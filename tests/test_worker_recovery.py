@@ -33,6 +33,7 @@ from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.runtime import Event, sleep
 from sqla_queue.worker import WorkerConfig
 
+from . import console
 from .helpers import ConnectLag, Server, WorkerProcess, wait_for, wait_for_counts
 from .models import Effect, Task
 from .worker_app import tasks as app_tasks
@@ -130,12 +131,8 @@ class AppProcess(WorkerProcess):
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "SQLA_QUEUE_APP_NAME": app_name, "PYTHONUNBUFFERED": "1",
                "SQLA_QUEUE_TEST_RUNTIME": runtime}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+        self.proc = console.start(
+            [sys.executable, "-m", "sqla_queue.cli", "worker", target, *args], REPO, env, self.log_path
         )
         self.pid = self.proc.pid
 
