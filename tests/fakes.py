@@ -131,6 +131,15 @@ class FakeOps:
     def prune_workers(self, conn: Any, older_than: float) -> int:
         return 0
 
+    #: The table has an activity table: the sweeps that recorded it.
+    records_activity: bool = False
+    activity_records: int = 0
+
+    def record_activity(self, conn: Any) -> int:
+        self.calls.append("record_activity")
+        self.activity_records += 1
+        return 0
+
     @property
     def after_per_queue(self) -> bool:
         return self.queues is not None and len(set(self.queues)) > 1
