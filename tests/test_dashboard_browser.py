@@ -76,6 +76,7 @@ def browser() -> Iterator[Any]:
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                      "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations
     driver = webdriver.Chrome(service=Service(executable_path=str(driver_path)), options=options)
     driver.set_page_load_timeout(30)
     try:
@@ -143,6 +144,12 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         for name, values in specs.items():
             keys[name] = conn.execute(insert(JOBS).values(**values).returning(JOBS.c.id)).scalar_one()
         conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now()), [{}] * 12)
+        now = conn.scalar(select(func.now()))
+        conn.execute(insert(JOBS), [  # a minute each over the last twenty: the charts' lines
+            {"queue": "mail", "status": "done", "finished_at": now - timedelta(minutes=i, seconds=10),
+             "started_at": now - timedelta(minutes=i, seconds=10.3 + 0.05 * i),
+             "run_after": now - timedelta(minutes=i, seconds=10.4 + 0.07 * i)} for i in range(20)
+        ])
         conn.execute(insert(JOBS).values(queue="sms", status="done", finished_at=func.now() - timedelta(minutes=20)),
                      [{}] * 5)
         conn.execute(insert(TASKS).values(task="render", payload={"html": xss, "blob": "z" * 5000}, queue="pdf"))
@@ -158,7 +165,30 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         return [int(row.get_attribute("data-id")) for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-id]")]
 
     page("/", "overview")
-    assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="mail"] svg rect.done')
+    assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="mail"] .chart-finished svg rect.done')
+    for chart in ("pickup", "run"):  # p50 and p99 lines, drawn on the server
+        assert len(browser.find_elements(By.CSS_SELECTOR, f'section[data-queue="mail"] .chart-{chart} polyline')) == 2
+    assert not browser.find_elements(By.ID, "live")  # live refresh off: no script
+    page("/?window=24h", "overview-24h")
+    assert len(browser.find_elements(By.CSS_SELECTOR, 'section[data-queue="mail"] .chart-finished svg g')) == 96
+
+    # live refresh: a link turns it on (every second here), the counts follow the table
+    browser.get(dashboard.rstrip("/") + "/?live=1")
+    assert browser.find_element(By.CSS_SELECTOR, "a.live-on").get_attribute("href").endswith("live=5")
+
+    def sms_pending() -> str:
+        return str(browser.find_element(By.CSS_SELECTOR, 'section[data-queue="sms"] .count-pending a').text)
+
+    assert sms_pending() == "1"
+    with engine.begin() as conn:
+        conn.execute(insert(JOBS).values(queue="sms"))
+    wait_for(lambda: sms_pending() == "2", timeout=15, what="the live refresh to show the new job")
+    assert browser.find_element(By.ID, "live-status").text.startswith("updated")
+    browser.find_element(By.ID, "live-off").click()
+    wait_for(lambda: "live=" not in browser.current_url, what="live refresh turned off")
+    assert not browser.find_elements(By.ID, "live")
+    refused = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert refused == []
 
     # filter: queue mail, status pending
     page("/email_jobs/jobs", "jobs")
