@@ -144,7 +144,7 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         for name, values in specs.items():
             keys[name] = conn.execute(insert(JOBS).values(**values).returning(JOBS.c.id)).scalar_one()
         conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now()), [{}] * 12)
-        now = conn.scalar(select(func.now()))
+        now: datetime = conn.execute(select(func.now())).scalar_one()
         conn.execute(insert(JOBS), [  # a minute each over the last twenty: the charts' lines
             {"queue": "mail", "status": "done", "finished_at": now - timedelta(minutes=i, seconds=10),
              "started_at": now - timedelta(minutes=i, seconds=10.3 + 0.05 * i),
