@@ -182,9 +182,9 @@ def _bars(points: list[Point], labels: list[str]) -> dict[str, Any]:
         done_h = _HEIGHT * p.done / top
         failed_h = _HEIGHT * p.failed / top
         bars.append({
-            "x": round(i * step, 2), "w": round(max(step - 1, 0.6), 2), "slot": round(step, 2),
-            "done_y": round(_HEIGHT - done_h, 2), "done_h": round(done_h, 2),
-            "failed_y": round(_HEIGHT - done_h - failed_h, 2), "failed_h": round(failed_h, 2),
+            "x": _n(i * step), "w": _n(max(step - 1, 0.6)), "slot": _n(step),
+            "done_y": _n(_HEIGHT - done_h), "done_h": _n(done_h),
+            "failed_y": _n(_HEIGHT - done_h - failed_h), "failed_h": _n(failed_h),
             "title": f"{label}: {p.done} done, {p.failed} failed",
             "done": p.done, "failed": p.failed,
         })
@@ -199,13 +199,13 @@ def _lines(series: list[tuple[str, list[float | None]]], labels: list[str], unit
     step = _WIDTH / max(len(labels), 1)
     drawn = []
     for name, values in series:
-        segments: list[list[tuple[float, float]]] = [[]]
+        segments: list[list[tuple[str, str]]] = [[]]
         for i, value in enumerate(values):
             if value is None:
                 if segments[-1]:
                     segments.append([])
                 continue
-            segments[-1].append((round((i + 0.5) * step, 2), round(_HEIGHT - _HEIGHT * value / top, 2)))
+            segments[-1].append((_n((i + 0.5) * step), _n(_HEIGHT - _HEIGHT * value / top)))
         drawn.append({
             "name": name,
             "paths": [" ".join(f"{x},{y}" for x, y in s) for s in segments if len(s) > 1],
@@ -214,10 +214,16 @@ def _lines(series: list[tuple[str, list[float | None]]], labels: list[str], unit
     slots = []
     for i, label in enumerate(labels):
         shown = [f"{name} {unit(values[i])}" for name, values in series if values[i] is not None]
-        slots.append({"x": round(i * step, 2), "w": round(step, 2),
+        slots.append({"x": _n(i * step), "w": _n(step),
                       "title": f"{label}: {', '.join(shown) if shown else 'none'}"})
     return {"width": _WIDTH, "height": _HEIGHT, "series": drawn, "slots": slots,
             "peak": unit(peak) if peak > 0 else None}
+
+
+def _n(value: float) -> str:
+    """A coordinate, to a tenth of a pixel, as short as it goes (``12``, ``12.5``)."""
+    text = f"{value:.1f}"
+    return text[:-2] if text.endswith(".0") else text
 
 
 def _bucket_label(start: datetime, window: Window) -> str:
