@@ -136,7 +136,9 @@ def test_record_activity_writes_each_bucket_once_with_its_mark(engine: Engine) -
     assert (mail.done, mail.failed, mail.waiting) == (10, 0, None)
     assert mail.pickup_p99 == pytest.approx(p(WAITS, 99)) and mail.run_p50 == pytest.approx(p(RUNS, 50))
     assert (rows[("idle", minute + 2 * MINUTE)].waiting, rows[("idle", minute + 2 * MINUTE)].done) == (2, 0)
-    assert rows[("mail", minute + 2 * MINUTE)].waiting == 1 and rows[("sms", minute + 2 * MINUTE)].waiting is None
+    assert rows[("mail", minute + 2 * MINUTE)].waiting == 1 and rows[("sms", minute + 2 * MINUTE)].waiting == 0
+    assert rows[("", minute + 2 * MINUTE)].waiting == 3  # the mark: counted, 3 in all
+    assert rows[("", minute + MINUTE)].waiting is None and rows[("", minute)].waiting is None  # not counted
     # Recorded again (another worker at the same moment): nothing changes.
     assert record(engine, 60, minute, minute + 3 * MINUTE, sample=True) == []
     assert recorded(engine) == rows
@@ -144,7 +146,7 @@ def test_record_activity_writes_each_bucket_once_with_its_mark(engine: Engine) -
         _, mark_60, mark_900 = conn.execute(q.activity_marks(ChartJob)).one()
         shown = conn.execute(q.activity_rows(ChartJob, seconds=60, since=minute, until=mark_60)).all()
     assert mark_60 == minute + 2 * MINUTE and mark_900 is None
-    assert [(r.queue, r.bucket) for r in shown] == sorted(k for k in rows if k[0])  # without the marks
+    assert [(r.queue, r.bucket) for r in shown] == sorted(rows)  # the marks first
     # Without the sample, a catching-up range counts no waiting jobs.
     record(engine, 60, minute + 3 * MINUTE, minute + 4 * MINUTE, sample=False)
     assert [k for k in recorded(engine) if k[1] == minute + 3 * MINUTE] == [("", minute + 3 * MINUTE)]

@@ -24,12 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, insert, select, text
 
 from sqla_queue import sql as q
+from sqla_queue.activity import RESOLUTIONS, due_range
 
 from .helpers import Server, table_of, wait_for
-from .models import RESULT_WORKERS, TASK_SCHEDULES, EmailJob, Order, ResultTask, Task
+from .models import (
+    CHART_ACTIVITY,
+    RESULT_WORKERS,
+    TASK_SCHEDULES,
+    ChartJob,
+    EmailJob,
+    Order,
+    ResultTask,
+    Task,
+)
 
 pytestmark = pytest.mark.system
 
@@ -37,6 +47,7 @@ pytest.importorskip("flask")
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
+JOBS_OF_CHARTS = table_of(ChartJob)
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = ("/usr/bin/chromium", "chromium")
 CHROMEDRIVER = ("/usr/bin/chromedriver", "chromedriver")
@@ -91,7 +102,8 @@ def dashboard(server: Server, engine: Engine) -> Iterator[str]:
     url = server.url.render_as_string(hide_password=False)
     # The periodic app's worker: the schedules page knows its schedule (in the code).
     process = subprocess.Popen(
-        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
+        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:ChartJob", "tests.models:EmailJob",
+         "tests.models:Task",
          "tests.models:ResultTask", "tests.periodic_app:make_worker", "--url", url, "--port", "0",
          "--api-actions"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -148,11 +160,13 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         conn.execute(insert(JOBS), [  # a minute each over the last twenty: the charts' lines
             {"queue": "mail", "status": "done", "finished_at": now - timedelta(minutes=i, seconds=10),
              "started_at": now - timedelta(minutes=i, seconds=10.3 + 0.05 * i),
-             "run_after": now - timedelta(minutes=i, seconds=10.4 + 0.07 * i)} for i in range(20)
+             "run_after": now - timedelta(minutes=i, seconds=10.4 + 0.07 * i),
+             "created_at": now - timedelta(minutes=i, seconds=10.4 + 0.07 * i)} for i in range(20)
         ])
         conn.execute(insert(JOBS).values(queue="sms", status="done", finished_at=func.now() - timedelta(minutes=20)),
                      [{}] * 5)
         conn.execute(insert(TASKS).values(task="render", payload={"html": xss, "blob": "z" * 5000}, queue="pdf"))
+    _recorded_activity(engine)
 
     def page(path: str, shot: str) -> None:
         browser.get(dashboard.rstrip("/") + path)
@@ -165,6 +179,9 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         return [int(row.get_attribute("data-id")) for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-id]")]
 
     page("/", "overview")
+    for chart in ("finished", "waiting", "pickup", "run"):  # the activity table's, every chart drawn
+        assert browser.find_elements(By.CSS_SELECTOR, f'section[data-queue="emails"] .chart-{chart} svg '
+                                                      ":is(rect.done, polyline)"), chart
     assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="mail"] .chart-finished svg rect.done')
     for chart in ("pickup", "run"):  # p50 and p99 lines, drawn on the server
         assert len(browser.find_elements(By.CSS_SELECTOR, f'section[data-queue="mail"] .chart-{chart} polyline')) == 2
@@ -267,6 +284,36 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         last = conn.scalar(select(TASK_SCHEDULES.c.last_tick).where(TASK_SCHEDULES.c.name == "beat"))
     assert last == beat.run_after  # the watermark moved to the run's moment
     browser.save_screenshot(str(shots / "schedules-ran.png"))
+
+
+def _recorded_activity(engine: Engine) -> None:
+    """An hour of jobs of chart_jobs (two queues, a busy spell, a slow one), recorded in
+    its activity table with the workers' statement, and the jobs waiting as its workers
+    counted them each minute: the overview's screenshot."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO chart_jobs (queue, status, attempts, run_after, created_at, started_at, finished_at) "
+            "SELECT queue, CASE WHEN i % 23 = 0 THEN 'failed' ELSE 'done' END, 1, "
+            "       fin - ran - waited, fin - ran - waited, fin - ran, fin "
+            "FROM (SELECT i, CASE WHEN i % 3 = 0 THEN 'reports' ELSE 'emails' END AS queue, "
+            "             now() - (i * 3.1) * interval '1 second' AS fin, "
+            "             (0.05 + (i % 7) * 0.04 + CASE WHEN i % 50 = 0 THEN 2.5 ELSE 0 END) "
+            "               * interval '1 second' AS ran, "
+            "             (0.02 + (i % 5) * 0.01 + CASE WHEN i BETWEEN 300 AND 420 THEN 1.5 ELSE 0 END) "
+            "               * interval '1 second' AS waited "
+            "      FROM generate_series(1, 1150) AS i) AS jobs"
+        ))
+        conn.execute(insert(JOBS_OF_CHARTS), [{"queue": "emails"}] * 6)
+        now, *marks = conn.execute(q.activity_marks(ChartJob)).one()
+        for resolution, mark in zip(RESOLUTIONS, marks, strict=True):
+            while (due := due_range(now, mark, resolution)) is not None:
+                since, until, sample = due
+                conn.execute(q.record_activity(ChartJob, seconds=resolution.seconds), {
+                    q.ACTIVITY_SINCE_PARAM: since, q.ACTIVITY_UNTIL_PARAM: until, q.ACTIVITY_SAMPLE_PARAM: sample})
+                mark = until - timedelta(seconds=resolution.seconds)
+        activity = CHART_ACTIVITY.c
+        conn.execute(CHART_ACTIVITY.update().where(activity.queue == "emails", activity.waiting.is_(None)).values(
+            waiting=func.round(4 + 3 * func.sin(func.date_part("epoch", activity.bucket) / 400))))
 
 
 def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

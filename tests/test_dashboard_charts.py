@@ -122,11 +122,16 @@ def test_the_same_charts_read_from_the_activity_table(engine: Engine, client: An
                 conn.execute(q.record_activity(ChartJob, seconds=resolution.seconds), {
                     q.ACTIVITY_SINCE_PARAM: since, q.ACTIVITY_UNTIL_PARAM: until, q.ACTIVITY_SAMPLE_PARAM: sample})
                 mark = until - timedelta(seconds=resolution.seconds)
+            if resolution is MINUTES:
+                counted = mark  # the latest minute recorded: its waiting jobs were counted
         # Changed after the recording, the queue table no longer says what the charts show.
         conn.execute(JOBS.delete().where(JOBS.c.finished_at < minute + MINUTE))
         conn.execute(insert(EMAILS).values(queue="mail"))
     page = client.get("/").get_data(as_text=True)
     check_the_known_jobs(page, minute)
+    waiting = titles(card(page, "mail"), "waiting")
+    assert f"{counted:%H:%M} UTC: waiting 3" in waiting
+    assert f"{minute:%H:%M} UTC: none" in waiting  # recorded while catching up: not counted
     assert "Read from the table itself" not in page.split("<h2>email_jobs</h2>")[0]
     assert "Read from the table itself" in page.split("<h2>email_jobs</h2>")[1]  # no activity table there
 

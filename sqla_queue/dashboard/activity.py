@@ -20,7 +20,7 @@ from typing import Any, Final
 from sqlalchemy import Engine, func, select
 
 from .. import sql as q
-from ..activity import MINUTES, QUARTERS, bucket_start, declared_activity_table
+from ..activity import MARK_QUEUE, MINUTES, QUARTERS, bucket_start, declared_activity_table
 from ..model import queue_table
 
 __all__ = ["WINDOWS", "ActivityView", "Point", "QueueActivity", "Window", "read_activity"]
@@ -132,13 +132,20 @@ def _queue(queues: dict[str, QueueActivity], name: str, start: datetime, width: 
 
 def _merge(rows: Iterable[Any], start: datetime, width: timedelta, n: int) -> dict[str, QueueActivity]:
     """Rows ``(queue, bucket, *ACTIVITY_COLUMNS)`` into points; a bucket read from both
-    sources (never, but for a race with a recording) keeps the recorded one."""
+    sources (never, but for a race with a recording) keeps the recorded one. A mark
+    (queue ``''``) that counted the waiting jobs of its bucket gives a queue without a
+    count there 0."""
     queues: dict[str, QueueActivity] = {}
     seen: set[tuple[str, int]] = set()
+    counted: set[int] = set()
     for row in rows:
         values: Mapping[str, Any] = row._mapping
         index = int((values["bucket"] - start) / width)
         if not 0 <= index < n or (values["queue"], index) in seen:
+            continue
+        if values["queue"] == MARK_QUEUE:
+            if values["waiting"] is not None:
+                counted.add(index)
             continue
         seen.add((values["queue"], index))
         point = _queue(queues, values["queue"], start, width, n).points[index]
@@ -146,4 +153,9 @@ def _merge(rows: Iterable[Any], start: datetime, width: timedelta, n: int) -> di
             value = values[name]
             if value is not None:
                 setattr(point, name, int(value) if name in ("done", "failed", "cancelled", "waiting") else float(value))
+    for activity in queues.values():
+        for index in counted:
+            point = activity.points[index]
+            if point.waiting is None:
+                point.waiting = 0
     return queues

@@ -35,6 +35,7 @@ from sqlalchemy import (
     Select,
     Table,
     and_,
+    case,
     cast,
     func,
     literal,
@@ -190,32 +191,31 @@ def waiting_jobs(model: QueueModel) -> Select[Any]:
 def record_activity(model: QueueModel, *, seconds: int = 60) -> ReturningInsert[Any]:
     """Record the buckets of ``seconds`` from ``sqla_queue_since`` to before
     ``sqla_queue_until`` into the activity table: a row per queue with jobs finished in
-    a bucket, its :data:`ACTIVITY_COLUMNS`; when ``sqla_queue_sample`` is true, the jobs
-    waiting now on the last bucket's rows (a queue with waiting jobs and none finished
-    gets a row of its own); and a row per bucket whose queue is ``''``, the mark of how
-    far the recording has got (:func:`activity_marks`). Buckets recorded already are left
-    as they are (``ON CONFLICT DO NOTHING``): workers recording at once agree. Returns
-    the ``(bucket, queue)`` of each row written."""
+    a bucket, its :data:`ACTIVITY_COLUMNS`; and a row per bucket whose queue is ``''``,
+    the mark of how far the recording has got (:func:`activity_marks`). When
+    ``sqla_queue_sample`` is true, the last bucket takes the jobs waiting now: each
+    queue's row its own count (0 for a queue with none; a queue with waiting jobs and
+    none finished gets a row of its own), the mark the total; elsewhere ``waiting`` is
+    NULL (not counted). Buckets recorded already are left as they are (``ON CONFLICT DO
+    NOTHING``): workers recording at once agree. Returns the ``(bucket, queue)`` of each
+    row written."""
     qt = queue_table(model)
     t = _table(model)
     width = _width(seconds)
     since, until = _time(ACTIVITY_SINCE_PARAM, None), _time(ACTIVITY_UNTIL_PARAM, None)
-    last = (until - seconds_interval(float(width))).label("bucket")
+    last = until - seconds_interval(float(width))
+    sample = cast(_param(ACTIVITY_SAMPLE_PARAM, Boolean()), Boolean())
     finished = _finished(qt, width, since, until)
-    waiting = (
-        _waiting(qt)
-        .add_columns(last)
-        .where(cast(_param(ACTIVITY_SAMPLE_PARAM, Boolean()), Boolean()))
-        .subquery("waiting")
-    )
+    waiting = _waiting(qt).add_columns(last.label("bucket")).where(sample).cte("waiting")
     seconds_value = literal(width, Integer())
     counts = [func.coalesce(column, 0) if i < 3 else column for i, column in enumerate(_split(finished))]
+    bucket = func.coalesce(finished.c.bucket, waiting.c.bucket)
     rows = select(
         seconds_value,
-        func.coalesce(finished.c.bucket, waiting.c.bucket),
+        bucket,
         func.coalesce(finished.c.queue, waiting.c.queue),
         *counts,
-        waiting.c.waiting,
+        case((and_(sample, bucket == last), func.coalesce(waiting.c.waiting, 0)), else_=null()),
     ).select_from(
         finished.join(
             waiting,
@@ -223,13 +223,15 @@ def record_activity(model: QueueModel, *, seconds: int = 60) -> ReturningInsert[
             full=True,
         )
     )
-    buckets = func.generate_series(since, until - seconds_interval(float(width)), seconds_interval(float(width)))
+    series = func.generate_series(since, last, seconds_interval(float(width))).table_valued("bucket").render_derived(
+        name="series")
+    total = select(func.coalesce(func.sum(waiting.c.waiting), 0)).scalar_subquery()
     marks = select(
-        seconds_value, buckets, literal(MARK_QUEUE, t.c.queue.type),
+        seconds_value, series.c.bucket, literal(MARK_QUEUE, t.c.queue.type),
         *(literal(0, Integer()) for _ in range(3)),
         *(cast(null(), Float()) for _ in range(4)),
-        cast(null(), Integer()),
-    )
+        cast(case((and_(sample, series.c.bucket == last), total), else_=null()), Integer()),
+    ).select_from(series)
     names = ["seconds", "bucket", "queue", *ACTIVITY_COLUMNS]
     return (
         insert(t)
@@ -260,7 +262,9 @@ def activity_rows(
 ) -> Select[Any]:
     """``(queue, bucket, *ACTIVITY_COLUMNS)``: the recorded rows of the buckets of
     ``seconds`` from ``since`` to ``until`` (both included; ``sqla_queue_since`` /
-    ``sqla_queue_until`` when not given), by queue and bucket, without the marks."""
+    ``sqla_queue_until`` when not given), by queue and bucket. The marks come first
+    (queue ``''``): a mark whose ``waiting`` is not NULL says the waiting jobs were
+    counted in its bucket, so a queue without a row there had none."""
     t = _table(model)
     return (
         select(t.c.queue, t.c.bucket, *(t.c[name] for name in ACTIVITY_COLUMNS))
@@ -268,7 +272,6 @@ def activity_rows(
             t.c.seconds == _width(seconds),
             t.c.bucket >= _time(ACTIVITY_SINCE_PARAM, since),
             t.c.bucket <= _time(ACTIVITY_UNTIL_PARAM, until),
-            t.c.queue != MARK_QUEUE,
         )
         .order_by(t.c.queue, t.c.bucket)
     )
