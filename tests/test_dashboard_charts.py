@@ -14,18 +14,20 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, create_engine, func, insert, select
+from sqlalchemy.orm import DeclarativeBase
 
 pytest.importorskip("flask")
 
 from flask import Flask
 
+from sqla_queue import JobMixin, activity_table
 from sqla_queue import sql as q
 from sqla_queue.activity import MINUTES, QUARTERS, bucket_start, due_range
 from sqla_queue.dashboard import create_app
 from sqla_queue.dashboard.charts import LIVE_CSP, duration
 
-from .helpers import table_of
+from .helpers import Server, table_of
 from .models import ChartJob, EmailJob
 from .test_activity import RUNS, WAITS, finished, p
 
@@ -237,3 +239,30 @@ def test_the_live_parts_are_behind_the_dashboard_s_checks(engine: Engine) -> Non
     app = create_app(engine, [ChartJob])
     with app.test_client() as client:
         assert client.get("/live", headers={"Host": "evil.example"}).status_code == 400
+
+
+def test_an_activity_table_declared_but_not_migrated_yet(server: Server) -> None:
+    """The overview reads the queue table and says the activity table is missing."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class UnmigratedJob(Base, JobMixin):
+        __tablename__ = "unmigrated_jobs"
+
+    activity_table(UnmigratedJob)
+    engine = create_engine(server.url)
+    jobs = table_of(UnmigratedJob)
+    try:
+        jobs.create(engine)
+        with engine.begin() as conn:
+            conn.execute(insert(jobs), finished(bucket_start(db_now(engine), 60) - MINUTE, "q", "done", [1.0], [2.0]))
+        with create_app(engine, [UnmigratedJob]).test_client() as client:
+            response = client.get("/")
+        page = response.get_data(as_text=True)
+        assert response.status_code == 200
+        assert "its activity table is declared, but not in the database yet" in page
+        assert "1 done" in card(page, "q")
+    finally:
+        jobs.drop(engine)
+        engine.dispose()

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine, Table, func, select
 
 from .. import sql as q
 from ..activity import MARK_QUEUE, MINUTES, QUARTERS, bucket_start, declared_activity_table
-from ..model import queue_table
+from ..model import queue_table, translated_schema
 
 __all__ = ["WINDOWS", "ActivityView", "Point", "QueueActivity", "Window", "read_activity"]
 
@@ -84,25 +84,34 @@ class ActivityView:
     bucket's start) to ``now``; ``recorded`` whether the table has an activity table,
     ``mark`` the latest bucket its workers recorded (None: none in reach)."""
 
+
     window: Window
     now: datetime
     start: datetime
     recorded: bool
     mark: datetime | None
     queues: dict[str, QueueActivity]
+    #: The activity table is declared, but not in the database.
+    missing: bool = False
 
 
 def read_activity(engine: Engine, model: Any, window: Window) -> ActivityView:
     """``model``'s table over ``window``: recorded buckets from its activity table, the
     others (the one in progress at least) from the queue table, and the jobs waiting now
-    on the bucket in progress. One connection, a few bounded statements."""
+    on the bucket in progress. One connection, a few bounded statements. An activity
+    table declared but missing from the database (not migrated yet) is read as none."""
     width = timedelta(seconds=window.seconds)
-    recorded = declared_activity_table(queue_table(model).table) is not None
+    declared = declared_activity_table(queue_table(model).table)
+    missing = False
     with engine.connect() as conn:
-        if recorded:
+        mark = None
+        if declared is not None:
+            found = conn.execute(select(func.to_regclass(_regclass(conn, declared)))).scalar()
+            missing = found is None
+        if declared is not None and not missing:
             now, mark = conn.execute(q.activity_marks(model, [window.seconds])).one()
         else:
-            now, mark = conn.scalar(select(func.now())), None
+            now = conn.execute(select(func.now())).scalar_one()
         current = bucket_start(now, window.seconds)
         start = current - (window.buckets - 1) * width
         rows: list[Any] = []
@@ -119,8 +128,16 @@ def read_activity(engine: Engine, model: Any, window: Window) -> ActivityView:
     for activity in queues.values():  # a queue with no job waiting now waits for none
         if activity.points[-1].waiting is None:
             activity.points[-1].waiting = 0
-    return ActivityView(window, now, start, recorded, mark if mark is not None and mark >= start else None,
-                        dict(sorted(queues.items())))
+    return ActivityView(window, now, start, declared is not None and not missing,
+                        mark if mark is not None and mark >= start else None, dict(sorted(queues.items())), missing)
+
+
+def _regclass(conn: Connection, table: Table) -> str:
+    """``table``'s name as ``to_regclass`` takes it, in the schema the connection's
+    ``schema_translate_map`` puts it in."""
+    schema = translated_schema(table, conn.get_execution_options().get("schema_translate_map"))
+    quote = conn.dialect.identifier_preparer.quote
+    return f"{quote(schema)}.{quote(table.name)}" if schema else quote(table.name)
 
 
 def _queue(queues: dict[str, QueueActivity], name: str, start: datetime, width: timedelta, n: int) -> QueueActivity:
