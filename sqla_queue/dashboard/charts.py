@@ -18,6 +18,7 @@ it back: when nothing changed the answer is an empty 304 and the page is left al
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
@@ -53,7 +54,7 @@ def add_overview_views(bp: Blueprint, settings: _Settings) -> None:
     @bp.get("/live")
     def overview_live() -> Response:
         window, _ = _arguments()
-        body = render_template("sqla_queue_dashboard/overview_live.html", **_overview(settings, window))
+        body = render_template("sqla_queue_dashboard/overview_live.html", **_overview(settings, window, parts=True))
         etag = '"' + hashlib.sha256(body.encode()).hexdigest()[:32] + '"'
         if etag in request.headers.get("If-None-Match", ""):
             response = Response(status=304)
@@ -105,23 +106,27 @@ class Card:
     charts: dict[str, Any]
 
 
-def _overview(settings: _Settings, window: Window) -> dict[str, Any]:
+def _overview(settings: _Settings, window: Window, *, parts: bool = False) -> dict[str, Any]:
+    """What the overview shows of each table; ``parts``: only what its live parts show
+    (the counts and charts), not the pauses, flow rules and limits that only the page
+    shows."""
     engine = settings.engine
     sections = []
-    now = None
     for table in settings.tables.values():
         view = read_activity(engine, table.model, window)
-        now = view.now
-        depth = admin.queue_depth(engine, table.model)
+        cards = _cards(view, admin.queue_depth(engine, table.model))
+        if parts:
+            sections.append((table, cards, {}, [], {}, view))
+            continue
         sections.append((
             table,
-            _cards(view, depth),
+            cards,
             admin.paused_queues(engine, table.model),
             admin.flow_view(engine, table.model),
             admin.queue_limits(engine, table.model),
             view,
         ))
-    return {"sections": sections, "window": window, "now": now,
+    return {"sections": sections, "window": window,
             "statuses_now": _STATUSES_NOW, "statuses_window": _STATUSES_WINDOW, "live_id": _live_id}
 
 
@@ -191,7 +196,9 @@ def _bars(points: list[Point], labels: list[str]) -> dict[str, Any]:
     return {"width": _WIDTH, "height": _HEIGHT, "bars": bars, "peak": peak}
 
 
-def _lines(series: list[tuple[str, list[float | None]]], labels: list[str], unit: Any) -> dict[str, Any]:
+def _lines(
+    series: list[tuple[str, list[float | None]]], labels: list[str], unit: Callable[[float | None], str]
+) -> dict[str, Any]:
     """Lines, one per series, over the buckets (a gap where a bucket has no value; a lone
     value is a dot), scaled from 0 to the highest value."""
     peak = max([v for _, values in series for v in values if v is not None] + [0.0])
