@@ -111,7 +111,7 @@ def _overview(settings: _Settings, window: Window, *, parts: bool = False) -> di
     (the counts and charts), not the pauses, flow rules and limits that only the page
     shows."""
     engine = settings.engine
-    sections = []
+    sections: list[tuple[Any, ...]] = []
     for table in settings.tables.values():
         view = read_activity(engine, table.model, window)
         cards = _cards(view, admin.queue_depth(engine, table.model))
