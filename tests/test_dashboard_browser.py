@@ -194,13 +194,15 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     assert browser.find_element(By.CSS_SELECTOR, "a.live-on").get_attribute("href").endswith("live=5")
 
     def sms_pending() -> str:
-        return str(browser.find_element(By.CSS_SELECTOR, 'section[data-queue="sms"] .count-pending a').text)
+        # Read in one call: live refresh may replace the element between a find and a read.
+        return str(browser.execute_script(
+            "return document.querySelector('section[data-queue=\"sms\"] .count-pending a').textContent"))
 
     assert sms_pending() == "1"
     with engine.begin() as conn:
         conn.execute(insert(JOBS).values(queue="sms"))
     wait_for(lambda: sms_pending() == "2", timeout=15, what="the live refresh to show the new job")
-    assert browser.find_element(By.ID, "live-status").text.startswith("updated")
+    assert browser.execute_script("return document.getElementById('live-status').textContent").startswith("updated")
     browser.find_element(By.ID, "live-off").click()
     wait_for(lambda: "live=" not in browser.current_url, what="live refresh turned off")
     assert not browser.find_elements(By.ID, "live")
