@@ -7,8 +7,10 @@ pending, 1% failed with a ``last_error``, over two queues; vacuumed and analyzed
 query is :func:`sqla_queue.admin.list_jobs` (50 rows, keyset on the primary key), timed
 as the median of 7 runs after a warm-up: the newest page, a page half-way down (``before=``
 the middle key, which ``OFFSET`` would make read half the table), and the filters of the
-dashboard. The overview's two statements (counts per queue and status; the last hour's
-throughput) are timed too: they read the whole table, as ``sqla-queue stats`` does.
+dashboard. ``admin.queue_overview`` (counts per queue and status, the last hour's
+throughput: the JSON API's overview) is timed too: it reads the whole table, as
+``sqla-queue stats`` does. The overview page's charts have a benchmark of their own,
+``dashboard_charts.py``.
 
 It reuses ``benchmarks/run.py``'s scratch database and table.
 """

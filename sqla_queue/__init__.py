@@ -13,6 +13,7 @@
 Statement builders for every transition live in :mod:`sqla_queue.sql`.
 """
 
+from .activity import activity_table
 from .cancel import cancel
 from .current import JobContext, JobLogFilter, current_job
 from .enqueue import (
@@ -134,6 +135,7 @@ __all__ = [
     "WorkerStartError",
     "WorkerStats",
     "Workers",
+    "activity_table",
     "archive_table",
     "cancel",
     "current_job",

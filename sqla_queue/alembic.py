@@ -9,7 +9,7 @@ autogenerate writes):
   of ``op.create_index`` / ``op.drop_index``. On PostgreSQL they run ``CREATE/DROP INDEX
   CONCURRENTLY`` inside ``autocommit_block()`` (PostgreSQL refuses them in a transaction);
   elsewhere they are the plain operations.
-- ``op.create_queue_indexes(table)`` / ``op.drop_queue_indexes(table)``: the five partial
+- ``op.create_queue_indexes(table)`` / ``op.drop_queue_indexes(table)``: the partial
   indexes the mixin gives a queue table (and its status CHECK with ``check=True``), built
   from :mod:`sqla_queue.model` so they always match what ``create_all()`` makes.
 
@@ -330,7 +330,7 @@ class _QueueIndexesOp(MigrateOperation):
 
 @Operations.register_operation("create_queue_indexes")
 class CreateQueueIndexesOp(_QueueIndexesOp):
-    """The five partial indexes of a queue table (plus its status CHECK on request)."""
+    """The partial indexes of a queue table (plus its status CHECK on request)."""
 
     @classmethod
     def create_queue_indexes(

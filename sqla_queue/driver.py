@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.util.concurrency import await_only
 
+from .activity import declared_activity_table
 from .dbapi import CompileOnceError, SchemaMapKey, Statement, compile_statement, reraise_as_sqlalchemy, schema_map_key
 from .errors import SqlaQueueError
 from .flow import declared_queues_table
@@ -679,6 +680,11 @@ class Driver:
                     "SELECT to_regclass(%s) IS NOT NULL",
                     (pgsql.Identifier(*([schema, registry.name] if schema else [registry.name])).as_string(None),),
                 )[0][0]) if registry is not None else True
+                activity = declared_activity_table(table)
+                activity_found = bool(conn.query(
+                    "SELECT to_regclass(%s) IS NOT NULL",
+                    (pgsql.Identifier(*([schema, activity.name] if schema else [activity.name])).as_string(None),),
+                )[0][0]) if activity is not None else True
             name = f"{schema}.{name}" if schema else name
         finally:
             conn.close()
@@ -701,6 +707,11 @@ class Driver:
             problem = (
                 f"table {name!r} has a workers table declared (sqla_queue.workers_table), but "
                 f"{constraint_name(table.name, 'workers')!r} does not exist in that database: create it, or migrate"
+            )
+        if problem is None and not activity_found:
+            problem = (
+                f"table {name!r} has an activity table declared (sqla_queue.activity_table), but "
+                f"{constraint_name(table.name, 'activity')!r} does not exist in that database: create it, or migrate"
             )
         if problem is not None:
             raise WorkerStartError(problem)

@@ -547,6 +547,10 @@ def _attach_schema_objects(table: Table) -> None:
     )
     # The sweeper's lookup of expired leases.
     Index(conv(constraint_name(name, "lease_idx")), c.lease_expires_at, postgresql_where=running)
+    # Finished jobs by when they finished: the dashboard's charts and the activity table
+    # read a time range of them (the last minutes), never the whole table. One entry per
+    # finished job, written by the statement that finishes it; no claim reads it.
+    Index(conv(constraint_name(name, "finished_idx")), c.finished_at, postgresql_where=c.finished_at.is_not(None))
     for rule in flow_rules(table):
         if isinstance(rule, InOrder):
             # A candidate's earlier jobs of its key that hold it back, found by this.

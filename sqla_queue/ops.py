@@ -25,6 +25,7 @@ from typing import Any, Final, NamedTuple, Protocol, TypeAlias, cast
 from sqlalchemy import Connection
 
 from . import sql as q
+from .activity import MARK_QUEUE, RESOLUTIONS, declared_activity_table, due_range
 from .driver import DbConnection, Driver, RowError, Statement, WorkerStartError, take_turn
 from .jsontext import dialect_json_serializer, progress_encoder
 from .loader import RowLoader
@@ -209,6 +210,15 @@ class Operations(Protocol):
 
     def prune_workers(self, conn: DbConnection, older_than: float) -> int:
         """Delete the rows not seen for ``older_than`` seconds; how many."""
+
+    @property
+    def records_activity(self) -> bool:
+        """Whether the table has an activity table its workers record the table's activity in."""
+
+    def record_activity(self, conn: DbConnection) -> int:
+        """Record the buckets of the activity table that have ended and are not recorded
+        yet (a bounded number per statement), and delete its rows past their keep; how many
+        buckets it recorded."""
 
     @property
     def after_per_queue(self) -> bool:
@@ -457,6 +467,16 @@ class QueueOps:
         self._workers = (
             (compile_(q.record_worker(table)), compile_(q.forget_worker(table)), compile_(q.prune_workers(table)))
             if self.records_workers else None
+        )
+        #: Its workers record the table's activity in its activity table (compiled if declared).
+        self.records_activity = declared_activity_table(table) is not None
+        self._activity = (
+            (
+                compile_(q.activity_marks(table)),
+                [(r, compile_(q.record_activity(table, seconds=r.seconds))) for r in RESOLUTIONS],
+                compile_(q.prune_activity(table)),
+            )
+            if self.records_activity else None
         )
         self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
@@ -891,6 +911,29 @@ class QueueOps:
         """Delete the rows no heartbeat updated for ``older_than`` seconds."""
         assert self._workers is not None
         return len(conn.execute(self._workers[2], {"sqla_queue_older_than": older_than}))
+
+    # -- the activity table --------------------------------------------------------------
+
+    def record_activity(self, conn: DbConnection) -> int:
+        """Record each resolution's ended buckets not recorded yet (from the latest mark,
+        at most a chunk: see :func:`~sqla_queue.activity.due_range`), then delete the rows
+        past their keep. The server's clock decides what has ended. Returns the buckets
+        recorded (the marks written: 0 when another worker recorded them first)."""
+        assert self._activity is not None
+        marks, records, prune = self._activity
+        ((now, *latest),) = conn.execute(marks, {})
+        recorded = 0
+        for (resolution, record), mark in zip(records, latest, strict=True):
+            due = due_range(now, mark, resolution)
+            if due is None:
+                continue
+            since, until, sample = due
+            values = {q.ACTIVITY_SINCE_PARAM: since, q.ACTIVITY_UNTIL_PARAM: until, q.ACTIVITY_SAMPLE_PARAM: sample}
+            rows = conn.execute(record, values)
+            recorded += sum(1 for _, queue in rows if queue == MARK_QUEUE)
+        if recorded:
+            conn.execute(prune, {})
+        return recorded
 
     # -- leases ------------------------------------------------------------------------
 

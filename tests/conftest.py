@@ -43,6 +43,7 @@ DATABASE_FIXTURES = frozenset({"server"})
 #: embedded server. Worker smoke tests join it with ``@pytest.mark.compat``.
 COMPAT_MODULES = frozenset(
     {
+        "test_activity",
         "test_alembic",
         "test_async_enqueue",
         "test_async_values",

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 import psycopg
 
+from sqla_queue.activity import RESOLUTIONS, due_range
 from sqla_queue.driver import Driver
 from sqla_queue.jsontext import ResultEncoder, dialect_json_serializer, progress_encoder
 from sqla_queue.ops import (
@@ -130,6 +131,24 @@ class FakeOps:
 
     def prune_workers(self, conn: Any, older_than: float) -> int:
         return 0
+
+    #: The table has an activity table: the latest bucket recorded, per bucket width.
+    records_activity: bool = False
+    activity_marks: dict[int, datetime] = field(default_factory=dict)
+
+    def record_activity(self, conn: Any) -> int:
+        def record() -> int:
+            now, recorded = datetime.now(UTC), 0
+            for resolution in RESOLUTIONS:
+                due = due_range(now, self.activity_marks.get(resolution.seconds), resolution)
+                if due is not None:
+                    since, until, _ = due
+                    width = timedelta(seconds=resolution.seconds)
+                    recorded += (until - since) // width
+                    self.activity_marks[resolution.seconds] = until - width
+            return recorded
+
+        return int(self._call("record_activity", record))
 
     @property
     def after_per_queue(self) -> bool:

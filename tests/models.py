@@ -22,6 +22,7 @@ from sqla_queue import (
     TaskMixin,
     UniqueJobs,
     WorkflowMixin,
+    activity_table,
     queues_table,
     schedules_table,
     workers_table,
@@ -108,6 +109,16 @@ class TotalJob(Base, JobMixin):
 
 #: ResultTask's workers record themselves (the other tables' do not).
 RESULT_WORKERS = workers_table(ResultTask)
+
+
+class ChartJob(Base, JobMixin):
+    """A queue table whose workers record its activity, which the dashboard's charts read."""
+
+    __tablename__ = "chart_jobs"
+
+
+#: ChartJob's activity (the other tables' charts read the queue table itself).
+CHART_ACTIVITY = activity_table(ChartJob)
 
 #: The watermark tables of the periodic jobs of the tables that have schedules.
 TASK_SCHEDULES = schedules_table(Task)

@@ -295,7 +295,7 @@ def test_autogenerate_creates_what_create_all_creates(
     for table in ("email_jobs", "tasks", LONG_NAME):
         assert f"op.create_table('{table}'" in upgrade
     assert "name=op.f('email_jobs_status_check')" in upgrade
-    assert upgrade.count("postgresql_where=") == 15  # 5 partial indexes x 3 queue tables
+    assert upgrade.count("postgresql_where=") == 18  # 6 partial indexes x 3 queue tables
     # tables new in this revision get plain indexes, in the migration's transaction
     assert "concurrently" not in migration and "sqla_queue" not in migration
     assert "info=" not in migration  # the mixin's marker in Table.info is not rendered
@@ -466,7 +466,7 @@ def test_adding_the_mixin_to_a_table_with_rows(project: Project, new_database: N
             "server_default='pending', nullable=False))"
             in upgrade
         )
-        assert upgrade.count("sq_ops.create_index_concurrently(") == 5
+        assert upgrade.count("sq_ops.create_index_concurrently(") == 6
         # autogenerate never adds a CHECK to an existing table: the hook does
         assert (
             "op.create_check_constraint(op.f('notifications_status_check'), 'notifications'"
@@ -646,7 +646,7 @@ def test_queue_schema_table_is_the_mixins_schema() -> None:
             str(CreateIndex(i).compile(dialect=dialect))
             for i in queue_schema_table(table.name).indexes
         }
-        assert len(built) == 4 and built == mixin
+        assert len(built) == 5 and built == mixin
 
 
 @pytest.mark.system
@@ -976,3 +976,44 @@ def test_autogenerate_adds_the_workers_table_to_an_existing_queue(project: Proje
     project.alembic("check")
     project.alembic("downgrade", "-1")
     assert "tasks_workers" not in schema(project.url)
+
+
+@pytest.mark.system
+def test_autogenerate_adds_the_finished_index_and_the_activity_table_to_an_existing_queue(
+    project: Project, new_database: NewDatabase
+) -> None:
+    """A queue deployed before the index of finished jobs, given an activity table:
+    autogenerate builds the index concurrently and creates the table, the same as
+    create_all, and nothing else; downgrade drops both."""
+    project.models(models())
+    project.autogenerate("initial")
+    project.alembic("upgrade", "head")
+    engine = create_engine(project.url, poolclass=NullPool)
+    with engine.begin() as conn:  # as a version of sqla_queue before it made the index
+        conn.execute(text("DROP INDEX tasks_finished_idx"))
+    engine.dispose()
+    project.models(models(more="""
+        from sqla_queue import activity_table
+
+        activity_table(Task)
+    """))
+    migration = project.autogenerate("activity")
+    upgrade = project.upgrade_body(migration)
+    assert "op.create_table('tasks_activity'" in upgrade and upgrade.count("op.create_table(") == 1
+    (index,) = [line for line in upgrade.splitlines() if "create_index" in line]
+    assert "sq_ops.create_index_concurrently(op.f('tasks_finished_idx'), 'tasks', ['finished_at']" in index, index
+    assert "finished_at IS NOT NULL" in index, index
+    project.alembic("upgrade", "head")
+    reference = new_database()
+    project.create_all(reference)
+    migrated = schema(project.url)
+    assert migrated == schema(reference)
+    assert set(migrated["tasks_activity"]["columns"]) == {
+        "seconds", "bucket", "queue", "done", "failed", "cancelled", "pickup_p50", "pickup_p99", "run_p50",
+        "run_p99", "waiting",
+    }
+    assert migrated["tasks_activity"]["pk"]["constrained_columns"] == ["seconds", "bucket", "queue"]
+    project.alembic("check")
+    project.alembic("downgrade", "-1")
+    after = schema(project.url)
+    assert "tasks_activity" not in after and "tasks_finished_idx" not in after["pg_indexes"]

@@ -140,6 +140,31 @@ def test_quick_dashboard_page_run_prints_every_query(server: Server) -> None:
         assert row[1] in ("49", "50"), row  # a page of 50 (49 half-way down the failed ones of 10,000)
 
 
+@pytest.mark.timeout(300)
+def test_quick_dashboard_charts_run_prints_every_row(server: Server) -> None:
+    """``benchmarks/dashboard_charts.py --quick``: 20,000 finished jobs, the overview and
+    each statement of its charts timed, from the queue table and from the activity table
+    the workers' statement recorded."""
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("dashboard_charts.py")), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0] == ["| read from", "what", "median ms |"], result.stdout
+    sources = [row[0].removeprefix("| ") for row in rows[1:]]
+    names = [row[1] for row in rows[1:]]
+    assert set(sources) == {"queue table", "activity table"}, result.stdout
+    for source in ("queue table", "activity table"):
+        assert "page: overview, last 24 hours" in [n for s, n in zip(sources, names, strict=True) if s == source]
+    assert "worker: record a quarter of an hour (record_activity)" in names
+    assert "The first recording of the activity table" in result.stdout
+
+
 @pytest.mark.timeout(120)
 def test_quick_unique_enqueue_run_prints_both_rates(server: Server) -> None:
     result = subprocess.run(

@@ -24,14 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from sqla_queue import Workflow, enqueue_workflow
 from sqla_queue import sql as q
+from sqla_queue.activity import RESOLUTIONS, due_range
 
 from .helpers import Server, table_of, wait_for
-from .models import RESULT_WORKERS, TASK_SCHEDULES, EmailJob, Order, ResultTask, StepTask, Task
+from .models import (
+    CHART_ACTIVITY,
+    RESULT_WORKERS,
+    TASK_SCHEDULES,
+    ChartJob,
+    EmailJob,
+    Order,
+    ResultTask,
+    StepTask,
+    Task,
+)
 
 pytestmark = pytest.mark.system
 
@@ -40,6 +51,7 @@ pytest.importorskip("flask")
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
 STEPS = table_of(StepTask)
+JOBS_OF_CHARTS = table_of(ChartJob)
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = ("/usr/bin/chromium", "chromium")
 CHROMEDRIVER = ("/usr/bin/chromedriver", "chromedriver")
@@ -79,6 +91,7 @@ def browser() -> Iterator[Any]:
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                      "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: CSP violations
     driver = webdriver.Chrome(service=Service(executable_path=str(driver_path)), options=options)
     driver.set_page_load_timeout(30)
     try:
@@ -93,9 +106,9 @@ def dashboard(server: Server, engine: Engine) -> Iterator[str]:
     url = server.url.render_as_string(hide_password=False)
     # The periodic app's worker: the schedules page knows its schedule (in the code).
     process = subprocess.Popen(
-        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:EmailJob", "tests.models:Task",
-         "tests.models:ResultTask", "tests.models:StepTask", "tests.periodic_app:make_worker", "--url", url,
-         "--port", "0",
+        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:ChartJob", "tests.models:EmailJob",
+         "tests.models:Task", "tests.models:ResultTask", "tests.models:StepTask", "tests.periodic_app:make_worker",
+         "--url", url, "--port", "0",
          "--api-actions"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "SQLA_QUEUE_TEST_URL": url},
@@ -147,9 +160,17 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         for name, values in specs.items():
             keys[name] = conn.execute(insert(JOBS).values(**values).returning(JOBS.c.id)).scalar_one()
         conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now()), [{}] * 12)
+        now: datetime = conn.execute(select(func.now())).scalar_one()
+        conn.execute(insert(JOBS), [  # a minute each over the last twenty: the charts' lines
+            {"queue": "mail", "status": "done", "finished_at": now - timedelta(minutes=i, seconds=10),
+             "started_at": now - timedelta(minutes=i, seconds=10.3 + 0.05 * i),
+             "run_after": now - timedelta(minutes=i, seconds=10.4 + 0.07 * i),
+             "created_at": now - timedelta(minutes=i, seconds=10.4 + 0.07 * i)} for i in range(20)
+        ])
         conn.execute(insert(JOBS).values(queue="sms", status="done", finished_at=func.now() - timedelta(minutes=20)),
                      [{}] * 5)
         conn.execute(insert(TASKS).values(task="render", payload={"html": xss, "blob": "z" * 5000}, queue="pdf"))
+    _recorded_activity(engine)
 
     def page(path: str, shot: str) -> None:
         browser.get(dashboard.rstrip("/") + path)
@@ -162,7 +183,35 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
         return [int(row.get_attribute("data-id")) for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-id]")]
 
     page("/", "overview")
-    assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="mail"] svg rect.done')
+    for chart in ("finished", "waiting", "pickup", "run"):  # the activity table's, every chart drawn
+        assert browser.find_elements(By.CSS_SELECTOR, f'section[data-queue="emails"] .chart-{chart} svg '
+                                                      ":is(rect.done, polyline)"), chart
+    assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="mail"] .chart-finished svg rect.done')
+    for chart in ("pickup", "run"):  # p50 and p99 lines, drawn on the server
+        assert len(browser.find_elements(By.CSS_SELECTOR, f'section[data-queue="mail"] .chart-{chart} polyline')) == 2
+    assert not browser.find_elements(By.ID, "live")  # live refresh off: no script
+    page("/?window=24h", "overview-24h")
+    assert len(browser.find_elements(By.CSS_SELECTOR, 'section[data-queue="mail"] .chart-finished svg g')) == 96
+
+    # live refresh: a link turns it on (every second here), the counts follow the table
+    browser.get(dashboard.rstrip("/") + "/?live=1")
+    assert browser.find_element(By.CSS_SELECTOR, "a.live-on").get_attribute("href").endswith("live=5")
+
+    def sms_pending() -> str:
+        # Read in one call: live refresh may replace the element between a find and a read.
+        return str(browser.execute_script(
+            "return document.querySelector('section[data-queue=\"sms\"] .count-pending a').textContent"))
+
+    assert sms_pending() == "1"
+    with engine.begin() as conn:
+        conn.execute(insert(JOBS).values(queue="sms"))
+    wait_for(lambda: sms_pending() == "2", timeout=15, what="the live refresh to show the new job")
+    assert browser.execute_script("return document.getElementById('live-status').textContent").startswith("updated")
+    browser.find_element(By.ID, "live-off").click()
+    wait_for(lambda: "live=" not in browser.current_url, what="live refresh turned off")
+    assert not browser.find_elements(By.ID, "live")
+    refused = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert refused == []
 
     # filter: queue mail, status pending
     page("/email_jobs/jobs", "jobs")
@@ -298,6 +347,36 @@ def _a_workflow_its_jobs_and_its_cancel(engine: Engine, dashboard: str, browser:
         counted = select(STEPS.c.status, func.count()).where(STEPS.c.workflow_id == flow.id).group_by(STEPS.c.status)
         found: dict[str, int] = {row[0]: row[1] for row in conn.execute(counted).all()}
     assert found == {"done": 3, "failed": 1, "cancelled": 5}
+
+
+def _recorded_activity(engine: Engine) -> None:
+    """An hour of jobs of chart_jobs (two queues, a busy spell, a slow one), recorded in
+    its activity table with the workers' statement, and the jobs waiting as its workers
+    counted them each minute: the overview's screenshot."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO chart_jobs (queue, status, attempts, run_after, created_at, started_at, finished_at) "
+            "SELECT queue, CASE WHEN i % 23 = 0 THEN 'failed' ELSE 'done' END, 1, "
+            "       fin - ran - waited, fin - ran - waited, fin - ran, fin "
+            "FROM (SELECT i, CASE WHEN i % 3 = 0 THEN 'reports' ELSE 'emails' END AS queue, "
+            "             now() - (i * 3.1) * interval '1 second' AS fin, "
+            "             (0.05 + (i % 7) * 0.04 + CASE WHEN i % 50 = 0 THEN 2.5 ELSE 0 END) "
+            "               * interval '1 second' AS ran, "
+            "             (0.02 + (i % 5) * 0.01 + CASE WHEN i BETWEEN 300 AND 420 THEN 1.5 ELSE 0 END) "
+            "               * interval '1 second' AS waited "
+            "      FROM generate_series(1, 1150) AS i) AS jobs"
+        ))
+        conn.execute(insert(JOBS_OF_CHARTS), [{"queue": "emails"}] * 6)
+        now, *marks = conn.execute(q.activity_marks(ChartJob)).one()
+        for resolution, mark in zip(RESOLUTIONS, marks, strict=True):
+            while (due := due_range(now, mark, resolution)) is not None:
+                since, until, sample = due
+                conn.execute(q.record_activity(ChartJob, seconds=resolution.seconds), {
+                    q.ACTIVITY_SINCE_PARAM: since, q.ACTIVITY_UNTIL_PARAM: until, q.ACTIVITY_SAMPLE_PARAM: sample})
+                mark = until - timedelta(seconds=resolution.seconds)
+        activity = CHART_ACTIVITY.c
+        conn.execute(CHART_ACTIVITY.update().where(activity.queue == "emails", activity.waiting.is_(None)).values(
+            waiting=func.round(4 + 3 * func.sin(func.date_part("epoch", activity.bucket) / 400))))
 
 
 def test_a_missing_browser_fails_in_ci_and_is_skipped_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

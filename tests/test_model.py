@@ -46,6 +46,7 @@ def test_mixin_schema_survives_user_table_args(engine: Engine) -> None:
     assert "isolated" in indexes["email_jobs_isolated_idx"]
     lease = indexes["email_jobs_lease_idx"]
     assert "(lease_expires_at)" in lease and "'running'::text" in lease
+    assert "(finished_at) WHERE (finished_at IS NOT NULL)" in indexes["email_jobs_finished_idx"]
 
     checks = {c["name"] for c in inspect(engine).get_check_constraints("email_jobs")}
     assert {"email_jobs_status_check", "ck_email_jobs_recipient"} <= checks
@@ -86,11 +87,11 @@ def test_long_table_names_get_short_unique_index_names(server: Server) -> None:
     ]
     names = [i.name for m in models for i in table_of(m).indexes]
     assert all(len(str(n).encode()) <= 63 for n in names)
-    assert len(set(names)) == len(names) == 10
+    assert len(set(names)) == len(names) == 12
     engine = create_engine(server.url)
     try:
         Base.metadata.create_all(engine)  # IdentifierError if a name were too long
-        assert len(_indexes(engine, long_a)) == 6  # 4 queue indexes, the unique jobs one, primary key
+        assert len(_indexes(engine, long_a)) == 7  # 5 queue indexes, the unique jobs one, primary key
     finally:
         Base.metadata.drop_all(engine)
         engine.dispose()
@@ -164,7 +165,7 @@ def test_single_table_inheritance_does_not_duplicate_indexes() -> None:
     class SpecialJob(Job):
         __mapper_args__ = {"polymorphic_identity": "special"}  # noqa: RUF012 - declarative
 
-    assert len(table_of(Job).indexes) == 5
+    assert len(table_of(Job).indexes) == 6
     assert queue_table(SpecialJob).table is table_of(Job)
 
 

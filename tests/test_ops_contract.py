@@ -12,11 +12,13 @@ from typing import Any, TypeVar
 import pytest
 from sqlalchemy import Engine, insert
 
+from sqla_queue.activity import MINUTES, QUARTERS
 from sqla_queue.ops import ClaimRequest, Operations
 from sqla_queue.sql import ClaimToken
 from sqla_queue.worker.cursor import ClaimCursor
 
 from .fakes import FakeJob, FakeOps
+from .models import ChartJob
 from .test_ops import on_driver
 from .workers import TASKS
 
@@ -62,7 +64,8 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 
         def make_fake(**options: Any) -> Operations:
             kept = {k: v for k, v in options.items() if k in ("queues", "lease")}
-            return FakeOps(jobs=jobs, claims_after=True, **kept)
+            recording = options.get("model") is ChartJob  # the test table with an activity table
+            return FakeOps(jobs=jobs, claims_after=True, records_activity=recording, **kept)
 
         def add_fake(n: int, *, queue: str = "a", **values: Any) -> list[int]:
             first = max(jobs, default=0) + 1
@@ -206,3 +209,14 @@ def test_a_claim_after_a_key_takes_the_jobs_after_it_and_one_from_the_head_the_r
     assert ([k[2] for k in keys], from_head) == ([second], False)
     rest = backend(lambda c: ops.fetch_claimed(c, ops.claim_request("w", 10)))
     assert [c.token for c in rest] == [ClaimToken(urgent, 1)]
+
+
+def test_the_activity_is_recorded_a_bucket_at_a_time(backend: Backend) -> None:
+    """The first recording goes back an hour of minutes and the first chunk of a day of
+    quarters; the next one records only what is still due (the quarters' next chunk, and
+    a minute if one ended meanwhile)."""
+    ops = backend.ops(model=ChartJob)
+    assert ops.records_activity and not backend.ops().records_activity
+    assert backend(lambda c: ops.record_activity(c)) == MINUTES.backfill + QUARTERS.chunk
+    assert backend(lambda c: ops.record_activity(c)) in (QUARTERS.chunk, QUARTERS.chunk + 1)
+

@@ -120,7 +120,7 @@ def test_autogenerate_of_sqlmodel_tables_is_the_mixins_schema(tmp_path: Path, ne
         assert f"op.create_table('{table}'" in upgrade
     assert "name=op.f('email_jobs_status_check')" in upgrade
     assert "name=op.f('tasks_status_check')" in upgrade
-    assert upgrade.count("postgresql_where=") == 10  # 5 partial indexes x 2 queue tables
+    assert upgrade.count("postgresql_where=") == 12  # 6 partial indexes x 2 queue tables
     assert "op.create_index(op.f('email_jobs_claim_idx'), 'email_jobs'" in upgrade
     assert "sa.Identity(" in upgrade and "info=" not in upgrade
     assert "sqlmodel.sql.sqltypes.AutoString(length=200)" in upgrade  # the user's own str field

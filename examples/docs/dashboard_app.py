@@ -33,6 +33,14 @@ class Task(Base, TaskMixin):
 # --8<-- [end:models]
 
 
+# --8<-- [start:activity]
+from sqla_queue import activity_table
+
+# The workers of dashboard_email_jobs record its activity, which the overview's charts read.
+activity_table(EmailJob)
+# --8<-- [end:activity]
+
+
 # --8<-- [start:mount]
 from flask import Flask, session
 from sqlalchemy import Engine
@@ -97,6 +105,9 @@ def tour(url: str) -> None:
                                headers={"Origin": "http://localhost"})  # as the browser sends it
         assert response.status_code == 302
         assert builders(engine) == []  # requeued: no dead letter left
+        overview = client.get("/admin/queue/?window=24h&live=5")
+        assert overview.status_code == 200 and "script-src 'self'" in overview.headers["Content-Security-Policy"]
+        assert '<figure class="chart-pickup">' in overview.get_data(as_text=True)
         print("dashboard mounted behind is_admin; the dead letter was requeued from it")
     finally:
         Base.metadata.drop_all(engine)

@@ -19,11 +19,13 @@ origin (``Origin``, or failing it ``Referer``). Mounted in your app, pass
 ``trusted_hosts=`` (or set Flask's ``TRUSTED_HOSTS``) for the same ``Host`` check; the
 ``Origin`` check is always on, and your ``auth`` is the login.
 
-Server-rendered (Jinja templates shipped in the package), no JavaScript at all: the
-Content-Security-Policy of every page forbids scripts, so even a template mistake cannot
-run a payload's ``<script>``. Every action is a POST carrying a CSRF token kept in Flask's
-session, and runs the same fenced statements as ``sqla-queue requeue|delete`` and the
-cancel of :func:`sqla_queue.admin.cancel_jobs`.
+Server-rendered (Jinja templates shipped in the package), the overview's charts too (SVG):
+the Content-Security-Policy of every page forbids scripts, so even a template mistake
+cannot run a payload's ``<script>``. The one exception is the overview with live refresh
+turned on (``?live=5``), whose policy allows the dashboard's own script file and no other
+(never an inline script; :mod:`sqla_queue.dashboard.charts`). Every action is a POST
+carrying a CSRF token kept in Flask's session, and runs the same fenced statements as
+``sqla-queue requeue|delete`` and the cancel of :func:`sqla_queue.admin.cancel_jobs`.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from ..registry import declared_workers_table
 from ..rules import Concurrency, RateLimit
 from .api import api_blueprint
 from .bulk import add_bulk_views
+from .charts import add_overview_views, overview_page
 from .reads import (
     _DEFAULT_LEASE,
     _ERROR_VIEW,
@@ -257,24 +260,8 @@ def dashboard_blueprint(
         }
 
     @bp.get("/")
-    def overview() -> str:
-        engine = settings.engine
-        sections = [
-            (
-                table,
-                admin.queue_overview(engine, table.model),
-                admin.paused_queues(engine, table.model),
-                admin.flow_view(engine, table.model),
-                admin.queue_limits(engine, table.model),
-            )
-            for table in settings.tables.values()
-        ]
-        return render_template(
-            "sqla_queue_dashboard/overview.html",
-            sections=sections,
-            statuses=[s.value for s in JobStatus],
-            chart=_chart,
-        )
+    def overview() -> Response:
+        return overview_page(settings)
 
     @bp.get("/<path:table>/jobs")
     def jobs(table: str) -> str:
@@ -432,6 +419,7 @@ def dashboard_blueprint(
         _check_csrf()
 
     add_schedule_views(bp, settings, schedules, guard=_guard)
+    add_overview_views(bp, settings)
     add_bulk_views(bp, settings, guard=_guard, split=_split, statuses=_STATUSES)
     add_workflow_views(bp, settings, guard=_guard)
     return bp
@@ -599,29 +587,6 @@ def _when(value: datetime | None) -> str:
 
 def _age(value: timedelta | None) -> str:
     return admin._age(value)
-
-
-def _chart(done: list[int], failed: list[int], *, width: int = 360, height: int = 64) -> dict[str, Any]:
-    """Bar geometry of the last hour: one bar per minute, done stacked under failed."""
-    peak = max([d + f for d, f in zip(done, failed, strict=True)] + [0])
-    top = max(peak, 1)
-    step = width / max(len(done), 1)
-    bars = []
-    for i, (d, f) in enumerate(zip(done, failed, strict=True)):
-        done_h = height * d / top
-        failed_h = height * f / top
-        bars.append({
-            "x": round(i * step, 2),
-            "w": round(max(step - 1, 1), 2),
-            "done_y": round(height - done_h, 2),
-            "done_h": round(done_h, 2),
-            "failed_y": round(height - done_h - failed_h, 2),
-            "failed_h": round(failed_h, 2),
-            "minute": len(done) - i,
-            "done": d,
-            "failed": f,
-        })
-    return {"width": width, "height": height, "bars": bars, "peak": peak, "done": sum(done), "failed": sum(failed)}
 
 
 def create_app(

@@ -41,6 +41,8 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #                    workflow whose job failed, a workflow's jobs and a job's parents
 #   _finish.py       the one wrapper of every statement that ends jobs (results, workflows)
 #   _workers.py      the workers table: a worker's row recorded, forgotten, listed, pruned
+#   _activity.py     activity over time: jobs finished per queue and bucket, pickup latency
+#                    and run time, waiting jobs; recorded into the activity table, read back
 #   _notify.py       pg_notify: the one NOTIFY builder every sender uses (an expression, or
 #                    the SQL text of a simple-protocol query on the psycopg cursor)
 #
@@ -53,6 +55,18 @@ from __future__ import annotations
 from ..model import ClaimToken
 from ..retry import MAX_BACKOFF_SECONDS as MAX_BACKOFF_SECONDS
 from ..retry import Backoff
+from ._activity import ACTIVITY_COLUMNS as ACTIVITY_COLUMNS
+from ._activity import ACTIVITY_SAMPLE_PARAM as ACTIVITY_SAMPLE_PARAM
+from ._activity import ACTIVITY_SINCE_PARAM as ACTIVITY_SINCE_PARAM
+from ._activity import ACTIVITY_UNTIL_PARAM as ACTIVITY_UNTIL_PARAM
+from ._activity import (
+    activity_marks,
+    activity_rows,
+    finished_activity,
+    prune_activity,
+    record_activity,
+    waiting_jobs,
+)
 from ._base import AFTER_KEY_PARAM as AFTER_KEY_PARAM
 from ._base import AFTER_KEYS_PARAM as AFTER_KEYS_PARAM
 from ._base import AFTER_PRIORITIES_PARAM as AFTER_PRIORITIES_PARAM
@@ -171,6 +185,12 @@ __all__ = [
     "forget_worker",
     "prune_workers",
     "worker_rows",
+    "record_activity",
+    "prune_activity",
+    "activity_marks",
+    "activity_rows",
+    "finished_activity",
+    "waiting_jobs",
     "result_encoder",
     "claim",
     "claim_schedule_run",

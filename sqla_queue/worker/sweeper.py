@@ -6,13 +6,19 @@ for isolated jobs at once, and NOTIFYs the queues it swept (the control messages
 :func:`~sqla_queue.control.swept_payloads`: a :class:`~sqla_queue.control.Swept` each, and
 the plain names for workers that only know queue names) so the executors of every worker
 claim the returned jobs without waiting for their poll.
+
+On a queue table with an activity table (:func:`~sqla_queue.activity_table`) it also
+records the buckets of time that have ended since the last sweep of any worker: a
+statement per bucket size, after the sweep, whose failure never fails the sweep.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from ..control import SWEPT_PREFIX, swept_payloads
+from ..driver import DbConnection
 from ..registry import FORGET_AFTER_LEASES
 from .context import WorkerContext
 from .hooks import JobEvent, JobOutcome
@@ -45,6 +51,7 @@ class Sweeper(Service):
         self.channel = ctx.ops.channel
         self.link = Reconnecting(driver, "sqla_queue sweeper")
         self.lease = config.lease
+        self._activity_failed_at = float("-inf")
 
     def tick(self) -> float | None:
         conn = self.link.connect()
@@ -55,6 +62,8 @@ class Sweeper(Service):
             queues = swept.queues
             if queues:
                 self.driver.notify(conn, self.channel, swept_payloads(queues))
+        if self.ops.records_activity:
+            self._record_activity(conn)
         if swept.total:
             hooks = self.hooks
             hooks.finished([
@@ -70,3 +79,18 @@ class Sweeper(Service):
             self.producer.look_for_isolated()
             self.signal.wake()
         return 0.0 if swept.total == SWEEP_LIMIT else None
+
+    def _record_activity(self, conn: DbConnection) -> None:
+        """The activity table's ended buckets. Never the sweep's failure: a bucket not
+        recorded now is recorded by the next sweep of any worker."""
+        try:
+            with self.driver.deadline(conn, SWEEP_DEADLINE):
+                recorded = self.ops.record_activity(conn)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            now = time.monotonic()
+            if now - self._activity_failed_at > 60:
+                self._activity_failed_at = now
+                log.warning("sweeper: could not record the activity table (%s)", exc)
+            return
+        if recorded:
+            log.debug("sweeper: %d bucket(s) of activity recorded", recorded)
