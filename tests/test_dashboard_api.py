@@ -108,25 +108,32 @@ def test_the_index_names_every_table_and_endpoint(client: Any) -> None:
     assert client.get("/api").status_code == 308  # to /api/
 
 
-def test_the_overview_counts_each_queue_by_status_minute_pause_and_limit(engine: Engine, client: Any) -> None:
+def test_the_overview_counts_each_queue_as_the_page_over_its_window_with_pause_and_limit(
+    engine: Engine, client: Any
+) -> None:
     with engine.begin() as conn:
         conn.execute(insert(JOBS), [{"queue": "mail"}] * 2)
         conn.execute(insert(JOBS).values(queue="mail", run_after=func.now() - timedelta(minutes=5)))
         conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now()), [{}] * 4)
         conn.execute(insert(JOBS).values(queue="mail", status="failed", finished_at=func.now() - timedelta(minutes=30)))
+        # Finished before the window: the page counts the window's jobs, not the table's.
+        conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now() - timedelta(hours=2)))
+        conn.execute(insert(JOBS).values(queue="mail", status="done", finished_at=func.now() - timedelta(hours=30)))
         conn.execute(insert(SHARDS).values(queue="fast"))
         pause(conn, ShardJob, "idle")  # paused, with no job
         set_queue_limits(conn, ShardJob, "fast", concurrency=2, rate=None)
     overview = get(client, "/overview")
-    assert overview["minutes"] == 60 and "pending" in overview["statuses"]
+    assert overview["window"] == {"window": "1h", "label": "last hour", "bucket_seconds": 60, "buckets": 60}
+    assert overview["statuses_now"] == ["pending", "running"]
+    assert overview["statuses_window"] == ["done", "failed", "cancelled"]
     tables = {t["table"]: t for t in overview["tables"]}
     (mail,) = tables["email_jobs"]["queues"]
     assert mail["queue"] == "mail"
     assert mail["counts"] == {"pending": 3, "running": 0, "done": 4, "failed": 1, "cancelled": 0}
     assert 290 <= mail["oldest_runnable_seconds"] <= 400
-    assert len(mail["done_per_minute"]) == len(mail["failed_per_minute"]) == 60
-    assert sum(mail["done_per_minute"]) == 4 and mail["done_per_minute"][-1] + mail["done_per_minute"][-2] == 4
-    assert sum(mail["failed_per_minute"]) == 1 and sum(mail["failed_per_minute"][28:31]) == 1  # 30 minutes ago
+    assert tables["email_jobs"]["activity"] == "/api/tables/email_jobs/activity?window=1h"
+    (mail,) = get(client, "/overview?window=24h")["tables"][0]["queues"]
+    assert mail["counts"] == {"pending": 3, "running": 0, "done": 5, "failed": 1, "cancelled": 0}
     assert mail["paused_since"] is None and tables["email_jobs"]["pausable"] is False
     shards = tables["shard_jobs"]
     assert shards["pausable"] is True and shards["queue_rules"] == {"concurrency": 4, "rate": None}
@@ -138,6 +145,8 @@ def test_the_overview_counts_each_queue_by_status_minute_pause_and_limit(engine:
     assert [r["rule"] for r in shards["rules"]] == [
         "at most 3 running per account", "at most 4 running per queue", "at most 6 running in the table"]
     assert tables["tasks"]["has_task"] is True and tables["tasks"]["queues"] == []
+    for wrong in ("window=7d", "minutes=60"):
+        assert get(client, f"/overview?{wrong}", 400)["error"] == "bad_filter"
 
 
 def test_jobs_filter_as_the_page_does_with_one_and_several_values(engine: Engine, client: Any) -> None:

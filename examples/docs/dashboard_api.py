@@ -22,7 +22,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, insert, select
 from sqlalchemy.orm import DeclarativeBase, Mapped
 
-from sqla_queue import JobMixin
+from sqla_queue import JobMixin, Schedule, schedules_table
 from sqla_queue.dashboard import serve
 
 from _db import database_url
@@ -37,6 +37,10 @@ class Base(DeclarativeBase):
 class NewsletterJob(Base, JobMixin):
     __tablename__ = "newsletter_jobs"
     recipient: Mapped[str]
+
+
+schedules_table(NewsletterJob)  # its workers run schedules: the watermark table
+DIGEST = Schedule("weekly digest", "0 8 * * 1", values={"recipient": "list@example.com"}, queue="digest")
 
 
 # isort: split
@@ -94,8 +98,18 @@ def use(base: str) -> tuple[int, str]:
         api.get("tables/no_such_table/jobs")
     except HTTPError as error:
         problem = json.load(error)  # {"error": "no_such_table", "message": "...", "status": 404}
+
+    # A bulk action by filter: the count first, then the action over the jobs of that count.
+    count = api.get("tables/newsletter_jobs/bulk?action=cancel&queue=digest")
+    done = api.act("newsletter_jobs", "bulk_cancel", queue=["digest"], as_of=count["as_of"])
+    print(f"cancelled {done['done']} of the {count['acting']} jobs counted in queue digest")
+
+    # Run a schedule now, fenced by the last tick read (a 409 "schedule_ticked" if it ticked since).
+    (digest,) = api.get("tables/newsletter_jobs/schedules")["schedules"]
+    ran = api.act("newsletter_jobs", "run_now", name=digest["name"], seen=digest["last_tick"])
+    print(f"ran {ran['name']} now: job {ran['job']}")
     # --8<-- [end:use]
-    assert len(dead) == 5
+    assert len(dead) == 5 and count["acting"] == done["done"] == 2
     return answer["requeued"], problem["error"]
 
 
@@ -153,11 +167,14 @@ def tour(url: str) -> None:
                 {"recipient": f"{n}@example.com", "queue": "sms", "status": "failed", "last_error": "SMTPError: 421"}
                 for n in range(5)
             ])
+            conn.execute(insert(NewsletterJob), [{"recipient": f"{n}@example.com", "queue": "digest"}  # 9-10
+                                                 for n in range(2)])
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
         served: queue.Queue[str] = queue.Queue()
         # What `sqla-queue dashboard ... --api-actions` runs, on a free port.
         threading.Thread(target=serve, args=(engine, [NewsletterJob]),
-                         kwargs={"port": 0, "api_actions": True, "ready": served.put}, daemon=True).start()
+                         kwargs={"port": 0, "api_actions": True, "ready": served.put,
+                                 "schedules": {NewsletterJob: [DIGEST]}}, daemon=True).start()
         address = served.get(timeout=30)  # http://127.0.0.1:PORT/
         base, origin = address + "api", address.rstrip("/")
 
@@ -180,14 +197,16 @@ def tour(url: str) -> None:
             print("curl is not installed: the shell examples were not run")
 
         assert use(base) == (5, "no_such_table")
-        assert set(statuses(engine).values()) <= {"pending"} | ({"failed"} if not shutil.which("curl") else set())
+        now = statuses(engine)
+        assert now[9] == now[10] == "cancelled" and now[11] == "pending"  # the digest's run now: job 11
+        assert {now[k] for k in range(1, 9)} <= {"pending"} | ({"failed"} if not shutil.which("curl") else set())
 
         client = create_app(engine).test_client()
         assert client.get("/admin/queue/api/overview").status_code == 403  # your auth first
         with client.session_transaction() as state:
             state["is_admin"] = True
         overview = client.get("/admin/queue/api/overview").get_json()
-        pending = sum(q["counts"]["pending"] for q in overview["tables"][0]["queues"])
+        pending = sum(q["counts"]["pending"] for q in overview["tables"][0]["queues"])  # now; the others: the hour
         assert pending == list(statuses(engine).values()).count("pending")
         print("the API of the mounted dashboard answers behind is_admin")
     finally:

@@ -3,7 +3,10 @@
 set -euo pipefail
 
 # --8<-- [start:read]
-curl -s "$BASE/overview"                                     # every table: counts per queue and status
+curl -s "$BASE/overview"                                     # every table: each queue's counts (the last hour)
+curl -s "$BASE/overview?window=24h"                          # finished in the last 24 hours
+curl -s "$BASE/tables/newsletter_jobs/activity?window=24h"   # the charts: each queue's buckets
+curl -s "$BASE/tables/newsletter_jobs/schedules"             # its schedules, their last and next tick
 curl -s "$BASE/tables/newsletter_jobs/dead?queue=mail&limit=20"     # dead letters, newest first
 curl -s "$BASE/tables/newsletter_jobs/jobs?status=pending,running"  # the jobs page's filters
 curl -s "$BASE/tables/newsletter_jobs/jobs/2"                # one job: every column, big values cut

@@ -72,6 +72,7 @@ from ..periodic import Schedule
 from ..registry import declared_workers_table
 from ..rules import Concurrency, RateLimit
 from .api import api_blueprint
+from .api_more import more_endpoints
 from .bulk import add_bulk_views
 from .charts import add_overview_views, overview_page
 from .reads import (
@@ -222,7 +223,8 @@ def dashboard_blueprint(
         trusted_hosts=trusted_hosts,
     )
     bp = Blueprint(name, __name__, template_folder="templates")
-    bp.register_blueprint(api_blueprint(settings, actions=api_actions), url_prefix="/api")  # under every check of bp
+    api = api_blueprint(settings, actions=api_actions, more=lambda ctx: more_endpoints(ctx, schedules))
+    bp.register_blueprint(api, url_prefix="/api")  # under every check of bp
 
     @bp.before_request
     def _authorize() -> Any:

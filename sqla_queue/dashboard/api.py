@@ -19,7 +19,9 @@ top, for the API:
   or strings as the key column holds them, ``<``, ``>`` and ``&`` escaped in strings.
 
 The reads are :mod:`.reads` and :mod:`sqla_queue.admin`, the same as the pages'; the
-actions are the same fenced statements as the pages' buttons.
+actions are the same fenced statements as the pages' buttons. The overview, the
+schedules and the bulk actions by filter are :mod:`.api_more`'s, given to
+:func:`api_blueprint` as ``more``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import math
 import secrets
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from enum import Enum
@@ -52,7 +55,7 @@ from .workflows import parse_workflow_id, workflow_jobs, workflow_summary
 if TYPE_CHECKING:
     from . import _Settings, _Table
 
-__all__ = ["CSRF_HEADER", "api_blueprint"]
+__all__ = ["CSRF_HEADER", "Action", "ApiContext", "ApiMore", "api_blueprint"]
 
 #: The request header an action carries its token in (read it from ``GET /api/csrf``).
 CSRF_HEADER = "X-CSRF-Token"
@@ -81,17 +84,47 @@ def _fail(status: int, kind: str, message: str) -> NoReturn:
     raise ApiError(status, kind, message)
 
 
-def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
+#: An action of the action endpoint: it takes the JSON body, runs what the page's button
+#: runs, and says what changed.
+Action = Callable[["_Settings", "_Table", Mapping[str, Any]], dict[str, Any]]
+View = Callable[..., Response]
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    """What a module that adds endpoints to the API is given: the settings, the router
+    (``route(rule, method)``: a wrong method a typed 405), the table of a URL (a typed
+    404), whether actions are allowed."""
+
+    settings: _Settings
+    route: Callable[[str, str], Callable[[View], View]]
+    entry_of: Callable[[str], _Table]
+    writable: bool
+
+
+@dataclass(frozen=True)
+class ApiMore:
+    """What such a module adds: actions of the action endpoint (under its checks), and
+    the URLs and actions the index lists for a table."""
+
+    actions: Mapping[str, Action]
+    links: Callable[[_Table], dict[str, Any]]
+    offered: Callable[[_Table], list[str]]
+
+
+def api_blueprint(
+    settings: _Settings, *, actions: bool, more: Callable[[ApiContext], ApiMore] | None = None
+) -> Blueprint:
     """The API as a blueprint to nest in the dashboard's (``url_prefix="/api"``): it reads
     ``settings`` as the pages do; ``actions`` is ``api_actions`` (and ``settings.read_only``
-    still refuses them)."""
+    still refuses them); ``more`` adds the endpoints of :mod:`.api_more`."""
     api = Blueprint("api", __name__)
     writable = actions and not settings.read_only
 
-    def route(rule: str, method: str) -> Callable[[Callable[..., Response]], Callable[..., Response]]:
+    def route(rule: str, method: str) -> Callable[[View], View]:
         allowed = [method, "HEAD"] if method == "GET" else [method]
 
-        def register(view: Callable[..., Response]) -> Callable[..., Response]:
+        def register(view: View) -> View:
             @functools.wraps(view)
             def checked(**kwargs: Any) -> Response:
                 if request.method not in allowed:
@@ -135,11 +168,18 @@ def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
             _fail(404, "no_such_table", f"the dashboard shows no table {key!r}")
         return settings.tables[key]
 
+    added = more(ApiContext(settings, route, entry_of, writable)) if more is not None else None
+    verbs: dict[str, Action] = {**_ACTIONS, **(added.actions if added is not None else {})}
+
     @route("/", "GET")
     def index() -> Response:
+        def offered(entry: _Table) -> list[str]:
+            base = [verb for verb in _ACTIONS if verb != "cancel_workflow" or has_workflows(entry.qt.table)]
+            return base + (added.offered(entry) if added is not None else [])
+
         return _json({
             "read_only": not writable,
-            "overview": url_for(".overview"),
+            "overview": url_for(".overview") if added is not None else None,
             "csrf": url_for(".csrf") if writable else None,
             "tables": [
                 {
@@ -147,19 +187,12 @@ def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
                     "jobs": url_for(".jobs", table=key),
                     "dead": url_for(".dead", table=key),
                     "workers": url_for(".workers", table=key),
-                    "actions": [url_for(".action", table=key, verb=verb) for verb in _ACTIONS
-                                if verb != "cancel_workflow" or has_workflows(entry.qt.table)] if writable else [],
+                    **(added.links(entry) if added is not None else {}),
+                    "actions": [url_for(".action", table=key, verb=verb) for verb in offered(entry)]
+                    if writable else [],
                 }
                 for key, entry in settings.tables.items()
             ],
-        })
-
-    @route("/overview", "GET")
-    def overview() -> Response:
-        return _json({
-            "statuses": list(_STATUSES),
-            "minutes": _MINUTES,
-            "tables": [_table_overview(settings, entry) for entry in settings.tables.values()],
         })
 
     @route("/csrf", "GET")
@@ -301,9 +334,9 @@ def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
         if _has_nul(body):
             _fail(400, "bad_body", "a NUL character in the body")
         entry = entry_of(table)
-        run = _ACTIONS.get(verb)
+        run = verbs.get(verb)
         if run is None:
-            _fail(404, "no_such_action", f"no action {verb!r}: one of {', '.join(_ACTIONS)}")
+            _fail(404, "no_such_action", f"no action {verb!r}: one of {', '.join(verbs)}")
         return _json({"table": entry.key, "action": verb, **run(settings, entry, body)})
 
     def unknown(rest: str) -> Response:
@@ -313,47 +346,6 @@ def api_blueprint(settings: _Settings, *, actions: bool) -> Blueprint:
         api.add_url_rule("/<path:rest>", "unknown", unknown, methods=_METHODS, provide_automatic_options=False)
 
     return api
-
-
-#: The minutes of history the overview gives, per queue (as the page charts them).
-_MINUTES = 60
-
-
-def _table_overview(settings: _Settings, entry: _Table) -> dict[str, Any]:
-    """One table of the overview: the page's reads (:func:`sqla_queue.admin.queue_overview`,
-    its pauses, flow rules and queue limits), as plain values."""
-    engine = settings.engine
-    summaries = {s.queue: s for s in admin.queue_overview(engine, entry.model, minutes=_MINUTES)}
-    paused = admin.paused_queues(engine, entry.model)
-    limits = admin.queue_limits(engine, entry.model)
-    concurrency, rate = entry.queue_rules
-    queues = []
-    for name in sorted({*summaries, *paused, *limits}):
-        summary = summaries.get(name) or admin.QueueSummary(name, done=[0] * _MINUTES, failed=[0] * _MINUTES)
-        own = limits.get(name, (None, None))
-        queues.append({
-            "queue": name,
-            "counts": {status: summary.counts.get(status, 0) for status in _STATUSES},
-            "oldest_runnable_seconds": summary.oldest_runnable,
-            "paused_since": paused.get(name),
-            "limits": {"concurrency": own[0], "rate": own[1]},
-            "done_per_minute": summary.done,
-            "failed_per_minute": summary.failed,
-        })
-    return {
-        "table": entry.key,
-        "has_task": entry.has_task,
-        "pausable": entry.pausable,
-        "queue_rules": {
-            "concurrency": None if concurrency is None else concurrency.limit,
-            "rate": None if rate is None else {"limit": rate.limit, "seconds": rate.seconds},
-        },
-        "rules": [
-            {"rule": view.rule, "busiest": [{"key": key, "count": n} for key, n in view.busiest]}
-            for view in admin.flow_view(engine, entry.model)
-        ],
-        "queues": queues,
-    }
 
 
 _LIST_ARGUMENTS = ("queue", "status", "task", "error", "before", "limit")
@@ -519,7 +511,7 @@ def _requeue_matching(settings: _Settings, entry: _Table, body: Mapping[str, Any
     return {"requeued": count}
 
 
-def _pause_or_resume(pause: bool) -> Callable[[_Settings, _Table, Mapping[str, Any]], dict[str, Any]]:
+def _pause_or_resume(pause: bool) -> Action:
     def run(settings: _Settings, entry: _Table, body: Mapping[str, Any]) -> dict[str, Any]:
         if not entry.pausable:
             _fail(400, "not_pausable",
@@ -556,7 +548,7 @@ def _cancel_workflow(settings: _Settings, entry: _Table, body: Mapping[str, Any]
 
 
 #: Every action of the dashboard's action endpoint, by the name its form sends.
-_ACTIONS: dict[str, Callable[[_Settings, _Table, Mapping[str, Any]], dict[str, Any]]] = {
+_ACTIONS: dict[str, Action] = {
     "requeue": _requeue,
     "cancel": _cancel,
     "delete": _delete,

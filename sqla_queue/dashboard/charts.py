@@ -18,7 +18,7 @@ it back: when nothing changed the answer is an empty 304 and the page is left al
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from importlib import resources
@@ -32,7 +32,8 @@ from .activity import WINDOWS, ActivityView, Point, QueueActivity, Window, read_
 if TYPE_CHECKING:
     from . import _Settings, _Table
 
-__all__ = ["LIVE_CSP", "add_overview_views", "overview_page"]
+__all__ = ["LIVE_CSP", "STATUSES_NOW", "STATUSES_WINDOW", "Card", "add_overview_views", "overview_cards",
+           "overview_page"]
 
 #: The overview's policy: the dashboard's, plus its own script and its fetches of ``/live``.
 LIVE_CSP: Final = (
@@ -42,8 +43,9 @@ LIVE_CSP: Final = (
 #: Seconds between two refreshes: the choices the page offers, and the bounds of ``live``.
 LIVE_CHOICES: Final = (5, 30)
 LIVE_MIN, LIVE_MAX = 1, 600
-_STATUSES_NOW = ("pending", "running")
-_STATUSES_WINDOW = ("done", "failed", "cancelled")
+#: The counts of a card: the jobs in these statuses now, and those that finished in the window.
+STATUSES_NOW: Final = ("pending", "running")
+STATUSES_WINDOW: Final = ("done", "failed", "cancelled")
 _WIDTH, _HEIGHT = 380, 56
 _SCRIPT: Final = resources.files(__package__).joinpath("static", "live.js").read_text(encoding="utf-8")
 
@@ -113,8 +115,7 @@ def _overview(settings: _Settings, window: Window, *, parts: bool = False) -> di
     engine = settings.engine
     sections: list[tuple[Any, ...]] = []
     for table in settings.tables.values():
-        view = read_activity(engine, table.model, window)
-        cards = _cards(view, admin.queue_depth(engine, table.model))
+        view, cards = overview_cards(settings, table, window)
         if parts:
             sections.append((table, cards, {}, [], {}, view))
             continue
@@ -127,7 +128,17 @@ def _overview(settings: _Settings, window: Window, *, parts: bool = False) -> di
             view,
         ))
     return {"sections": sections, "window": window,
-            "statuses_now": _STATUSES_NOW, "statuses_window": _STATUSES_WINDOW, "live_id": _live_id}
+            "statuses_now": STATUSES_NOW, "statuses_window": STATUSES_WINDOW, "live_id": _live_id}
+
+
+def overview_cards(
+    settings: _Settings, table: _Table, window: Window, *, also: Collection[str] = ()
+) -> tuple[ActivityView, list[Card]]:
+    """One table's activity over ``window`` and its cards, one per queue with a job
+    pending or running or finished in the window, and one for each queue of ``also``:
+    what the overview shows (and the JSON API answers)."""
+    view = read_activity(settings.engine, table.model, window)
+    return view, _cards(view, admin.queue_depth(settings.engine, table.model), also)
 
 
 def _live_id(table: _Table, queue: str, part: str) -> list[str]:
@@ -135,7 +146,7 @@ def _live_id(table: _Table, queue: str, part: str) -> list[str]:
     return [table.key, queue, part]
 
 
-def _cards(view: ActivityView, depth: admin.QueueDepth) -> list[Card]:
+def _cards(view: ActivityView, depth: admin.QueueDepth, also: Collection[str] = ()) -> list[Card]:
     counts: dict[str, dict[str, int]] = {}
     oldest: dict[str, timedelta | None] = {}
     for count in depth.counts:
@@ -143,10 +154,10 @@ def _cards(view: ActivityView, depth: admin.QueueDepth) -> list[Card]:
         if count.oldest_runnable_seconds is not None:
             oldest[count.queue] = timedelta(seconds=count.oldest_runnable_seconds)
     cards = []
-    for name in sorted({*counts, *view.queues}):
+    for name in sorted({*counts, *view.queues, *also}):
         activity = view.queues.get(name) or _idle(view, name)
-        shown = {s: counts.get(name, {}).get(s, 0) for s in _STATUSES_NOW}
-        shown.update({s: activity.total(s) for s in _STATUSES_WINDOW})
+        shown = {s: counts.get(name, {}).get(s, 0) for s in STATUSES_NOW}
+        shown.update({s: activity.total(s) for s in STATUSES_WINDOW})
         cards.append(Card(name, shown, oldest.get(name), activity, _charts(activity.points, view)))
     return cards
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from . import _Settings, _Table
 
-__all__ = ["add_schedule_views"]
+__all__ = ["add_schedule_views", "scheduled_tables"]
 
 
 def add_schedule_views(
@@ -35,11 +35,7 @@ def add_schedule_views(
 ) -> None:
     """Register the schedules page and its actions on ``bp``. ``guard`` runs before
     every action: it refuses a read-only dashboard and a missing CSRF token."""
-    code = _code_schedules(settings, schedules)
-    shown = {key for key, table in settings.tables.items()
-             if code.get(key) or declared_schedules_table(table.qt.table) is not None}
-    for key in shown:  # declared, as a worker given these schedules declares it
-        schedules_table(settings.tables[key].model)
+    code, shown = scheduled_tables(settings, schedules)
 
     def entry_of(table: str) -> _Table:
         entry = settings.table(table)
@@ -123,6 +119,20 @@ def add_schedule_views(
         else:
             flash(f"schedule {view.name} was {'paused already' if verb == 'pause' else 'not paused'}", "ok")
         return redirect(url_for(".schedules", table=entry.key))
+
+
+def scheduled_tables(
+    settings: _Settings, schedules: Mapping[Any, Sequence[Schedule]] | None
+) -> tuple[dict[str, tuple[Schedule, ...] | None], set[str]]:
+    """The code's schedules of each table by key (None where not known), and the tables
+    that have a schedules page: those with schedules in the code or a declared watermark
+    table (declared now for the first, as a worker given these schedules declares it)."""
+    code = _code_schedules(settings, schedules)
+    shown = {key for key, table in settings.tables.items()
+             if code.get(key) or declared_schedules_table(table.qt.table) is not None}
+    for key in shown:
+        schedules_table(settings.tables[key].model)
+    return code, shown
 
 
 def _code_schedules(
