@@ -489,3 +489,41 @@ def test_a_job_whose_children_still_wait_is_never_deleted_pruned_or_archived(eng
         deleted = conn.execute(q.delete_jobs(StepTask, ids=[pending.id])).all()
         pruned = conn.execute(q.prune_finished(StepTask, older_than=0, statuses=["failed"])).rowcount
     assert [r[0] for r in deleted] == [pending.id] and pruned == 1
+
+
+# -- hostile parents: the release follows the parent's committed end, whatever its shape -----
+
+
+@tasks.task
+def shaped(job: Any, session: Session) -> str:
+    """Transactional, of the shape ``payload["shape"]``: a SAVEPOINT of its own, or a first
+    attempt that raises SystemExit or ConnectionError; every done attempt writes an effect."""
+    shape = job.payload["shape"]
+    if shape == "savepoint":
+        with session.begin_nested():
+            session.add(Effect(job_id=job.id, worker="parent", note="in a savepoint"))
+        return "ok"
+    if job.attempts == 1:
+        if shape == "exit":
+            raise SystemExit(3)
+        raise ConnectionError("the peer went away")
+    session.add(Effect(job_id=job.id, worker="parent", note=shape))
+    return "ok"
+
+
+@pytest.mark.parametrize("shape", ["savepoint", "exit", "connection"])
+def test_a_hostile_parent_releases_its_child_once_with_its_committed_end(
+    engine: Engine, start_worker: Callable[..., Any], shape: str
+) -> None:
+    flow = Workflow()
+    parent = flow.add(job("shaped", shape=shape))
+    child = flow.add(job("named", name="c"), after=[parent])
+    enqueued(engine, flow)
+    worker = start_worker(tasks, StepTask)
+    wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=30, what="the child done")
+    found = rows(engine, flow)
+    assert found[parent.id].status == "done"
+    assert found[parent.id].attempts == (1 if shape == "savepoint" else 2)
+    assert found[child.id].attempts == 1 and found[child.id].started_at >= found[parent.id].finished_at
+    assert [job_id for job_id, _ in effects(engine)] == [parent.id]  # the failed attempt wrote nothing
+    assert worker.stats.done == 2
