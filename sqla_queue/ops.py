@@ -738,12 +738,12 @@ class QueueOps:
     def _for(self, stmt: Statement, tokens: Sequence[ClaimToken]) -> Statement:
         """``stmt``, or for tokens all of jobs without children, its twin without the
         release; the tokens are forgotten either way (their attempt ends here)."""
-        twin = self._leaf_twins.get(id(stmt))
-        if twin is None:
-            return stmt
         leaves = self._leaves
-        chosen = twin if all(token in leaves for token in tokens) else stmt
-        for token in tokens:
+        if not leaves:  # a table without workflows, or none noted
+            return stmt
+        twin = self._leaf_twins.get(id(stmt))
+        chosen = twin if twin is not None and all(token in leaves for token in tokens) else stmt
+        for token in tokens:  # a snooze or a release (no twin) ends the attempt too
             leaves.discard(token)
         return chosen
 
