@@ -34,6 +34,15 @@ def claim(engine: Engine, owner: str, limit: int = 50, **options: Any) -> list[A
         return list(conn.execute(q.claim(RatedJob, owner=owner, limit=limit, **options)))
 
 
+def hold(engine: Engine, ids: list[int]) -> None:
+    """Move these jobs' starts an hour ahead, so their window cannot pass while the test
+    runs however slow the machine is (a start counts from its time on)."""
+    backdate(engine, ids, -HOUR)
+
+
+HOUR = 3600.0
+
+
 def backdate(engine: Engine, ids: list[int], seconds: float) -> None:
     """Move these jobs' starts ``seconds`` into the past (as if time had passed)."""
     with engine.begin() as conn:
@@ -65,18 +74,21 @@ def test_a_claim_takes_what_is_left_in_the_window(engine: Engine) -> None:
     add(engine, [{"account": "a"}] * 8 + [{"account": "b"}] * 2 + [{"account": None}] * 3)
     first = claim(engine, "w1")
     assert sorted((r.account or "-") for r in first) == ["-", "-", "-", "a", "a", "a", "a", "a", "b", "b"]
+    hold(engine, [r.id for r in first])
     assert claim(engine, "w2") == []  # a's five starts fill its half second
     # Finished, the jobs still count: a start is a start.
     with engine.begin() as conn:
         conn.execute(update(RATED).values(status="done", finished_at=func.now()).where(RATED.c.status == "running"))
     assert claim(engine, "w3") == []
-    backdate(engine, [r.id for r in first], 0.6)  # the half second went by
+    backdate(engine, [r.id for r in first], HOUR + 0.6)  # the half second went by
     assert [r.account for r in claim(engine, "w4")] == ["a"] * 3
 
 
 def test_the_per_queue_limit_holds_across_keys(engine: Engine) -> None:
     add(engine, [{"account": f"k{i}"} for i in range(30)])
-    assert len(claim(engine, "w1")) == 20
+    first = claim(engine, "w1")
+    assert len(first) == 20
+    hold(engine, [r.id for r in first])
     assert claim(engine, "w2") == []
 
 
@@ -84,10 +96,11 @@ def test_a_strict_limit_starts_no_job_again_within_its_period(engine: Engine) ->
     """A retry's start would replace its first in the count: it waits out the period."""
     (job_id,) = add(engine, [{"account": "a"}])
     (claimed,) = claim(engine, "w1")
+    hold(engine, [job_id])
     with engine.begin() as conn:  # failed at once, retried with no backoff
         conn.execute(update(RATED).where(RATED.c.id == job_id).values(status="pending", run_after=func.now()))
     assert claim(engine, "w2") == []
-    backdate(engine, [job_id], 0.6)
+    backdate(engine, [job_id], HOUR + 0.6)
     assert [r.id for r in claim(engine, "w3")] == [claimed.id]
 
 
