@@ -76,6 +76,19 @@ LOADS: dict[str, tuple[str, str]] = {
         "SELECT {n}, array(SELECT generate_series(1, {n} - 1)::bigint), {n} - 1, " + WAITING + ";"
         "SELECT setval(pg_get_serial_sequence('wf_flow_jobs', 'id'), {n})"
     )),
+    # The same parents' shape spread over 100 children (parent i into child i mod 100):
+    # the statements of "fan-in" without one row that every completion writes, so the
+    # ratio of the two is what sharing that row costs.
+    "fan-in x100": ("flow", (
+        "INSERT INTO wf_flow_jobs (id, child_ids) OVERRIDING SYSTEM VALUE "
+        "SELECT i, ARRAY[{n} - 100 + 1 + i % 100]::bigint[] FROM generate_series(1, {n} - 100) AS i;"
+        "INSERT INTO wf_flow_jobs (id, parent_ids, waiting_on, run_after) OVERRIDING SYSTEM VALUE "
+        "SELECT {n} - 100 + 1 + k, "
+        "array(SELECT i FROM generate_series(1, {n} - 100) AS i WHERE i % 100 = k)::bigint[], "
+        "(SELECT count(*) FROM generate_series(1, {n} - 100) AS i WHERE i % 100 = k), " + WAITING + " "
+        "FROM generate_series(0, 99) AS k;"
+        "SELECT setval(pg_get_serial_sequence('wf_flow_jobs', 'id'), {n})"
+    )),
     # One chain of n jobs: job i waits for job i - 1, so one runs at a time and each
     # start is a release's latency with the workers otherwise idle.
     "chain": ("flow", (
@@ -104,8 +117,10 @@ def _child(kind: str, url_text: str, concurrency: int, ready: Any, go: Any, stop
     ready.put(cpu)
 
 
-def drain(url: URL, load: str, jobs: int, processes: int) -> tuple[float, float]:
-    """Jobs/s and CPU µs per job of ``processes`` workers draining ``load`` of ``jobs``."""
+def drain(url: URL, load: str, jobs: int, processes: int) -> tuple[float, float, float]:
+    """Jobs/s and CPU µs per job of ``processes`` workers draining ``load`` of ``jobs``, and
+    how many of their connections waited for a lock, on average over the drain (sampled
+    from ``pg_stat_activity``): a completion waiting for another's row shows there."""
     kind, sql = LOADS[load]
     table = MODELS[kind].__tablename__
     with bench.raw_connect(url, autocommit=True) as conn:
@@ -126,12 +141,16 @@ def drain(url: URL, load: str, jobs: int, processes: int) -> tuple[float, float]
         with bench.raw_connect(url, autocommit=True) as watch:
             go.set()
             start = time.perf_counter()
+            samples = waiting = 0
             while True:
                 row = watch.execute(
-                    f"SELECT EXISTS (SELECT 1 FROM {table} WHERE status IN ('pending', 'running'))"
+                    f"SELECT EXISTS (SELECT 1 FROM {table} WHERE status IN ('pending', 'running')), "
+                    "(SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock')"
                 ).fetchone()
                 if not (row and row[0]):
                     break
+                samples, waiting = samples + 1, waiting + int(row[1])
                 if time.perf_counter() - start > 600 or any(p.exitcode is not None for p in procs):
                     raise RuntimeError(f"{load}: a process died or jobs are stuck")
                 time.sleep(0.005)
@@ -150,7 +169,7 @@ def drain(url: URL, load: str, jobs: int, processes: int) -> tuple[float, float]
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
-    return jobs / elapsed, cpu / jobs * 1e6
+    return jobs / elapsed, cpu / jobs * 1e6, waiting / max(samples, 1)
 
 
 def release_latencies(url: URL) -> list[float]:
@@ -175,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--chain", type=int, default=500, help="the chain's length (0: no latency measured)")
-    parser.add_argument("--loads", default="plain,no dependencies,fan-out,fan-in",
+    parser.add_argument("--loads", default="plain,no dependencies,fan-out,fan-in,fan-in x100",
                         help="which loads, comma-separated (plain is always one: the ratios' base)")
     args = parser.parse_args(argv)
     jobs, rounds, chain = (400, 1, 30) if args.quick else (args.jobs, args.rounds, args.chain)
@@ -186,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = tuple(dict.fromkeys(["plain", *chosen]))
     rates: dict[str, list[float]] = {k: [] for k in loads}
     cpus: dict[str, list[float]] = {k: [] for k in loads}
+    locks: dict[str, list[float]] = {k: [] for k in loads}
     ratios: dict[str, list[float]] = {k: [] for k in loads}
     latencies: list[float] = []
     with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
@@ -195,26 +215,30 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(rounds):
             order = loads if r % 2 == 0 else tuple(reversed(loads))
             for load in order:
-                rate, cpu = drain(url, load, jobs, args.processes)
+                rate, cpu, waiting = drain(url, load, jobs, args.processes)
                 rates[load].append(rate)
                 cpus[load].append(cpu)
-                bench.say(f"  round {r + 1} {load}: {rate:,.0f} jobs/s, {cpu:,.0f} µs CPU/job")
+                locks[load].append(waiting)
+                bench.say(f"  round {r + 1} {load}: {rate:,.0f} jobs/s, {cpu:,.0f} µs CPU/job, "
+                          f"{waiting:.2f} connections waiting for a lock")
             if chain:
                 drain(url, "chain", chain, args.processes)
                 latencies.extend(release_latencies(url))
             for load in loads:
                 ratios[load].append(rates[load][-1] / rates["plain"][-1])
     print(f"\n## Workflows: {jobs:,} jobs a load, {args.processes} worker process(es) x 4, {rounds} round(s)\n")
-    print("| load | jobs/s (median; range) | CPU µs/job (median) | ratio to plain (median of rounds) |")
-    print("|---|---:|---:|---:|")
+    print("| load | jobs/s (median; range) | CPU µs/job (median) | ratio to plain (median of rounds) "
+          "| connections waiting for a lock (mean) |")
+    print("|---|---:|---:|---:|---:|")
     labels = {
         "plain": "plain table", "no dependencies": "workflow table, no dependencies",
         "fan-out": f"fan-out 1 -> {jobs - 1:,}", "fan-in": f"fan-in {jobs - 1:,} -> 1",
+        "fan-in x100": f"fan-in {jobs - 100:,} -> 100 (parent i into child i mod 100)",
     }
     for load in loads:
         print(f"| {labels[load]} | {statistics.median(rates[load]):,.0f} "
               f"({min(rates[load]):,.0f}-{max(rates[load]):,.0f}) | {statistics.median(cpus[load]):,.0f} "
-              f"| {statistics.median(ratios[load]):.2f} |")
+              f"| {statistics.median(ratios[load]):.2f} | {statistics.median(locks[load]):.2f} |")
     if "no dependencies" in loads:
         print(f"\nno dependencies to plain: {statistics.median(ratios['no dependencies']):.2f} (target at least 0.97)")
     latencies.sort()

@@ -385,9 +385,10 @@ class WorkflowMixin:
             __tablename__ = "steps"
 
     A :class:`~sqla_queue.Workflow` enqueues jobs that wait for others. A waiting job is
-    ``pending`` with ``run_after`` at ``'infinity'`` (never claimable) and ``waiting_on``
-    counting its parents still to end; the statement that ends a parent counts it down in
-    the same transaction, and the one that takes it to zero makes it due. ``parent_ids``
+    ``pending`` with ``run_after`` at :data:`~sqla_queue.enqueue.workflow.WAITING_RUN_AFTER`
+    (never claimable) and ``waiting_on`` counting its parents still to end; the statement
+    that ends a parent counts it down in the same transaction, and the one that takes it
+    to zero makes it due. ``parent_ids``
     and ``child_ids`` are the edges (a parent's ``child_ids`` is cleared once counted, so
     no parent counts twice); ``workflow_id`` groups a workflow's jobs, and
     ``on_parent_failure`` is its policy (:data:`ON_PARENT_FAILURE`).
@@ -582,6 +583,13 @@ def _attach_schema_objects(table: Table) -> None:
             conv(constraint_name(name, "workflow_idx")),
             c.workflow_id,
             postgresql_where=c.workflow_id.is_not(None),
+        )
+        # Parents that ended while another transaction held one of their children, and
+        # left it to count down (see ``sql.settle_edges``): none most of the time.
+        Index(
+            conv(constraint_name(name, "edges_idx")),
+            *pk,
+            postgresql_where=c.child_ids.is_not(None) & c.finished_at.is_not(None),
         )
     unique = table.info.get(_UNIQUE_INFO_KEY)
     if isinstance(unique, UniqueJobs):

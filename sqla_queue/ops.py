@@ -221,6 +221,15 @@ class Operations(Protocol):
         buckets it recorded."""
 
     @property
+    def settles_edges(self) -> bool:
+        """Whether the table keeps workflows: its sweeper settles the children parents left
+        to count down (:func:`~sqla_queue.sql.settle_edges`)."""
+
+    def settle_edges(self, conn: DbConnection, *, limit: int) -> int:
+        """Count down, release or cancel the children that up to ``limit`` ended parents
+        left to count down; how many parents it settled."""
+
+    @property
     def after_per_queue(self) -> bool:
         """Whether that start is one key per queue served (several queues, each an index
         range of its own), else one key (under None)."""
@@ -478,6 +487,8 @@ class QueueOps:
             )
             if self.records_activity else None
         )
+        self.settles_edges = has_workflows(table)
+        self._settles: dict[int, Statement] = {}
         self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:
@@ -965,6 +976,13 @@ class QueueOps:
         for part in parts(len(tokens)):
             owned.update(cast(list[ClaimToken], conn.execute(self._owned, token_values(owner_prefix, tokens[part]))))
         return owned
+
+    def settle_edges(self, conn: DbConnection, *, limit: int) -> int:
+        """The children ended parents left to count down, counted (see ``sql.settle_edges``)."""
+        stmt = self._settles.get(limit)
+        if stmt is None:
+            stmt = self._settles[limit] = self.driver.compile(q.settle_edges(self.table, limit=limit))
+        return len(conn.execute(stmt, {}))
 
     def sweep(self, conn: DbConnection, *, limit: int) -> SweepResult:
         """Up to ``limit`` expired leases back to ``pending`` (isolated), or ``failed``

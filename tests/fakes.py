@@ -132,6 +132,12 @@ class FakeOps:
     def prune_workers(self, conn: Any, older_than: float) -> int:
         return 0
 
+    #: No workflows here: nothing is ever left to count down.
+    settles_edges: bool = False
+
+    def settle_edges(self, conn: Any, *, limit: int) -> int:
+        return 0
+
     #: The table has an activity table: the latest bucket recorded, per bucket width.
     records_activity: bool = False
     activity_marks: dict[int, datetime] = field(default_factory=dict)

@@ -935,10 +935,13 @@ def test_autogenerate_adds_the_columns_of_results_progress_history_and_workflows
     for column in WORKFLOW_COLUMNS:
         assert f"op.add_column('tasks', sa.Column('{column}'" in upgrade
     assert upgrade.count("op.add_column(") == 3 + len(WORKFLOW_COLUMNS)
-    index = next(line for line in upgrade.splitlines() if "create_index" in line)
-    assert "sq_ops.create_index_concurrently(" in index and "tasks_workflow_idx" in index, index
+    indexes = {line.split("op.f('")[1].split("'")[0]: line for line in upgrade.splitlines() if "create_index" in line}
+    assert set(indexes) == {"tasks_workflow_idx", "tasks_edges_idx"}, upgrade
+    assert all("sq_ops.create_index_concurrently(" in line for line in indexes.values()), indexes
+    index = indexes["tasks_workflow_idx"]
     assert "['workflow_id']" in index and "workflow_id IS NOT NULL" in index, index
-    assert upgrade.count("create_index") == 1
+    index = indexes["tasks_edges_idx"]
+    assert "['id']" in index and "child_ids IS NOT NULL AND finished_at IS NOT NULL" in index, index
     project.alembic("upgrade", "head")
     reference = new_database()
     project.create_all(reference)

@@ -211,7 +211,8 @@ def test_quick_workflows_run_prints_every_load_and_the_release_latency(server: S
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = ("| plain table |", "| workflow table, no dependencies |", "| fan-out 1 -> 399 |", "| fan-in 399 -> 1 |")
+    rows = ("| plain table |", "| workflow table, no dependencies |", "| fan-out 1 -> 399 |", "| fan-in 399 -> 1 |",
+            "| fan-in 300 -> 100 (parent i into child i mod 100) |")
     for row in rows:
         assert row in result.stdout, result.stdout
     assert "release latency, a parent's completion to its child's start (a chain of 30): p50" in result.stdout

@@ -5,10 +5,10 @@ a whole workflow. Workers of both runtimes, and the statements across connection
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import Engine, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -25,11 +25,13 @@ from sqla_queue import (
     parent_results,
 )
 from sqla_queue import sql as q
+from sqla_queue.control import SETTLE_PAYLOAD
 from sqla_queue.enqueue.workflow import WAITING_RUN_AFTER
+from sqla_queue.model import notify_channel
 from sqla_queue.sql import CASCADE_REASON
 
-from .helpers import table_of, wait_for
-from .models import Effect, StepJob, StepTask
+from .helpers import SENTINEL_CHANNEL, notifications_until_sentinel, table_of, wait_for
+from .models import Effect, StepJob, StepTask, Task
 from .test_ops import on_driver
 from .workers import async_engine_like
 from .workflow_app import tasks as app_tasks
@@ -96,6 +98,10 @@ def rows(engine: Engine, flow: Workflow) -> dict[int, Any]:
 def effects(engine: Engine) -> list[tuple[int, str]]:
     with engine.connect() as conn:
         return [(r.job_id, r.note) for r in conn.execute(select(EFFECTS).order_by(EFFECTS.c.id))]
+
+
+def _conninfo(engine: Engine) -> str:
+    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def enqueued(engine: Engine, flow: Workflow) -> Workflow:
@@ -228,9 +234,12 @@ def _end(engine: Engine, job_id: int, how: str) -> None:
 # -- exactly once, and only with the parent's commit ------------------------------------------
 
 
-def test_two_parents_ending_together_release_the_child_exactly_once(engine: Engine) -> None:
-    """Two completions in two transactions at once: the second waits on the child's row,
-    then counts from the first's committed count; one of them releases it."""
+def test_two_parents_ending_together_neither_waits_and_the_child_is_released_once(engine: Engine) -> None:
+    """Two completions in two transactions at once: the second does not wait for the
+    child's row the first holds (a lock wait fails the statement here); it ends its
+    parent and keeps the child in ``child_ids``, and its commit says so (NOTIFY). The
+    settle, after the first's commit, counts it: the child is released once, and a
+    second settle finds nothing."""
     flow = Workflow()
     parents = [flow.add(job("named", name=str(n))) for n in range(2)]
     child = flow.add(job("named", name="c"), after=parents)
@@ -238,37 +247,90 @@ def test_two_parents_ending_together_release_the_child_exactly_once(engine: Engi
     with engine.begin() as conn:
         claimed = conn.execute(q.claim(StepTask, owner="w", limit=2, lease=30)).all()
     tokens = {r.id: (r.id, r.attempts) for r in claimed}
-    first, second = engine.connect(), engine.connect()
-    try:
-        first.begin()
-        first.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[0].id]]))
-        second.begin()
-        done = threading.Event()
+    channel = notify_channel(STEPS)
+    with psycopg.connect(_conninfo(engine), autocommit=True) as listening:
+        listening.execute(f'LISTEN "{SENTINEL_CHANNEL}"')
+        listening.execute(f'LISTEN "{channel}"')
+        with engine.connect() as first, engine.connect() as second:
+            first.begin()
+            first.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[0].id]]))
+            second.begin()
+            second.execute(text("SET LOCAL lock_timeout = '2s'"))
+            ended = second.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[1].id]]))
+            assert len(ended.all()) == 1
+            second.commit()
+            owed = rows(engine, flow)
+            assert (owed[parents[1].id].status, owed[parents[1].id].child_ids) == ("done", [child.id])
+            assert owed[child.id].waiting_on == 2  # the first has not committed
+            assert (channel, SETTLE_PAYLOAD) in notifications_until_sentinel(listening, _conninfo(engine))
+            first.commit()
+    found = rows(engine, flow)
+    assert (found[child.id].waiting_on, found[child.id].run_after) == (1, WAITING_RUN_AFTER)
+    assert found[parents[0].id].child_ids is None
+    with engine.begin() as conn:
+        assert [r[0] for r in conn.execute(q.settle_edges(StepTask))] == [parents[1].id]
+    found = rows(engine, flow)
+    assert (found[child.id].waiting_on, found[child.id].status) == (0, "pending")
+    assert found[child.id].run_after < WAITING_RUN_AFTER and found[parents[1].id].child_ids is None
+    with engine.begin() as conn:
+        assert conn.execute(q.settle_edges(StepTask)).all() == []
+    assert rows(engine, flow)[child.id].run_after == found[child.id].run_after
 
-        def complete_second() -> None:
-            second.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[1].id]]))
-            done.set()
 
-        thread = threading.Thread(target=complete_second)
-        thread.start()
-        wait_for(lambda: _waiting_on_lock(engine), what="the second completion waiting on the child's row")
-        assert not done.is_set()
-        first.commit()
-        thread.join(10)
-        assert done.is_set()
-        second.commit()
-    finally:
-        first.close()
-        second.close()
+def test_a_settle_is_refused_a_limit_below_one_and_a_table_without_workflows() -> None:
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        q.settle_edges(StepTask, limit=0)
+    with pytest.raises(TypeError, match="keeps no workflows"):
+        q.settle_edges(Task)
+
+
+def test_settles_take_their_parents_in_batches_and_count_each_once(engine: Engine) -> None:
+    """Parents that ended owing a child, settled by several statements of a small
+    ``limit``: each takes parents no other took, and the child is released by the last."""
+    flow = Workflow()
+    parents = [flow.add(job("named", name=str(n))) for n in range(5)]
+    child = flow.add(job("named", name="c"), after=parents)
+    enqueued(engine, flow)
+    with engine.begin() as conn:
+        claimed = conn.execute(q.claim(StepTask, owner="w", limit=5, lease=30)).all()
+    with engine.connect() as holder:
+        holder.begin()
+        holder.execute(select(STEPS.c.id).where(STEPS.c.id == child.id).with_for_update())
+        with engine.begin() as conn:  # one statement, five parents, the child held: all owe it
+            done = conn.execute(q.complete_if_owner(StepTask, owner="w", tokens=[(r.id, r.attempts) for r in claimed]))
+            assert len(done.all()) == 5
+        holder.rollback()
+    settled: list[int] = []
+    for _ in range(3):
+        with engine.begin() as conn:
+            settled += [r[0] for r in conn.execute(q.settle_edges(StepTask, limit=2))]
+    assert sorted(settled) == sorted(p.id for p in parents)
     found = rows(engine, flow)[child.id]
     assert (found.waiting_on, found.status) == (0, "pending") and found.run_after < WAITING_RUN_AFTER
 
 
-def _waiting_on_lock(engine: Engine) -> bool:
-    with engine.connect() as conn:
-        return bool(conn.scalar(text(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )))
+@pytest.mark.parametrize("listen", [True, False], ids=["notified", "polled"])
+def test_a_fan_in_s_completions_never_wait_for_the_child(
+    engine: Engine, start_worker: Callable[..., Any], listen: bool
+) -> None:
+    """A transaction holds the child of a fan-in: the worker ends all its parents
+    meanwhile (none waits for the row), and once the holder lets go the child runs. With
+    a listener the commits' NOTIFY wakes the sweeper (its own interval is a minute);
+    without one, the sweeper's tick settles."""
+    flow = Workflow()
+    parents = [flow.add(job("named", name=str(n))) for n in range(12)]
+    child = flow.add(job("named", name="c"), after=parents)
+    enqueued(engine, flow)
+    with engine.connect() as holder:
+        holder.begin()
+        holder.execute(select(STEPS.c.id).where(STEPS.c.id == child.id).with_for_update())
+        start_worker(tasks, StepTask, concurrency=4, listen=listen, sweep_interval=60.0 if listen else 0.3)
+        wait_for(lambda: all(rows(engine, flow)[p.id].status == "done" for p in parents), timeout=20,
+                 what="every parent done while the child's row is held")
+        assert rows(engine, flow)[child.id].run_after == WAITING_RUN_AFTER
+        holder.rollback()
+    wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=20, what="the child done")
+    assert all(r.child_ids is None for r in rows(engine, flow).values())
 
 
 def test_a_completion_that_rolls_back_releases_nothing(engine: Engine) -> None:

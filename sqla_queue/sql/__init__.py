@@ -170,7 +170,7 @@ from ._unique import insert_unique, keeps_unique_key, unique_holder
 from ._workers import forget_worker, prune_workers, record_worker, worker_rows
 from ._workflows import CASCADE_REASON as CASCADE_REASON
 from ._workflows import for_leaves as for_leaves
-from ._workflows import parents_of, workflow_jobs
+from ._workflows import parents_of, settle_edges, workflow_jobs
 
 __all__ = [
     "Backoff",
@@ -251,6 +251,7 @@ __all__ = [
     "still_fresh",
     "sweep_expired",
     "parents_of",
+    "settle_edges",
     "workflow_jobs",
     "token_states",
     "unique_holder",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Select, select
+from sqlalchemy import CTE, Select, select
 from sqlalchemy.sql.dml import ReturningUpdate
 
 from ..model import QueueTable, result_column
@@ -24,18 +24,21 @@ __all__ = ["Finishing", "finished"]
 Finishing = ReturningUpdate[Any] | Select[Any]
 
 
-def finished(qt: QueueTable, update: ReturningUpdate[Any], *, failed_only: bool = False) -> Finishing:
+def finished(
+    qt: QueueTable, update: ReturningUpdate[Any], *, failed_only: bool = False, taken: CTE | None = None
+) -> Finishing:
     """``update`` as it is, or under a SELECT that returns the same columns and also
     NOTIFYs the finished ids and releases children (see the module's docstring).
     ``failed_only``: of the rows ``update`` returns, only those with status ``failed``
-    finished (a retry's); its RETURNING must then include ``status``."""
+    finished (a retry's); its RETURNING must then include ``status``. ``taken``: the
+    children it locked without waiting (:func:`~._workflows.children_taken`), which
+    ``update``'s SET cleared with :func:`~._workflows.edges_cleared`."""
     results = result_column(qt.table) is not None
     flows = releases(qt)
     if not results and not flows:
         return update
     if flows:
-        moved, writes = release_children(qt, update)
-        shown = list(moved.c)[:-2]  # without the status and policy it adds
+        moved, writes, shown = release_children(qt, update, taken)
     else:
         moved, writes = update.cte("sqla_queue_moved"), []
         shown = list(moved.c)

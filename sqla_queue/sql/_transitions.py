@@ -57,7 +57,7 @@ from ._claim import claim_template
 from ._finish import Finishing, finished
 from ._history import history_values
 from ._results import _progress_of, _stored_result, progress_extra, result_encoder
-from ._workflows import edges_cleared
+from ._workflows import children_taken, edges_cleared
 
 
 def complete_if_owner(
@@ -188,14 +188,15 @@ def _complete_many(
         values[column.key] = _stored_result(column, tokens.c[RESULTS_PARAM])
     values.update(_progress_of(qt, tokens))
     values.update(history_values(qt, "done"))
-    values.update(edges_cleared(qt, status_literal(DONE)))
+    taken = children_taken(qt, ids)
+    values.update(edges_cleared(qt, status_literal(DONE), taken))
     update = (
         qt.table.update()
         .where(_token_fence(qt, tokens, ids=ids), *_before_deadline(qt))
         .values(**values)
         .returning(qt.pk, tokens.c.attempt)
     )
-    return finished(qt, update)
+    return finished(qt, update, taken=taken)
 
 
 def complete_many_if_owner_then_claim(
@@ -241,6 +242,7 @@ def retry_many_if_owner(model: QueueModel) -> Finishing:
     tokens = _token_table(qt, (ERRORS_PARAM, "text"), (DELAYS_PARAM, "float"), *progress_extra(qt))
     exhausted = c.attempts >= c.max_attempts
     status = case((exhausted, status_literal(FAILED)), else_=status_literal(PENDING))
+    taken = children_taken(qt, _id_arrays(qt)[0])
     update = (
         qt.table.update()
         .where(_token_fence(qt, tokens))
@@ -257,11 +259,11 @@ def retry_many_if_owner(model: QueueModel) -> Finishing:
             isolated=false(),
             **_progress_of(qt, tokens),
             **history_values(qt, _retried(tokens.c[ERRORS_PARAM], exhausted), tokens.c[ERRORS_PARAM]),
-            **edges_cleared(qt, status),
+            **edges_cleared(qt, status, taken),
         )
         .returning(qt.pk, tokens.c.attempt, c.status)
     )
-    return finished(qt, update, failed_only=True)
+    return finished(qt, update, failed_only=True, taken=taken)
 
 
 def fail_many_if_owner(model: QueueModel) -> Finishing:
@@ -269,6 +271,7 @@ def fail_many_if_owner(model: QueueModel) -> Finishing:
     ATTEMPTS_PARAM, ERRORS_PARAM}``. Returns ``(pk, attempts)``."""
     qt = queue_table(model)
     tokens = _token_table(qt, (ERRORS_PARAM, "text"), *progress_extra(qt))
+    taken = children_taken(qt, _id_arrays(qt)[0])
     update = (
         qt.table.update()
         .where(_token_fence(qt, tokens))
@@ -279,11 +282,11 @@ def fail_many_if_owner(model: QueueModel) -> Finishing:
             lease_expires_at=null(),
             **_progress_of(qt, tokens),
             **history_values(qt, "failed", tokens.c[ERRORS_PARAM]),
-            **edges_cleared(qt, status_literal(FAILED)),
+            **edges_cleared(qt, status_literal(FAILED), taken),
         )
         .returning(qt.pk, tokens.c.attempt)
     )
-    return finished(qt, update)
+    return finished(qt, update, taken=taken)
 
 
 def snooze_if_owner(

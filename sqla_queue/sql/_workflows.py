@@ -3,15 +3,27 @@ ones it takes to zero, and applies the workflow's policy when the parent ended
 ``failed`` or ``cancelled``, all inside that statement (so in its transaction); and the
 reads and the cancel of a whole workflow.
 
-The count lives on each child (``waiting_on``), not on a row per workflow: a fan-in of
-many parents serialises only on the child's row, from each finishing statement's
-decrement to its commit. The row lock does the rest: two parents ending at the same
-moment lock the child in turn, the second re-reads the first's count (READ COMMITTED
-re-checks a row updated under it), and exactly one takes it to zero. A parent's
-transaction that rolls back takes its decrement with it. No parent counts twice: the
-statement that counts a parent clears its ``child_ids`` (read here from the statement's
-snapshot, as they were before). A parent held by the ``hold`` policy keeps them, so it
-counts when it is requeued and ends ``done``.
+The count lives on each child (``waiting_on``), not on a row per workflow. A parent is
+counted by the statement that clears its ``child_ids`` (read here from the statement's
+snapshot, as they were before), so no parent counts twice; a parent held by the ``hold``
+policy keeps them, and counts when it is requeued and ends ``done``. A transaction that
+rolls back takes its count with it.
+
+A fan-in's parents all write one child, and a row lock lasts until its transaction
+commits: were each completion to wait for the child, the completions would take turns,
+from one's statement to its commit. So the worker's statements (those given the keys
+they may end, ``taken``) lock their children with ``SKIP LOCKED``: a child another
+transaction holds is not waited for, and the parent keeps it in ``child_ids``, a debt.
+Its commit NOTIFYs the workers (:data:`~sqla_queue.control.SETTLE_PAYLOAD`), whose
+sweeper then runs :func:`settle_edges`: it takes such parents (an index of them, empty
+most of the time), waits for their children's rows, and counts them as the parent's
+statement would have. The child is released once, by whichever statement takes its
+count to zero, and only after every parent's commit: a debt is on a committed row. The
+sweeper's every tick settles debts too, so a lost NOTIFY costs a sweep interval at most.
+
+Statements without ``taken`` (the sweeper's expiry, cancels, :func:`settle_edges`) wait
+for the children's rows, in key order, so two of them wait for each other instead of
+deadlocking; a worker's statement never waits, so it never joins such a cycle.
 """
 
 from __future__ import annotations
@@ -25,17 +37,22 @@ from sqlalchemy import CTE, CompoundSelect, Select, String, and_, any_, case, fu
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import ColumnElement
 
+from ..control import SETTLE_PAYLOAD
 from ..model import WAKE_NONE, QueueTable, has_workflows, notify_channel, queue_table, status_literal, wake_mode
 from ._base import CANCELLED, DONE, FAILED, PENDING, QueueModel, _clock
 from ._notify import pg_notify
 
-__all__ = ["CASCADE_REASON", "edges_cleared", "for_leaves", "release_children", "releases", "workflow_jobs"]
+__all__ = [
+    "CASCADE_REASON", "children_taken", "edges_cleared", "for_leaves", "release_children", "releases",
+    "settle_edges", "workflow_jobs",
+]
 
 #: ``last_error`` of a job cancelled because a job above it ended failed or cancelled.
 CASCADE_REASON: Final = "cancelled: a job it waited for ended failed or cancelled (the workflow's policy is 'cancel')"
 #: The labels of the columns :func:`release_children` adds to a finishing UPDATE's RETURNING.
 NOW_LABEL: Final = "sqla_queue_now"
 POLICY_LABEL: Final = "sqla_queue_policy"
+DEBT_LABEL: Final = "sqla_queue_debt"
 
 
 _LEAVES: ContextVar[bool] = ContextVar("sqla_queue_leaves", default=False)
@@ -70,25 +87,57 @@ def _counts(status: ColumnElement[Any], policy: ColumnElement[Any]) -> ColumnEle
     return and_(_ended(status), or_(status == status_literal(DONE), policy != literal("hold", String())))
 
 
-def edges_cleared(qt: QueueTable, status: ColumnElement[Any]) -> dict[str, Any]:
+def children_taken(qt: QueueTable, targets: ColumnElement[Any]) -> CTE | None:
+    """The children of the jobs ``targets`` (an array of keys: those a worker's statement
+    may end) that no other transaction holds, locked for the statement (``SKIP LOCKED``:
+    see the module's docstring); None on a table whose finishing statements release
+    nothing now."""
+    if not releases(qt):
+        return None
+    key = qt.pk
+    parent = qt.table.alias("sqla_queue_target")
+    children = select(func.unnest(parent.c.child_ids)).where(parent.c[key.name] == any_(targets))
+    return (
+        select(key.label("id"))
+        .where(key == any_(_keys(qt, children)))
+        .order_by(key)
+        .with_for_update(skip_locked=True)
+        .cte("sqla_queue_taken")
+    )
+
+
+def edges_cleared(qt: QueueTable, status: ColumnElement[Any], taken: CTE | None = None) -> dict[str, Any]:
     """The SET of a finishing statement whose rows move to ``status``: the ``child_ids``
-    of each parent it is done with cleared (see the module's docstring); nothing on a
-    table without workflows."""
+    of each parent it is done with cleared, or with ``taken`` (:func:`children_taken`)
+    only of the children it took (see the module's docstring); nothing on a table
+    without workflows."""
     if not releases(qt):
         return {}
     c = qt.c
-    return {"child_ids": case((_counts(status, c.on_parent_failure), null()), else_=c.child_ids)}
+    if taken is None:
+        remaining: ColumnElement[Any] = null()
+    else:
+        child = func.unnest(c.child_ids).column_valued("sqla_queue_child")
+        kept = select(child).where(child.not_in(select(taken.c.id))).scalar_subquery()
+        remaining = func.nullif(func.array(kept, type_=c.child_ids.type), literal([], c.child_ids.type))
+    return {"child_ids": case((_counts(status, c.on_parent_failure), remaining), else_=c.child_ids)}
 
 
-def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
+def release_children(qt: QueueTable, update: Any, taken: CTE | None = None) -> tuple[Any, list[CTE], list[Any]]:
     """``update`` (a finishing UPDATE … RETURNING whose first column is the key) as the CTE
-    of the moved rows, and the data-modifying CTEs that count down, release and cancel
-    their children, to add to the statement that selects from it. The moved CTE has two
-    more columns than ``update`` returns, last: each row's new status and its policy."""
+    of the moved rows, the data-modifying CTEs that count down, release and cancel their
+    children, to add to the statement that selects from it, and the moved CTE's columns
+    that ``update`` returns (it has more, last: each row's new status and policy, and
+    with ``taken`` the NOTIFY of a debt)."""
     c = qt.c
-    moved = update.returning(c.status.label(NOW_LABEL), c.on_parent_failure.label(POLICY_LABEL)).cte(
-        "sqla_queue_moved"
-    )
+    extra = [c.status.label(NOW_LABEL), c.on_parent_failure.label(POLICY_LABEL)]
+    if taken is not None:
+        # RETURNING reads the new row: a parent it is done with that kept children owes them.
+        debt = and_(c.child_ids.is_not(None), _counts(c.status, c.on_parent_failure))
+        extra.append(case((debt, pg_notify(notify_channel(qt.table), literal(SETTLE_PAYLOAD))), else_=null())
+                     .label(DEBT_LABEL))
+    moved = update.returning(*extra).cte("sqla_queue_moved")
+    shown = list(moved.c)[:-len(extra)]
     key = qt.pk
     moved_key = next(iter(moved.c))
     now, policy = moved.c[NOW_LABEL], moved.c[POLICY_LABEL]
@@ -100,9 +149,12 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
         .where(_counts(now, policy))
         .cte("sqla_queue_edges")
     )
+    counting = [or_(edges.c.now == status_literal(DONE), edges.c.policy == literal("run", String()))]
+    if taken is not None:  # the other children stay owed
+        counting.append(edges.c.child.in_(select(taken.c.id)))
     counted = (
         select(edges.c.child, func.count().label("n"))
-        .where(or_(edges.c.now == status_literal(DONE), edges.c.policy == literal("run", String())))
+        .where(*counting)
         .group_by(edges.c.child)
         .cte("sqla_queue_counted")
     )
@@ -118,12 +170,12 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
             below.c[key.name] == doomed.c.id, below.c.status == status_literal(PENDING)
         )
     )
-    # The rows to write, locked in key order: two statements releasing the same children
-    # wait for each other instead of deadlocking. A row the statement moves itself (a
-    # cancel of a whole workflow) is not written twice.
-    # Found by the key from the few targets (an array, so an index scan whatever the
-    # planner guesses of the CTEs' sizes), locked in key order.
-    targets = select(counted.c.child).union(select(doomed.c.id))
+    # The rows to wait for and write, locked in key order: two statements that wait
+    # release the same children in turn instead of deadlocking. Found by the key from
+    # the few targets (an array, so an index scan whatever the planner guesses of the
+    # CTEs' sizes). A row the statement moves itself (a cancel of a whole workflow) is
+    # not written twice. With ``taken``, the children to count are locked already.
+    targets = select(doomed.c.id) if taken is not None else select(counted.c.child).union(select(doomed.c.id))
     locked = (
         select(key.label("id"))
         .where(key == any_(_keys(qt, targets)), key.not_in(select(moved_key)), c.status == status_literal(PENDING))
@@ -131,6 +183,7 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
         .with_for_update()
         .cte("sqla_queue_locked")
     )
+    counted_rows = taken if taken is not None else locked
     left = c.waiting_on - counted.c.n
     wake: list[Any] = []
     if wake_mode(qt.table) != WAKE_NONE:
@@ -139,9 +192,10 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
     released = (
         qt.table.update()
         .where(
-            key == any_(_keys(qt, select(locked.c.id))),
+            key == any_(_keys(qt, select(counted_rows.c.id))),
             key == counted.c.child,
             key.not_in(select(doomed.c.id)),
+            key.not_in(select(moved_key)),
             c.status == status_literal(PENDING),
             c.waiting_on > 0,
         )
@@ -165,7 +219,30 @@ def release_children(qt: QueueTable, update: Any) -> tuple[Any, list[CTE]]:
         .returning(key)
         .cte("sqla_queue_cascaded")
     )
-    return moved, [released, cascaded]
+    return moved, [released, cascaded], shown
+
+
+def settle_edges(model: QueueModel, *, limit: int = 1000) -> Select[Any]:
+    """Count down the children that parents ended without counting (another transaction
+    held the child's row then: see the module's docstring), as their statements would
+    have: release or cancel them. Takes up to ``limit`` such parents, skipping those
+    another settle holds, and waits for their children's rows. Returns the key of each
+    parent it settled. The worker's sweeper runs it when told, and on every tick."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    qt = queue_table(model)
+    _required(qt)
+    c = qt.c
+    owing = (
+        select(qt.pk)
+        .where(c.child_ids.is_not(None), c.finished_at.is_not(None), _counts(c.status, c.on_parent_failure))
+        .order_by(qt.pk)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    update = qt.table.update().where(qt.pk.in_(owing.scalar_subquery())).values(child_ids=null()).returning(qt.pk)
+    _, writes, shown = release_children(qt, update)
+    return select(*shown).add_cte(*writes)
 
 
 def no_waiting_children(qt: QueueTable) -> list[ColumnElement[bool]]:

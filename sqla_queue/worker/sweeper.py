@@ -1,4 +1,6 @@
-"""The sweeper: returns the jobs of dead workers (expired leases) to ``pending``.
+"""The sweeper: returns the jobs of dead workers (expired leases) to ``pending``, and on a
+table with workflows counts down the children that parents left to count down (a
+:class:`~sqla_queue.control.Settle` message wakes it for those at once).
 
 Swept jobs are marked ``isolated`` (their worker may have died running them) or
 dead-lettered when their attempts are used up. It wakes this worker's executors to look
@@ -51,7 +53,7 @@ class Sweeper(Service):
         self.channel = ctx.ops.channel
         self.link = Reconnecting(driver, "sqla_queue sweeper")
         self.lease = config.lease
-        self._activity_failed_at = float("-inf")
+        self._activity_failed_at = self._settle_failed_at = float("-inf")
 
     def tick(self) -> float | None:
         conn = self.link.connect()
@@ -62,6 +64,7 @@ class Sweeper(Service):
             queues = swept.queues
             if queues:
                 self.driver.notify(conn, self.channel, swept_payloads(queues))
+        settled = self._settle(conn) if self.ops.settles_edges else 0
         if self.ops.records_activity:
             self._record_activity(conn)
         if swept.total:
@@ -78,7 +81,24 @@ class Sweeper(Service):
             )
             self.producer.look_for_isolated()
             self.signal.wake()
-        return 0.0 if swept.total == SWEEP_LIMIT else None
+        return 0.0 if SWEEP_LIMIT in (swept.total, settled) else None
+
+    def _settle(self, conn: DbConnection) -> int:
+        """Count the children ended parents left to count down (see ``sql.settle_edges``).
+        It waits for their rows, so a transaction holding one can cut it short: never the
+        sweep's failure, and the next tick (or the next NOTIFY) settles them."""
+        try:
+            with self.driver.deadline(conn, SWEEP_DEADLINE):
+                settled = self.ops.settle_edges(conn, limit=SWEEP_LIMIT)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            now = time.monotonic()
+            if now - self._settle_failed_at > 60:
+                self._settle_failed_at = now
+                log.warning("sweeper: could not settle the children parents left to count down (%s)", exc)
+            return 0
+        if settled:
+            log.debug("sweeper: %d parent(s) counted down their children", settled)
+        return settled
 
     def _record_activity(self, conn: DbConnection) -> None:
         """The activity table's ended buckets. Never the sweep's failure: a bucket not
