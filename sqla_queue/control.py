@@ -7,10 +7,7 @@ may: see :data:`~sqla_queue.model.RESERVED_QUEUE_PREFIX`):
 - :class:`Swept` (``sqla_queue.swept:<queue>``): a sweeper returned jobs of that queue,
   isolated now;
 - :class:`Cancel` (``sqla_queue.cancel:<id>,<id>,...``): those jobs were cancelled; a
-  worker running one of them reads its row, and tells its handler;
-- :class:`Settle` (``sqla_queue.settle``): a parent ended while another transaction held
-  one of its children, and left that child to count down (see
-  :func:`~sqla_queue.sql.settle_edges`); a worker runs the sweeper's settle now.
+  worker running one of them reads its row, and tells its handler.
 
 A message is a hint, never an order: a worker acts on what the rows say. NOTIFY payloads
 are limited to 8000 bytes, so a cancel of many jobs sends several messages.
@@ -23,13 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 __all__ = [
-    "CANCEL_PREFIX", "SETTLE_PAYLOAD", "SWEPT_PREFIX", "Cancel", "Message", "Settle", "Swept", "Wake",
-    "cancel_payloads", "parse", "swept_payloads",
+    "CANCEL_PREFIX", "SWEPT_PREFIX", "Cancel", "Message", "Swept", "Wake", "cancel_payloads", "parse", "swept_payloads",
 ]
 
 SWEPT_PREFIX: Final = "sqla_queue.swept:"
 CANCEL_PREFIX: Final = "sqla_queue.cancel:"
-SETTLE_PAYLOAD: Final = "sqla_queue.settle"
 #: Bytes of ids per cancel message (PostgreSQL's payload limit is 8000).
 _MAX_IDS_BYTES: Final = 7000
 
@@ -55,20 +50,13 @@ class Cancel:
     ids: frozenset[str]
 
 
-@dataclass(frozen=True)
-class Settle:
-    """Parents ended leaving children to count down (sent by their commit)."""
-
-
-Message: TypeAlias = Wake | Swept | Cancel | Settle
+Message: TypeAlias = Wake | Swept | Cancel
 
 
 def parse(payload: str) -> Message | None:
     """The message a payload carries; None for a library message this version does not know."""
     if payload.startswith(SWEPT_PREFIX):
         return Swept(payload[len(SWEPT_PREFIX):])
-    if payload == SETTLE_PAYLOAD:
-        return Settle()
     if payload.startswith(CANCEL_PREFIX):
         return Cancel(frozenset(i for i in payload[len(CANCEL_PREFIX):].split(",") if i))
     if payload.startswith("sqla_queue."):

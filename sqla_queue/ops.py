@@ -229,6 +229,10 @@ class Operations(Protocol):
         """Count down, release or cancel the children that up to ``limit`` ended parents
         left to count down; how many parents it settled."""
 
+    def on_owed(self) -> None:
+        """Called after a commit that left children to count down (the worker wakes its
+        sweeper, which settles them)."""
+
     @property
     def after_per_queue(self) -> bool:
         """Whether that start is one key per queue served (several queues, each an index
@@ -327,6 +331,10 @@ class Operations(Protocol):
     ) -> bool:
         """The transactional completion, in the transaction ``sa`` (the handler's) is in."""
 
+    def committed(self, token: ClaimToken) -> None:
+        """The transaction of ``token``'s transactional completion committed: what the
+        completion left for after its commit (children to count) is asked for now."""
+
     def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
         """A handler's return value as the JSON text the completion stores (None: none),
         or :class:`~sqla_queue.ResultNotStorable`; ``limit``: the most characters."""
@@ -334,6 +342,10 @@ class Operations(Protocol):
     def progress_encoder(self, limit: int) -> Callable[[Any], str | None]:
         """A job's progress as the JSON text its beats and outcome store, or
         :class:`~sqla_queue.ResultNotStorable`; ``limit``: the most characters."""
+
+
+def _nothing() -> None:
+    pass
 
 
 def _seconds_between(start: Any, end: Any) -> float:
@@ -489,6 +501,11 @@ class QueueOps:
         )
         self.settles_edges = has_workflows(table)
         self._settles: dict[int, Statement] = {}
+        self.on_owed: Callable[[], None] = _nothing
+        #: The worker's finishing statements that return a last column of kept children
+        #: (see ``sql.children_taken``), by id; and the transactional completions that kept some.
+        self._owing: set[int] = set()
+        self._owed_in_transaction: set[ClaimToken] = set()
         self.claims_after = _integer_key(qt.pk) and not flow_rules(table)
         self.after_per_queue = self._cursor_queues is not None
         if self.claims_after:
@@ -535,6 +552,7 @@ class QueueOps:
                     self._leaf_twins[id(wrapped)] = compile_(leaf)
                 self._complete_one_leaf = q.complete_template(table, single=True)
             self._child_ids_index = list(table.c).index(table.c.child_ids)
+            self._owing = {id(self._done), id(self._retry), id(self._fail)}
         self._snooze = compile_(q.snooze_many_if_owner(table))
         self._release = {
             refund: compile_(q.release_many_if_owner(table, refund_attempt=refund)) for refund in (True, False)
@@ -701,11 +719,16 @@ class QueueOps:
         took = time.perf_counter() - began
         claimed: list[tuple[Any, ...] | RowError] = []
         keep = claimed.append
+        owed = False
+        kept = self._child_ids_index
         for row in rows:  # the last column tells a completed token's row from a claimed one
             if isinstance(row, RowError) or not row[-1]:
                 keep(row)
             else:
                 done[row[pk], row[attempt]] = "done"
+                owed = owed or (kept is not None and row[kept] is not None)
+        if owed:
+            self.on_owed()
         self._note(claimed, request, took)
         return cast(Moved, done), self._claimed(claimed, request.isolated)
 
@@ -859,6 +882,10 @@ class QueueOps:
             for name, per_token in (lists or {}).items():
                 values[name] = list(per_token[part])
             rows = conn.execute(stmt, values)
+            if id(stmt) in self._owing:
+                if any(row[-1] is not None for row in rows):
+                    self.on_owed()
+                rows = [row[:-1] for row in rows]
             if status is None:
                 moved.update({cast(ClaimToken, (row[0], row[1])): row[2] for row in rows})
             else:
@@ -885,7 +912,24 @@ class QueueOps:
             values[q.ONE_PROGRESS_PARAM] = progress
         leaf = token in self._leaves
         self._leaves.discard(token)
-        return sa.execute(self._complete_one_leaf if leaf else self._complete_one, values).first() is not None
+        row = sa.execute(self._complete_one_leaf if leaf else self._complete_one, values).first()
+        if row is None:
+            return False
+        if not leaf and self._child_ids_index is not None and row[-1] is not None:
+            if len(self._owed_in_transaction) >= self.LEAVES_KEPT:  # transactions that never committed
+                self._owed_in_transaction.clear()
+            self._owed_in_transaction.add(token)  # see committed()
+        return True
+
+    def committed(self, token: ClaimToken) -> None:
+        """After the handler's transaction committed: children its completion kept are
+        settled now (see ``on_owed``)."""
+        if self._owed_in_transaction:
+            try:
+                self._owed_in_transaction.remove(token)
+            except KeyError:
+                return
+            self.on_owed()
 
     def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
         """A handler's return value as the JSON text the completion stores (the engine's

@@ -138,6 +138,12 @@ class FakeOps:
     def settle_edges(self, conn: Any, *, limit: int) -> int:
         return 0
 
+    def on_owed(self) -> None:
+        pass
+
+    def committed(self, token: ClaimToken) -> None:
+        pass
+
     #: The table has an activity table: the latest bucket recorded, per bucket width.
     records_activity: bool = False
     activity_marks: dict[int, datetime] = field(default_factory=dict)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import pytest
 from sqlalchemy import Engine, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
@@ -25,12 +24,10 @@ from sqla_queue import (
     parent_results,
 )
 from sqla_queue import sql as q
-from sqla_queue.control import SETTLE_PAYLOAD
 from sqla_queue.enqueue.workflow import WAITING_RUN_AFTER
-from sqla_queue.model import notify_channel
 from sqla_queue.sql import CASCADE_REASON
 
-from .helpers import SENTINEL_CHANNEL, notifications_until_sentinel, table_of, wait_for
+from .helpers import table_of, wait_for
 from .models import Effect, StepJob, StepTask, Task
 from .test_ops import on_driver
 from .workers import async_engine_like
@@ -59,6 +56,12 @@ def gather(job: Any) -> dict[str, Any]:
 def counts(job: Any) -> dict[str, int]:
     with Session(_ENGINES[0]) as session:
         return parent_counts(session, StepTask, job.id)
+
+
+@tasks.task
+def in_transaction(job: Any, session: Session) -> str:
+    """Transactional: its completion runs in its session's transaction."""
+    return str(job.payload["name"])
 
 
 @tasks.task
@@ -98,10 +101,6 @@ def rows(engine: Engine, flow: Workflow) -> dict[int, Any]:
 def effects(engine: Engine) -> list[tuple[int, str]]:
     with engine.connect() as conn:
         return [(r.job_id, r.note) for r in conn.execute(select(EFFECTS).order_by(EFFECTS.c.id))]
-
-
-def _conninfo(engine: Engine) -> str:
-    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def enqueued(engine: Engine, flow: Workflow) -> Workflow:
@@ -237,7 +236,7 @@ def _end(engine: Engine, job_id: int, how: str) -> None:
 def test_two_parents_ending_together_neither_waits_and_the_child_is_released_once(engine: Engine) -> None:
     """Two completions in two transactions at once: the second does not wait for the
     child's row the first holds (a lock wait fails the statement here); it ends its
-    parent and keeps the child in ``child_ids``, and its commit says so (NOTIFY). The
+    parent, which keeps the child in ``child_ids``, and says so in its last column. The
     settle, after the first's commit, counts it: the child is released once, and a
     second settle finds nothing."""
     flow = Workflow()
@@ -247,23 +246,19 @@ def test_two_parents_ending_together_neither_waits_and_the_child_is_released_onc
     with engine.begin() as conn:
         claimed = conn.execute(q.claim(StepTask, owner="w", limit=2, lease=30)).all()
     tokens = {r.id: (r.id, r.attempts) for r in claimed}
-    channel = notify_channel(STEPS)
-    with psycopg.connect(_conninfo(engine), autocommit=True) as listening:
-        listening.execute(f'LISTEN "{SENTINEL_CHANNEL}"')
-        listening.execute(f'LISTEN "{channel}"')
-        with engine.connect() as first, engine.connect() as second:
-            first.begin()
-            first.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[0].id]]))
-            second.begin()
-            second.execute(text("SET LOCAL lock_timeout = '2s'"))
-            ended = second.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[1].id]]))
-            assert len(ended.all()) == 1
-            second.commit()
-            owed = rows(engine, flow)
-            assert (owed[parents[1].id].status, owed[parents[1].id].child_ids) == ("done", [child.id])
-            assert owed[child.id].waiting_on == 2  # the first has not committed
-            assert (channel, SETTLE_PAYLOAD) in notifications_until_sentinel(listening, _conninfo(engine))
-            first.commit()
+    with engine.connect() as first, engine.connect() as second:
+        first.begin()
+        (counted,) = first.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[0].id]])).all()
+        assert tuple(counted) == (*tokens[parents[0].id], None)  # it took the child: nothing kept
+        second.begin()
+        second.execute(text("SET LOCAL lock_timeout = '2s'"))
+        (kept,) = second.execute(q.complete_if_owner(StepTask, owner="w", tokens=[tokens[parents[1].id]])).all()
+        assert tuple(kept) == (*tokens[parents[1].id], [child.id])
+        second.commit()
+        owed = rows(engine, flow)
+        assert (owed[parents[1].id].status, owed[parents[1].id].child_ids) == ("done", [child.id])
+        assert owed[child.id].waiting_on == 2  # the first has not committed
+        first.commit()
     found = rows(engine, flow)
     assert (found[child.id].waiting_on, found[child.id].run_after) == (1, WAITING_RUN_AFTER)
     assert found[parents[0].id].child_ids is None
@@ -309,28 +304,49 @@ def test_settles_take_their_parents_in_batches_and_count_each_once(engine: Engin
     assert (found.waiting_on, found.status) == (0, "pending") and found.run_after < WAITING_RUN_AFTER
 
 
-@pytest.mark.parametrize("listen", [True, False], ids=["notified", "polled"])
+@pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])
 def test_a_fan_in_s_completions_never_wait_for_the_child(
-    engine: Engine, start_worker: Callable[..., Any], listen: bool
+    engine: Engine, start_worker: Callable[..., Any], transactional: bool
 ) -> None:
     """A transaction holds the child of a fan-in: the worker ends all its parents
-    meanwhile (none waits for the row), and once the holder lets go the child runs. With
-    a listener the commits' NOTIFY wakes the sweeper (its own interval is a minute);
-    without one, the sweeper's tick settles."""
+    meanwhile (none waits for the row; their handlers plain, or transactional), and once
+    the holder lets go the child runs, settled at once by the worker that completed the
+    parents (its sweeper's own interval is a minute)."""
     flow = Workflow()
-    parents = [flow.add(job("named", name=str(n))) for n in range(12)]
+    task = "in_transaction" if transactional else "named"
+    parents = [flow.add(job(task, name=str(n))) for n in range(12)]
     child = flow.add(job("named", name="c"), after=parents)
     enqueued(engine, flow)
     with engine.connect() as holder:
         holder.begin()
         holder.execute(select(STEPS.c.id).where(STEPS.c.id == child.id).with_for_update())
-        start_worker(tasks, StepTask, concurrency=4, listen=listen, sweep_interval=60.0 if listen else 0.3)
+        start_worker(tasks, StepTask, concurrency=4, sweep_interval=60.0)
         wait_for(lambda: all(rows(engine, flow)[p.id].status == "done" for p in parents), timeout=20,
                  what="every parent done while the child's row is held")
         assert rows(engine, flow)[child.id].run_after == WAITING_RUN_AFTER
         holder.rollback()
     wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=20, what="the child done")
     assert all(r.child_ids is None for r in rows(engine, flow).values())
+
+
+def test_a_sweeper_tick_settles_what_a_worker_left(engine: Engine, start_worker: Callable[..., Any]) -> None:
+    """Children a parent kept, found by any worker's sweeper on its tick (the worker that
+    ended the parent died before it could settle them: here, a statement run by hand)."""
+    flow = Workflow()
+    parents = [flow.add(job("named", name=str(n))) for n in range(3)]
+    child = flow.add(job("named", name="c"), after=parents)
+    enqueued(engine, flow)
+    with engine.begin() as conn:
+        claimed = conn.execute(q.claim(StepTask, owner="gone", limit=3, lease=30)).all()
+    with engine.connect() as holder:
+        holder.begin()
+        holder.execute(select(STEPS.c.id).where(STEPS.c.id == child.id).with_for_update())
+        with engine.begin() as conn:
+            conn.execute(q.complete_if_owner(StepTask, owner="gone", tokens=[(r.id, r.attempts) for r in claimed]))
+        holder.rollback()
+    assert rows(engine, flow)[child.id].run_after == WAITING_RUN_AFTER
+    start_worker(tasks, StepTask, sweep_interval=0.3)
+    wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=20, what="the child done")
 
 
 def test_a_completion_that_rolls_back_releases_nothing(engine: Engine) -> None:

@@ -164,7 +164,10 @@ def complete_many_if_owner(model: QueueModel) -> Finishing:
     """``done`` for every token still running under its owner and attempt:
     ``{OWNER_PARAM, IDS_PARAM, ATTEMPTS_PARAM}``, and on a table that keeps results
     ``RESULTS_PARAM`` (each token's result as JSON text, or NULL); returns ``(pk,
-    attempts)`` of each."""
+    attempts)`` of each. On a table with workflows, a last column: the children each
+    job kept to count, held by another transaction then (NULL: none), for
+    :func:`~sqla_queue.sql.settle_edges` after the commit; so with
+    :func:`retry_many_if_owner` and :func:`fail_many_if_owner`."""
     qt = queue_table(model)
     return _complete_many(qt, *_id_arrays(qt))
 
@@ -211,7 +214,8 @@ def complete_many_if_owner_then_claim(
     """:func:`complete_many_if_owner` and :func:`claim_template` in one statement, one
     transaction: the parameters of both (one owner), and rows of every table column plus
     a last one, ``sqla_queue_done``: false for each job claimed, true for each token
-    completed (its key and attempt in their columns, NULL elsewhere).
+    completed (its key and attempt in their columns, on a table with workflows the
+    children it kept in ``child_ids``, NULL elsewhere).
 
     The two updates touch disjoint rows (running ones, pending ones) and see the same
     snapshot, so neither needs the other's effect.
@@ -221,12 +225,14 @@ def complete_many_if_owner_then_claim(
     claimed = claim_template(
         model, queues=queues, isolated=isolated, skip=skip, fresh=fresh, after=after
     ).cte("sqla_queue_claimed")
-    done_pk, done_attempt = list(done.c)
+    done_pk, done_attempt, *done_kept = list(done.c)
     flag = DONE_FLAG_COLUMN
-    completed_columns = [
-        done_pk if column is qt.pk else done_attempt if column is qt.c.attempts else null()
-        for column in qt.table.c
-    ]
+    # A completed token's row: its key and attempt, and on a table with workflows the
+    # children it kept to count (see complete_many_if_owner) in child_ids; NULL elsewhere.
+    given = {id(qt.pk): done_pk, id(qt.c.attempts): done_attempt}
+    if done_kept:
+        given[id(qt.c.child_ids)] = done_kept[0]
+    completed_columns = [given.get(id(column), null()) for column in qt.table.c]
     return union_all(
         select(*claimed.c, false().label(flag)),
         select(*completed_columns, true().label(flag)),

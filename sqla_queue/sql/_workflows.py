@@ -13,13 +13,16 @@ A fan-in's parents all write one child, and a row lock lasts until its transacti
 commits: were each completion to wait for the child, the completions would take turns,
 from one's statement to its commit. So the worker's statements (those given the keys
 they may end, ``taken``) lock their children with ``SKIP LOCKED``: a child another
-transaction holds is not waited for, and the parent keeps it in ``child_ids``, a debt.
-Its commit NOTIFYs the workers (:data:`~sqla_queue.control.SETTLE_PAYLOAD`), whose
-sweeper then runs :func:`settle_edges`: it takes such parents (an index of them, empty
-most of the time), waits for their children's rows, and counts them as the parent's
-statement would have. The child is released once, by whichever statement takes its
-count to zero, and only after every parent's commit: a debt is on a committed row. The
-sweeper's every tick settles debts too, so a lost NOTIFY costs a sweep interval at most.
+transaction holds is not waited for, and the parent keeps it in ``child_ids``, a debt,
+which the statement returns (a last column, ``child_ids``: what each row kept). After
+the commit, the worker has its sweeper run :func:`settle_edges`: it takes such parents
+(an index of them, empty most of the time), waits for their children's rows, and counts
+them as the parent's statement would have. The child is released once, by whichever
+statement takes its count to zero, and only after every parent's commit: a debt is on a
+committed row. Every sweeper tick settles too, so a worker that died between its commit
+and the settle costs a sweep interval at most. (Not a NOTIFY: a transaction that
+notifies takes a lock held through its commit, one per database, so the commits of a
+fan-in would take turns on it instead.)
 
 Statements without ``taken`` (the sweeper's expiry, cancels, :func:`settle_edges`) wait
 for the children's rows, in key order, so two of them wait for each other instead of
@@ -37,7 +40,6 @@ from sqlalchemy import CTE, CompoundSelect, Select, String, and_, any_, case, fu
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..control import SETTLE_PAYLOAD
 from ..model import WAKE_NONE, QueueTable, has_workflows, notify_channel, queue_table, status_literal, wake_mode
 from ._base import CANCELLED, DONE, FAILED, PENDING, QueueModel, _clock
 from ._notify import pg_notify
@@ -52,7 +54,8 @@ CASCADE_REASON: Final = "cancelled: a job it waited for ended failed or cancelle
 #: The labels of the columns :func:`release_children` adds to a finishing UPDATE's RETURNING.
 NOW_LABEL: Final = "sqla_queue_now"
 POLICY_LABEL: Final = "sqla_queue_policy"
-DEBT_LABEL: Final = "sqla_queue_debt"
+#: The label of the column a worker's finishing statement adds, last: each row's kept children.
+KEPT_LABEL: Final = "sqla_queue_kept"
 
 
 _LEAVES: ContextVar[bool] = ContextVar("sqla_queue_leaves", default=False)
@@ -126,18 +129,19 @@ def edges_cleared(qt: QueueTable, status: ColumnElement[Any], taken: CTE | None 
 def release_children(qt: QueueTable, update: Any, taken: CTE | None = None) -> tuple[Any, list[CTE], list[Any]]:
     """``update`` (a finishing UPDATE … RETURNING whose first column is the key) as the CTE
     of the moved rows, the data-modifying CTEs that count down, release and cancel their
-    children, to add to the statement that selects from it, and the moved CTE's columns
-    that ``update`` returns (it has more, last: each row's new status and policy, and
-    with ``taken`` the NOTIFY of a debt)."""
+    children, to add to the statement that selects from it, and the columns to select:
+    those ``update`` returns, and with ``taken`` one more, each row's kept children
+    (NULL: none; see the module's docstring)."""
     c = qt.c
-    extra = [c.status.label(NOW_LABEL), c.on_parent_failure.label(POLICY_LABEL)]
+    kept: list[Any] = []
     if taken is not None:
         # RETURNING reads the new row: a parent it is done with that kept children owes them.
-        debt = and_(c.child_ids.is_not(None), _counts(c.status, c.on_parent_failure))
-        extra.append(case((debt, pg_notify(notify_channel(qt.table), literal(SETTLE_PAYLOAD))), else_=null())
-                     .label(DEBT_LABEL))
-    moved = update.returning(*extra).cte("sqla_queue_moved")
-    shown = list(moved.c)[:-len(extra)]
+        owes = and_(c.child_ids.is_not(None), _counts(c.status, c.on_parent_failure))
+        kept = [case((owes, c.child_ids), else_=null()).label(KEPT_LABEL)]
+    moved = update.returning(*kept, c.status.label(NOW_LABEL), c.on_parent_failure.label(POLICY_LABEL)).cte(
+        "sqla_queue_moved"
+    )
+    shown = list(moved.c)[:-2]
     key = qt.pk
     moved_key = next(iter(moved.c))
     now, policy = moved.c[NOW_LABEL], moved.c[POLICY_LABEL]

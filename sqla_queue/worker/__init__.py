@@ -189,10 +189,9 @@ class Worker:
         self.watchdog = Watchdog(ctx)
         executor.watchdog = self.watchdog
         self.sweeper = Sweeper(ctx, self._producer) if cfg.sweep_interval > 0 else None
-        self.listener = Listener(
-            ctx, on_swept=self._producer.look_for_isolated,
-            on_settle=self.sweeper.wake if self.sweeper is not None and ops.settles_edges else None,
-        ) if cfg.listen else None
+        self.listener = Listener(ctx, on_swept=self._producer.look_for_isolated) if cfg.listen else None
+        if self.sweeper is not None and ops.settles_edges:
+            ops.on_owed = self.sweeper.wake  # children left to count: settle them now
         schedules = self.schedules
         self.scheduler = (
             Scheduler(ctx, ScheduleOps(self._qt.mapped_class, enqueue_values), schedules)

@@ -344,6 +344,7 @@ class Executor:
                         return Outcome(held, Kind.LOST)
                     trans.commit()
                     committed = True
+                    self.ops.committed(held.token)
             except Exception as exc:  # noqa: BLE001
                 if self.driver.is_connection_error(exc):
                     # The commit may or may not have landed (a failover, a cut link). The

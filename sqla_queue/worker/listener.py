@@ -1,5 +1,4 @@
-"""LISTEN for committed jobs and wake an idle executor; learn of cancelled jobs, and of
-children left to count down (the sweeper settles them).
+"""LISTEN for committed jobs and wake an idle executor; learn of cancelled jobs.
 
 The listener holds one dedicated autocommit connection (a connection idle in a
 transaction receives nothing). NOTIFY is not durable: notifications sent while the
@@ -12,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..control import Cancel, Settle, Swept, Wake, parse
+from ..control import Cancel, Swept, Wake, parse
 from ..driver import DbConnection
 from .context import WorkerContext
 from .service import Reconnecting, Service
@@ -31,8 +30,7 @@ class Listener(Service):
     link: Reconnecting
 
     def __init__(
-        self, ctx: WorkerContext, *, timeout: float = 0.25, on_swept: Callable[[], None] | None = None,
-        on_settle: Callable[[], None] | None = None,
+        self, ctx: WorkerContext, *, timeout: float = 0.25, on_swept: Callable[[], None] | None = None
     ) -> None:
         driver, queues = ctx.driver, ctx.config.queues
         super().__init__(0.0, reconnect_backoff=ctx.config.reconnect_backoff, runtime=driver.runtime)
@@ -45,8 +43,6 @@ class Listener(Service):
         self.timeout = timeout
         #: Called when a sweeper says it returned jobs of these queues (isolated now).
         self.on_swept = on_swept
-        #: Called when a commit left children to count down (:class:`~sqla_queue.control.Settle`).
-        self.on_settle = on_settle
         self.link = Reconnecting(driver, "sqla_queue listener", listen=channel)
 
     @property
@@ -61,15 +57,13 @@ class Listener(Service):
             if self.link.connections > 1:
                 log.info("listener: reconnected; polling once for jobs sent meanwhile")
             self.signal.wake()  # jobs committed while we were not listening
-            if self.on_settle is not None:
-                self.on_settle()  # and children left to count down
             self._hear_cancels(conn, None)  # and cancels: their NOTIFYs were lost too
         payloads = self.driver.notifies(conn, self.timeout)
         if not payloads:
             return 0.0
         messages = [parse(p) for p in payloads]
         woken = 0
-        swept = settle = False
+        swept = False
         cancelled: set[str] = set()
         for message in messages:
             if isinstance(message, Wake):
@@ -78,10 +72,6 @@ class Listener(Service):
                 swept = swept or self.queues is None or message.queue in self.queues
             elif isinstance(message, Cancel):
                 cancelled |= message.ids
-            elif isinstance(message, Settle):
-                settle = True
-        if settle and self.on_settle is not None:
-            self.on_settle()
         if swept and self.on_swept is not None:
             self.on_swept()
         if woken:
