@@ -94,7 +94,7 @@ def sweep(engine: Engine, model: Any, *, limit: int = 1000) -> tuple[int, int]:
     back = dead = 0
     while True:
         with engine.begin() as conn:
-            rows: list[Any] = list(conn.execute(q.sweep_expired(model, limit=limit)).all())
+            rows: list[Any] = list(conn.execute(q.sweep_expired(model, limit=limit), q.wake_values(model, conn)).all())
         dead += sum(1 for row in rows if row[1] == "failed")
         back += sum(1 for row in rows if row[1] != "failed")
         if len(rows) < limit:

@@ -93,7 +93,7 @@ def run_bulk(
     done = batches = 0
     while True:
         with engine.begin() as conn:
-            rows = conn.execute(builder(model, **kwargs, before=before)).all()
+            rows = conn.execute(builder(model, **kwargs, before=before), q.wake_values(model, conn)).all()
             if action == "cancel":
                 tell_cancelled(conn, model, rows)
         batches += 1

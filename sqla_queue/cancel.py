@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from .control import cancel_payloads
 from .model import JobStatus, has_workflows, notify_channel, queue_table
-from .sql import _queue_names, cancel_jobs
+from .sql import _queue_names, cancel_jobs, wake_values
 from .sql._notify import pg_notify
 
 __all__ = ["cancel"]
@@ -97,7 +97,7 @@ def request_cancel(
     if ids is not None and not ids:
         return []
     stmt = cancel_jobs(model, ids=ids, queues=queues, workflow_id=workflow)
-    return tell_cancelled(bind, model, list(bind.execute(stmt).all()))
+    return tell_cancelled(bind, model, list(bind.execute(stmt, wake_values(model, bind)).all()))
 
 
 def tell_cancelled(bind: Session | Connection, model: Any, rows: Sequence[Any]) -> list[Any]:

@@ -15,6 +15,7 @@ tuple per row, the values of a statement built as one dict per call.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -458,7 +459,7 @@ class QueueOps:
                 named = dict(task_timeouts or {})
                 self._timeouts[q.TASK_NAMES_PARAM] = list(named)
                 self._timeouts[q.TASK_TIMEOUTS_PARAM] = [float(v) for v in named.values()]
-        compile_ = driver.compile
+        compile_ = self._compile
         # Every claim is guarded (fresh=True): one its caller gave up on (the deadline
         # dropped its connection) claims nothing if the server runs it later.
         self._claims: dict[bool, tuple[Statement, Statement]] = {
@@ -906,6 +907,8 @@ class QueueOps:
         ``result``, its JSON text, on a table that keeps results). False when the lease
         was lost: roll back."""
         values = {q.OWNER_PARAM: owner, q.JOB_PARAM: token[0], q.ATTEMPT_PARAM: token[1]}
+        if self._child_ids_index is not None:
+            values[q.CHANNEL_PARAM] = self.channel
         if self.stores_results:
             values[q.RESULT_PARAM] = result
         if self.stores_progress:
@@ -1021,11 +1024,19 @@ class QueueOps:
             owned.update(cast(list[ClaimToken], conn.execute(self._owned, token_values(owner_prefix, tokens[part]))))
         return owned
 
+    def _compile(self, stmt: Any) -> Statement:
+        """``stmt`` compiled by the driver, waking this worker's channel (see
+        ``sql.CHANNEL_PARAM``) if it wakes any."""
+        compiled = self.driver.compile(stmt)
+        if compiled.defaults.get(q.CHANNEL_PARAM, self.channel) == self.channel:
+            return compiled
+        return dataclasses.replace(compiled, defaults={**compiled.defaults, q.CHANNEL_PARAM: self.channel})
+
     def settle_edges(self, conn: DbConnection, *, limit: int) -> int:
         """The children ended parents left to count down, counted (see ``sql.settle_edges``)."""
         stmt = self._settles.get(limit)
         if stmt is None:
-            stmt = self._settles[limit] = self.driver.compile(q.settle_edges(self.table, limit=limit))
+            stmt = self._settles[limit] = self._compile(q.settle_edges(self.table, limit=limit))
         return len(conn.execute(stmt, {}))
 
     def sweep(self, conn: DbConnection, *, limit: int) -> SweepResult:
@@ -1033,7 +1044,7 @@ class QueueOps:
         when their attempts are used up."""
         stmt = self._sweeps.get(limit)
         if stmt is None:
-            stmt = self._sweeps[limit] = self.driver.compile(q.sweep_expired(self.table, limit=limit))
+            stmt = self._sweeps[limit] = self._compile(q.sweep_expired(self.table, limit=limit))
         rows = conn.execute(stmt, {})
         return SweepResult(
             len(rows),
@@ -1059,7 +1070,7 @@ class QueueOps:
                 stmt = q.claim_candidates(model, queues=queues, isolated=isolated)
             else:
                 stmt = q.claim_template(model, queues=queues, isolated=isolated, by_key=True, fresh=True)
-            found = self._rare[(kind, isolated)] = self.driver.compile(stmt)
+            found = self._rare[(kind, isolated)] = self._compile(stmt)
         return found
 
 

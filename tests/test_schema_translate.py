@@ -13,15 +13,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, func, insert, text
+from sqlalchemy import Engine, func, insert, select, text
 from sqlalchemy.orm import Session
 
-from sqla_queue import QueueSession, WorkerStartError, enqueue_values, pause
+from sqla_queue import QueueSession, WorkerStartError, Workflow, enqueue_values, enqueue_workflow, pause
 from sqla_queue import sql as q
 from sqla_queue.model import notify_channel
 
-from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, wait_for
-from .models import TASK_QUEUES, Task
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, wait_for
+from .models import TASK_QUEUES, StepJob, Task
 from .workers import FAST, TASKS
 
 TENANTS = ("tenant_a", "tenant_b")
@@ -212,3 +212,60 @@ def test_cursor_claims_read_the_tenants_table(tenants: Engine, queues: tuple[str
         assert tokens_of(on(lambda conn: ops.fetch_claimed(conn, request))) == [(k, 1) for k in later]
     for schema in (None, "tenant_b"):
         assert {r.status for r in rows_in(tenants, schema)} == {"pending"}
+
+
+def test_a_released_child_wakes_the_workers_of_its_tenant(tenants: Engine, make_worker: Any) -> None:
+    """A workflow in ``tenant_a``, its parent in queue ``p`` and its child in ``c``: the
+    worker of ``p`` ends the parent, whose statement releases the child and NOTIFYs the
+    channel of ``tenant_a``'s table, where the worker of ``c`` listens (its poll is a
+    minute, so only that wake-up runs the child in time)."""
+    a = tenant(tenants, "tenant_a")
+    steps = table_of(StepJob)
+    steps.create(a)
+    flow = Workflow()
+    parent = flow.add(StepJob(), queue="p")
+    child = flow.add(StepJob(), after=[parent], queue="c")
+    quiet = {"poll_interval": 60.0, "sweep_interval": 60.0}
+    workers = [make_worker(a, StepJob, lambda job: None, queues=(name,), **quiet) for name in ("c", "p")]
+    with Session(a, expire_on_commit=False) as session:
+        enqueue_workflow(session, flow)
+        session.commit()
+    workers[0].start()
+    wait_for(lambda: workers[0].listener.connections >= 1 and workers[0].idle, timeout=20,
+             what="the worker of c listening, and idle")
+    workers[1].start()
+    try:
+        wait_for(lambda: _status(a, child.id) == "done", timeout=20, what="the child run after its wake-up")
+        assert _status(a, parent.id) == "done"
+    finally:
+        for worker in workers:
+            worker.stop(grace=1)
+
+
+def test_wake_values_give_a_statement_run_by_hand_its_tenant_s_channel(tenants: Engine, server: Server) -> None:
+    a = tenant(tenants, "tenant_a")
+    steps = table_of(StepJob)
+    steps.create(a)
+    flow = Workflow()
+    parent = flow.add(StepJob(), queue="p")
+    flow.add(StepJob(), after=[parent], queue="c")
+    with Session(a, expire_on_commit=False) as session:
+        enqueue_workflow(session, flow)
+        session.commit()
+    assert q.wake_values(StepJob, a.connect()) == {q.CHANNEL_PARAM: notify_channel(steps, {None: "tenant_a"})}
+    assert q.wake_values(Task, a.connect()) == {}
+    with psycopg.connect(server.conninfo, autocommit=True) as listening:
+        listening.execute(f'LISTEN "{SENTINEL_CHANNEL}"')
+        listening.execute(f'LISTEN "{notify_channel(steps, {None: "tenant_a"})}"')
+        with a.begin() as conn:
+            (claimed,) = conn.execute(q.claim(StepJob, owner="me", queues=["p"])).all()
+            stmt = q.complete_if_owner(StepJob, owner="me", tokens=[(claimed.id, claimed.attempts)])
+            conn.execute(stmt, q.wake_values(StepJob, conn))
+        received = notifications_until_sentinel(listening, server.conninfo)
+    assert (notify_channel(steps, {None: "tenant_a"}), "c") in received
+
+
+def _status(engine: Engine, key: int) -> str:
+    steps = table_of(StepJob)
+    with engine.connect() as conn:
+        return str(conn.scalar(select(steps.c.status).where(steps.c.id == key)))

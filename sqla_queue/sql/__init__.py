@@ -76,6 +76,7 @@ from ._base import AFTER_RUN_AFTERS_PARAM as AFTER_RUN_AFTERS_PARAM
 from ._base import ATTEMPT_PARAM as ATTEMPT_PARAM
 from ._base import ATTEMPTS_PARAM as ATTEMPTS_PARAM
 from ._base import CANCELLED as CANCELLED
+from ._base import CHANNEL_PARAM as CHANNEL_PARAM
 from ._base import DELAYS_PARAM as DELAYS_PARAM
 from ._base import DONE as DONE
 from ._base import DONE_FLAG_COLUMN as DONE_FLAG_COLUMN
@@ -170,7 +171,7 @@ from ._unique import insert_unique, keeps_unique_key, unique_holder
 from ._workers import forget_worker, prune_workers, record_worker, worker_rows
 from ._workflows import CASCADE_REASON as CASCADE_REASON
 from ._workflows import for_leaves as for_leaves
-from ._workflows import parents_of, settle_edges, workflow_jobs
+from ._workflows import parents_of, settle_edges, wake_values, workflow_jobs
 
 __all__ = [
     "Backoff",
@@ -252,6 +253,7 @@ __all__ = [
     "sweep_expired",
     "parents_of",
     "settle_edges",
+    "wake_values",
     "workflow_jobs",
     "token_states",
     "unique_holder",

@@ -220,6 +220,10 @@ def _token_values(owner: str, tokens: ClaimToken | Iterable[tuple[Any, int]], **
 
 #: Bound-parameter names of the token statements (see the templates' parameters below).
 OWNER_PARAM: Final = "sqla_queue_owner"
+#: The NOTIFY channel a statement wakes the workers on, when it releases jobs of its own
+#: accord (a workflow's children): bound to the declared table's channel, and given by the
+#: worker as its own (under the engine's ``schema_translate_map``).
+CHANNEL_PARAM: Final = "sqla_queue_channel"
 IDS_PARAM: Final = "sqla_queue_ids"
 ATTEMPTS_PARAM: Final = "sqla_queue_attempts"
 JOB_PARAM: Final = "sqla_queue_job"

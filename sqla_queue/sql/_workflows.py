@@ -36,17 +36,33 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Final
 
-from sqlalchemy import CTE, CompoundSelect, Select, String, and_, any_, case, func, literal, null, or_, select
+from sqlalchemy import (
+    CTE,
+    CompoundSelect,
+    Connection,
+    Select,
+    String,
+    and_,
+    any_,
+    bindparam,
+    case,
+    func,
+    literal,
+    null,
+    or_,
+    select,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..model import WAKE_NONE, QueueTable, has_workflows, notify_channel, queue_table, status_literal, wake_mode
-from ._base import CANCELLED, DONE, FAILED, PENDING, QueueModel, _clock
+from ._base import CANCELLED, CHANNEL_PARAM, DONE, FAILED, PENDING, QueueModel, _clock
 from ._notify import pg_notify
 
 __all__ = [
     "CASCADE_REASON", "children_taken", "edges_cleared", "for_leaves", "release_children", "releases",
-    "settle_edges", "workflow_jobs",
+    "settle_edges", "wake_values", "workflow_jobs",
 ]
 
 #: ``last_error`` of a job cancelled because a job above it ended failed or cancelled.
@@ -191,8 +207,10 @@ def release_children(qt: QueueTable, update: Any, taken: CTE | None = None) -> t
     left = c.waiting_on - counted.c.n
     wake: list[Any] = []
     if wake_mode(qt.table) != WAKE_NONE:
-        # The queue's wake-up, delivered at commit (PostgreSQL folds the identical ones).
-        wake = [case((left <= 0, pg_notify(notify_channel(qt.table), c.queue)), else_=null()).label("woke")]
+        # The queue's wake-up, delivered at commit (PostgreSQL folds the identical ones), on
+        # the declared table's channel unless the worker binds its own (see CHANNEL_PARAM).
+        channel = bindparam(CHANNEL_PARAM, notify_channel(qt.table), type_=String())
+        wake = [case((left <= 0, pg_notify(channel, c.queue)), else_=null()).label("woke")]
     released = (
         qt.table.update()
         .where(
@@ -247,6 +265,19 @@ def settle_edges(model: QueueModel, *, limit: int = 1000) -> Select[Any]:
     update = qt.table.update().where(qt.pk.in_(owing.scalar_subquery())).values(child_ids=null()).returning(qt.pk)
     _, writes, shown = release_children(qt, update)
     return select(*shown).add_cte(*writes)
+
+
+def wake_values(model: QueueModel, conn: Connection | Session) -> dict[str, Any]:
+    """The parameters that make a finishing statement run on ``conn`` (a SQLAlchemy
+    connection or session) wake the workers of the table ``conn``'s
+    ``schema_translate_map`` puts it in (:data:`~._base.CHANNEL_PARAM`): none on a table
+    without workflows, whose statements release nothing of their own accord."""
+    qt = queue_table(model)
+    if not has_workflows(qt.table):
+        return {}
+    bound = conn.connection() if isinstance(conn, Session) else conn
+    translate = bound.get_execution_options().get("schema_translate_map")
+    return {CHANNEL_PARAM: notify_channel(qt.table, translate)}
 
 
 def no_waiting_children(qt: QueueTable) -> list[ColumnElement[bool]]:
