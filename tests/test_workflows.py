@@ -605,3 +605,57 @@ def test_a_hostile_parent_releases_its_child_once_with_its_committed_end(
     assert found[child.id].attempts == 1 and found[child.id].started_at >= found[parent.id].finished_at
     assert [job_id for job_id, _ in effects(engine)] == [parent.id]  # the failed attempt wrote nothing
     assert worker.stats.done == 2
+
+
+@tasks.task
+def edits_its_row(job: Any, session: Session) -> str:
+    """Transactional: updates its own row (as a handler recording something on it may),
+    in the transaction its completion then runs in."""
+    session.execute(STEPS.update().where(STEPS.c.id == job.id).values(priority=7))
+    session.add(Effect(job_id=job.id, worker="parent", note="edited"))
+    return "ok"
+
+
+def test_a_parent_that_updates_its_own_row_releases_its_child_once(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    flow = Workflow()
+    parents = [flow.add(job("edits_its_row")) for _ in range(2)]
+    child = flow.add(job("named", name="c"), after=parents)
+    enqueued(engine, flow)
+    worker = start_worker(tasks, StepTask, concurrency=2)
+    wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=30, what="the child done")
+    found = rows(engine, flow)
+    assert all((found[p.id].status, found[p.id].priority, found[p.id].child_ids) == ("done", 7, None) for p in parents)
+    assert found[child.id].attempts == 1 and found[child.id].waiting_on == 0
+    assert sorted(job_id for job_id, _ in effects(engine)) == sorted(p.id for p in parents)
+    wait_for(lambda: worker.stats.done == 3, timeout=10, what="three jobs counted done")
+
+
+def test_a_parent_whose_row_cannot_be_loaded_ends_failed_and_cancels_its_child(
+    engine: Engine, start_worker: Callable[..., Any]
+) -> None:
+    """The worker dead-letters a row it cannot load as the model; the workflow's policy
+    (``cancel``) cancels the child in that statement, and the other parent's completion
+    does not release it."""
+    flow = Workflow()
+    bad = flow.add(job("named", name="bad"))
+    good = flow.add(job("named", name="good"))
+    child = flow.add(job("named", name="c"), after=[bad, good])
+    enqueued(engine, flow)
+    with engine.begin() as conn:  # Python refuses to parse an integer of more than 4,300 digits
+        conn.execute(text("UPDATE step_tasks SET payload = ('{\"n\": ' || repeat('7', 5000) || '}')::jsonb "
+                          "WHERE id = :i"), {"i": bad.id})
+    start_worker(tasks, StepTask, concurrency=2)
+
+    def states() -> dict[int, tuple[str, int, str | None]]:  # not the payload: it cannot be loaded
+        with engine.connect() as conn:
+            found = conn.execute(select(STEPS.c.id, STEPS.c.status, STEPS.c.attempts, STEPS.c.last_error)
+                                 .where(STEPS.c.workflow_id == flow.id))
+            return {r.id: (r.status, r.attempts, r.last_error) for r in found}
+
+    wait_for(lambda: (states()[child.id][0], states()[good.id][0]) == ("cancelled", "done"),
+             timeout=30, what="the child cancelled, the good parent done")
+    found = states()
+    assert found[bad.id][0] == "failed" and "cannot load" in (found[bad.id][2] or "")
+    assert found[child.id] == ("cancelled", 0, CASCADE_REASON)
