@@ -279,22 +279,32 @@ def test_a_settle_is_refused_a_limit_below_one_and_a_table_without_workflows() -
         q.settle_edges(Task)
 
 
-def test_settles_take_their_parents_in_batches_and_count_each_once(engine: Engine) -> None:
-    """Parents that ended owing a child, settled by several statements of a small
-    ``limit``: each takes parents no other took, and the child is released by the last."""
+def _parents_ended_owing(engine: Engine, n: int) -> tuple[Workflow, list[StepTask], StepTask]:
+    """A fan-in of ``n`` parents ended by one statement run by hand while a transaction
+    held the child: every parent ended owing it (``child_ids`` kept, nothing counted)."""
     flow = Workflow()
-    parents = [flow.add(job("named", name=str(n))) for n in range(5)]
+    parents = [flow.add(job("named", name=str(i))) for i in range(n)]
     child = flow.add(job("named", name="c"), after=parents)
     enqueued(engine, flow)
     with engine.begin() as conn:
-        claimed = conn.execute(q.claim(StepTask, owner="w", limit=5, lease=30)).all()
+        claimed = conn.execute(q.claim(StepTask, owner="gone", limit=n, lease=30)).all()
     with engine.connect() as holder:
         holder.begin()
         holder.execute(select(STEPS.c.id).where(STEPS.c.id == child.id).with_for_update())
-        with engine.begin() as conn:  # one statement, five parents, the child held: all owe it
-            done = conn.execute(q.complete_if_owner(StepTask, owner="w", tokens=[(r.id, r.attempts) for r in claimed]))
-            assert len(done.all()) == 5
+        with engine.begin() as conn:
+            tokens = [(r.id, r.attempts) for r in claimed]
+            done = conn.execute(q.complete_if_owner(StepTask, owner="gone", tokens=tokens))
+            assert [r[-1] for r in done] == [[child.id]] * n
         holder.rollback()
+    found = rows(engine, flow)
+    assert found[child.id].waiting_on == n and all(found[p.id].child_ids == [child.id] for p in parents)
+    return flow, parents, child
+
+
+def test_settles_take_their_parents_in_batches_and_count_each_once(engine: Engine) -> None:
+    """Parents that ended owing a child, settled by several statements of a small
+    ``limit``: each takes parents no other took, and the child is released by the last."""
+    flow, parents, child = _parents_ended_owing(engine, 5)
     settled: list[int] = []
     for _ in range(3):
         with engine.begin() as conn:
@@ -332,18 +342,7 @@ def test_a_fan_in_s_completions_never_wait_for_the_child(
 def test_a_sweeper_tick_settles_what_a_worker_left(engine: Engine, start_worker: Callable[..., Any]) -> None:
     """Children a parent kept, found by any worker's sweeper on its tick (the worker that
     ended the parent died before it could settle them: here, a statement run by hand)."""
-    flow = Workflow()
-    parents = [flow.add(job("named", name=str(n))) for n in range(3)]
-    child = flow.add(job("named", name="c"), after=parents)
-    enqueued(engine, flow)
-    with engine.begin() as conn:
-        claimed = conn.execute(q.claim(StepTask, owner="gone", limit=3, lease=30)).all()
-    with engine.connect() as holder:
-        holder.begin()
-        holder.execute(select(STEPS.c.id).where(STEPS.c.id == child.id).with_for_update())
-        with engine.begin() as conn:
-            conn.execute(q.complete_if_owner(StepTask, owner="gone", tokens=[(r.id, r.attempts) for r in claimed]))
-        holder.rollback()
+    flow, _, child = _parents_ended_owing(engine, 3)
     assert rows(engine, flow)[child.id].run_after == WAITING_RUN_AFTER
     start_worker(tasks, StepTask, sweep_interval=0.3)
     wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=20, what="the child done")
