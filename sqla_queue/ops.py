@@ -338,10 +338,14 @@ def _seconds_between(start: Any, end: Any) -> float:
 
 def _int_array(values: list[Any]) -> Any:
     """Integers as a PostgreSQL array literal (``'{1,2,3}'``, cast by the statement):
-    psycopg dumps a list element by element in Python, the literal is built in C."""
-    if all(type(v) is int for v in values):
+    psycopg dumps a list element by element in Python, the literal is built in C (the
+    check too: no Python call per element)."""
+    if not values or set(map(type, values)) == _ONLY_INT:
         return "{" + ",".join(map(str, values)) + "}"
     return values
+
+
+_ONLY_INT: Final = {int}
 
 
 #: Tokens one statement takes at most (a call with more runs one statement per part).
@@ -640,8 +644,9 @@ class QueueOps:
         seen(
             [
                 (row[priority], row[run_after], row[pk], row[queue])
-                for row in rows
-                if not isinstance(row, RowError) and isinstance(row[run_after], datetime)
+                for row in rows  # the exact types first: no call for what psycopg gives
+                if type(row) is not RowError
+                and (type(row[run_after]) is datetime or isinstance(row[run_after], datetime))
             ],
             from_head=not request.from_cursor,
             took=took,
@@ -688,13 +693,10 @@ class QueueOps:
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(stmt, values, pk, attempt, self._flow_turn)
         took = time.perf_counter() - began
-        claimed: list[tuple[Any, ...] | RowError] = []
-        keep = claimed.append
-        for row in rows:  # the last column tells a completed token's row from a claimed one
-            if isinstance(row, RowError) or not row[-1]:
-                keep(row)
-            else:
-                done[row[pk], row[attempt]] = "done"
+        # The last column tells a completed token's row from a claimed one.
+        claimed = [row for row in rows if type(row) is RowError or not row[-1]]
+        if len(claimed) < len(rows):
+            done.update({(row[pk], row[attempt]): "done" for row in rows if type(row) is not RowError and row[-1]})
         self._note(claimed, request, took)
         return cast(Moved, done), self._claimed(claimed, request.isolated)
 
@@ -705,7 +707,7 @@ class QueueOps:
         found: list[Claimed] = []
         append = found.append
         for row in rows:
-            if isinstance(row, RowError):
+            if type(row) is RowError:
                 problem = RowProblem("cannot read the row", row.error)
                 append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False, None)))
                 continue
