@@ -16,8 +16,9 @@ functions called once a job or more:
 - ``raw``: the hand-written psycopg loop at its best batch (``run.py``'s
   ``RAW_BEST_BATCH`` rows a claim, one transaction each, then one completing UPDATE).
 
-Without ``--profile`` it only times: jobs/s and CPU µs per job of this process (user +
-system), for each side in turn, ``--rounds`` interleaved rounds. The figures of one
+Without ``--profile`` it only times: jobs/s, CPU µs per job of this process (user +
+system) and of the thread that ran the jobs (``time.thread_time``), for each side in
+turn, ``--rounds`` interleaved rounds. The figures of one
 process on a shared machine are noisy: compare sides of one run.
 """
 
@@ -61,16 +62,32 @@ def _drain_wait(url: URL, jobs: int) -> None:
         raise RuntimeError(f"{row} of {jobs} done")
 
 
+#: The CPU seconds (``time.thread_time``) of the thread that ran the jobs, by the last run
+#: of each side: the executor thread, the event loop's thread, the raw loop's. Beside the
+#: process's CPU, it leaves out the other threads and the watcher, and a busy machine's
+#: waits: the figure a cut of the per-job path moves.
+JOB_THREAD_CPU: dict[str, float] = {}
+#: Options of both workers beyond ``concurrency=1`` (``--batch-size``).
+WORKER_OPTIONS: dict[str, Any] = {}
+
+
 def run_thread(url: URL, jobs: int, profile: cProfile.Profile | None) -> float:
     """The thread Worker, one executor; returns the seconds to drain."""
     engine = create_engine(url)
-    worker = Worker(engine, bench.BenchJob, bench.noop, concurrency=1)
+    worker = Worker(engine, bench.BenchJob, bench.noop, concurrency=1, **WORKER_OPTIONS)
     original = executor_module.ExecutorPool._thread
-    if profile is not None:
-        def profiled(self: Any, index: int) -> None:
-            profile.runcall(original, self, index)
 
-        executor_module.ExecutorPool._thread = profiled  # type: ignore[method-assign]
+    def measured(self: Any, index: int) -> None:
+        cpu = time.thread_time()
+        try:
+            if profile is not None:
+                profile.runcall(original, self, index)
+            else:
+                original(self, index)
+        finally:
+            JOB_THREAD_CPU["thread"] = time.thread_time() - cpu
+
+    executor_module.ExecutorPool._thread = measured  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
         worker.start()
@@ -93,11 +110,13 @@ def run_async(url: URL, jobs: int, profile: cProfile.Profile | None) -> float:
 
     async def main() -> float:
         engine = create_async_engine(url.set(drivername="postgresql+psycopg"))
-        worker = AsyncWorker(engine, bench.BenchJob, _anoop, concurrency=1)
+        worker = AsyncWorker(engine, bench.BenchJob, _anoop, concurrency=1, **WORKER_OPTIONS)
         start = time.perf_counter()
+        cpu = time.thread_time()
         await worker.start()
         await asyncio.to_thread(_drain_wait, url, jobs)
         took = time.perf_counter() - start
+        JOB_THREAD_CPU["async"] = time.thread_time() - cpu
         await worker.stop(grace=10)
         await engine.dispose()
         return took
@@ -115,10 +134,12 @@ def run_raw(url: URL, jobs: int, profile: cProfile.Profile | None) -> float:
     conn = bench.raw_connect(url)
     try:
         start = time.perf_counter()
+        cpu = time.thread_time()
         if profile is not None:
             profile.runcall(bench._raw_processing_loop, conn, sql, params, "raw")
         else:
             bench._raw_processing_loop(conn, sql, params, "raw")
+        JOB_THREAD_CPU["raw"] = time.thread_time() - cpu
         took = time.perf_counter() - start
     finally:
         conn.close()
@@ -172,11 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--cumulative", action="store_true", help="the top functions by cumulative time")
     parser.add_argument("--raw-batch", type=int, help=f"the raw loop's batch (default {bench.RAW_BEST_BATCH})")
+    parser.add_argument("--batch-size", type=int, help="the workers' batch_size (default: theirs)")
     parser.add_argument("--url", help="admin URL of the server (default: DATABASE_URL, else embedded)")
     args = parser.parse_args(argv)
     sides = args.side or list(SIDES)
     if args.raw_batch:
         bench.RAW_BEST_BATCH = args.raw_batch
+    if args.batch_size:
+        WORKER_OPTIONS["batch_size"] = args.batch_size
     with bench.scratch_database(args.url or os.environ.get("DATABASE_URL")) as url:
         engine: Engine = create_engine(url)
         try:
@@ -197,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 rates: dict[str, list[float]] = {side: [] for side in sides}
                 cpus: dict[str, list[float]] = {side: [] for side in sides}
+                own: dict[str, list[float]] = {side: [] for side in sides}
                 for r in range(args.rounds):
                     for side in sides[r % len(sides):] + sides[: r % len(sides)]:
                         bench.reset(engine)
@@ -204,10 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         cpu = bench.cpu_seconds()
                         took = SIDES[side](url, args.jobs, None)
                         cpus[side].append((bench.cpu_seconds() - cpu) / args.jobs * 1e6)
+                        own[side].append(JOB_THREAD_CPU[side] / args.jobs * 1e6)
                         rates[side].append(args.jobs / took)
-                print("| side | jobs/s | CPU µs/job (this process) |\n|---|---:|---:|")
+                print("| side | jobs/s | CPU µs/job (this process) | CPU µs/job (the jobs' thread) |")
+                print("|---|---:|---:|---:|")
                 for side in sides:
-                    print(f"| {side} | {statistics.median(rates[side]):,.0f} | {statistics.median(cpus[side]):.1f} |")
+                    print(f"| {side} | {statistics.median(rates[side]):,.0f} | {statistics.median(cpus[side]):.1f} "
+                          f"| {statistics.median(own[side]):.1f} |")
         finally:
             bench.reset(engine)
             engine.dispose()
