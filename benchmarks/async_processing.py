@@ -16,6 +16,8 @@ running (``run.py``'s ``run_processing``).
   looping: claim 32 jobs with sqla_queue's own claim SQL (``UPDATE … WHERE id IN (SELECT
   … FOR UPDATE SKIP LOCKED LIMIT 32) RETURNING *``, prepared), await the no-op on each,
   complete them in one ``UPDATE``; as run.py's sync baseline does with threads.
+- raw best: ``run.py``'s thread loop at its best setting (one thread, ``RAW_BEST_BATCH``
+  rows a claim), in the same rounds: every row is also held to it.
 - pgqueuer (when installed): its own worker, ``PgQueuer.run`` with an async no-op
   entrypoint, as ``benchmarks/peers.py`` runs it, swept over ``batch_size``; the row
   compares the best AsyncWorker rate with pgqueuer's best.
@@ -42,6 +44,8 @@ HERE = Path(__file__).resolve().parent
 TARGET = 0.8
 #: AsyncWorker's best rate against pgqueuer's best, one process each.
 PGQUEUER_TARGET = 2.0
+#: The runs of run.py's raw loop at its best setting (one thread, ``raw_best_batches``).
+RAW_BEST = "raw_best"
 
 
 async def anoop(job: Any) -> None:
@@ -149,6 +153,9 @@ def bench_async_processing(engine: Engine, url: URL, plan: Any) -> list[Any]:
     runs: list[tuple[str, Any]] = [
         (kind, cfg) for cfg in plan.async_processing for kind in ("async_sqla_queue", "async_raw")
     ]
+    # The thread-based raw loop at its best setting, 1 process: what the machine can do.
+    best_jobs = max(cfg.jobs for cfg in plan.async_processing)
+    runs += [(RAW_BEST, batch) for batch in plan.raw_best_batches]
     if peers is not None:
         runs += [(peers.PGQUEUER, size) for size in plan.pgqueuer_batch_sizes]
         peer_plan = peers.Plan(
@@ -161,7 +168,9 @@ def bench_async_processing(engine: Engine, url: URL, plan: Any) -> list[Any]:
         for r in range(plan.processing_rounds):
             shift = r % len(runs)
             for kind, setting in runs[shift:] + runs[:shift]:
-                if peers is not None and kind == peers.PGQUEUER:
+                if kind == RAW_BEST:
+                    rate, cpu = bench.run_processing(url, engine, "raw", bench.Processing(1, 1, setting, best_jobs))
+                elif peers is not None and kind == peers.PGQUEUER:
                     rate, cpu = peers.run_peer_processing(url, kind, setting, 1, peer_plan)
                 else:
                     rate, cpu = bench.run_processing(url, engine, kind, setting, child=_async_child)
@@ -184,6 +193,9 @@ def bench_async_processing(engine: Engine, url: URL, plan: Any) -> list[Any]:
         )
         row.ours += cell("async_sqla_queue", cfg)
         row.base += cell("async_raw", cfg) + " (async psycopg)"
+        batch = max(plan.raw_best_batches, key=lambda b: statistics.median(rates[RAW_BEST, b]))
+        row.against_best(ours, rates[RAW_BEST, batch], cpus[RAW_BEST, batch])
+        row.best += f", batch {batch}" if batch != bench.RAW_BEST_BATCH else ""
         rows.append(row)
     defaults = [cfg for cfg in plan.async_processing if not cfg.batch]
     best = max(defaults, key=lambda cfg: statistics.median(rates["async_sqla_queue", cfg]))

@@ -17,7 +17,9 @@ medians, as ``benchmarks/run.py`` does (whose helpers this script imports):
   to run. Each library is swept over a few of its own settings (sqla_queue: ``concurrency``
   with every other option at its default; pgqueuer: ``batch_size``; procrastinate:
   ``concurrency``) and the best median is reported with the setting that reached it, and
-  the CPU time its worker processes spent per job.
+  the CPU time its worker processes spent per job. ``run.py``'s hand-written psycopg loop
+  at its best setting (one thread a process, swept over its batch) runs in the same
+  rounds, and sqla_queue's best is also given as a ratio to it.
 - **enqueue, 1 job per transaction**: sqla_queue's ``QueueSession``, ``enqueue(job)``,
   ``commit()``; pgqueuer's ``Queries.enqueue`` on an autocommit asyncpg connection (one
   statement, one transaction, its trigger sends the NOTIFY); procrastinate's
@@ -64,6 +66,9 @@ SQLA_FAST = "sqla_queue (enqueue_values)"
 PGQUEUER = "pgqueuer"
 PROCRASTINATE = "procrastinate"
 PEERS = (PGQUEUER, PROCRASTINATE)
+#: run.py's hand-written psycopg loop at its best setting (one thread a process), swept
+#: over its batch beside the libraries: the processing figures are also held to it.
+RAW_BEST = "raw psycopg"
 INSTALL_HINT = "pip install -e '.[bench]'"
 #: The entrypoint / task name of the no-op job, and of the pickup job.
 NOOP = "bench_noop"
@@ -86,6 +91,8 @@ class Plan:
     pickup_jobs: int = 200
     pickup_gap: float = 0.02
     timeout: float = 300
+    #: The raw loop's batches swept (run.py's ``RAW_BEST_BATCH`` first).
+    raw_best_batches: tuple[int, ...] = (bench.RAW_BEST_BATCH,)
 
 
 FULL = Plan(
@@ -95,6 +102,7 @@ FULL = Plan(
     settings={SQLA: (4, 16, 32, 64), PGQUEUER: (10, 100, 500, 1000), PROCRASTINATE: (10, 50)},
     # procrastinate fetches and finishes one job per statement: some 200 jobs/s here.
     fewer_jobs={PROCRASTINATE: 4_000},
+    raw_best_batches=(bench.RAW_BEST_BATCH, 500),
 )
 
 QUICK = Plan(
@@ -141,10 +149,16 @@ def dsn(url: URL) -> str:
 def setting_label(side: str, value: int) -> str:
     """The one option swept: pgqueuer's ``batch_size`` (its worker runs every picked job as
     an asyncio task), procrastinate's and sqla_queue's ``concurrency`` (every other
-    option of sqla_queue's Worker at its default)."""
+    option of sqla_queue's Worker at its default), the raw loop's batch."""
     if side == PGQUEUER:
         return f"batch_size {value}"
+    if side == RAW_BEST:
+        return f"batch {value}"
     return f"concurrency {value}"
+
+
+def settings_of(plan: Plan, side: str) -> tuple[int, ...]:
+    return plan.raw_best_batches if side == RAW_BEST else plan.settings[side]
 
 
 class _TopLevelAppWarning(logging.Filter):
@@ -431,6 +445,7 @@ def bench_processing(url: URL, engine: Engine, sides: Sequence[str], plan: Plan)
     out: dict[int, dict[str, Best]] = {}
     for processes in plan.processes:
         runs = [(side, value) for side in sides for value in plan.settings[side]]
+        runs += [(RAW_BEST, batch) for batch in plan.raw_best_batches]
         rates: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
         cpus: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
         for r in range(plan.rounds):
@@ -438,14 +453,17 @@ def bench_processing(url: URL, engine: Engine, sides: Sequence[str], plan: Plan)
             for side, value in runs[shift:] + runs[:shift]:
                 if side == SQLA:
                     rate, cpu = run_sqla_processing(url, engine, value, processes, plan)
+                elif side == RAW_BEST:
+                    cfg = bench.Processing(processes, 1, value, plan.jobs)
+                    rate, cpu = bench.run_processing(url, engine, "raw", cfg)
                 else:
                     rate, cpu = run_peer_processing(url, side, value, processes, plan)
                 rates[side, value].append(rate)
                 cpus[side, value].append(cpu)
                 bench.say(f"    {side}, {setting_label(side, value)}, {processes} proc: {rate:,.0f} jobs/s")
         out[processes] = {}
-        for side in sides:
-            medians = {value: statistics.median(rates[side, value]) for value in plan.settings[side]}
+        for side in [*sides, RAW_BEST]:
+            medians = {value: statistics.median(rates[side, value]) for value in settings_of(plan, side)}
             value = max(medians, key=lambda v: medians[v])
             out[processes][side] = Best(
                 medians[value],
@@ -454,8 +472,7 @@ def bench_processing(url: URL, engine: Engine, sides: Sequence[str], plan: Plan)
                 {setting_label(side, v): m for v, m in medians.items()},
             )
             bench.say(f"  processing, {processes} proc, {side}: best {out[processes][side].setting}")
-        if SQLA in sides:
-            bench.reset(engine)
+        bench.reset(engine)
         for side in sides:
             if side != SQLA:
                 reset_peer(side, url)
@@ -691,9 +708,11 @@ def report(
 
     for processes, best in processing.items():
         procs = f"{processes} processes" if processes > 1 else "1 process"
+        raw = best[RAW_BEST]
         row(
             f"processing, {procs}, best setting",
-            [f"{best[s].rate:,.0f} jobs/s ({best[s].cpu:,.0f} µs CPU/job; {best[s].setting})" for s in sides],
+            [f"{best[s].rate:,.0f} jobs/s ({best[s].cpu:,.1f} µs CPU/job; {best[s].setting})"
+             + (f"; {best[s].rate / raw.rate:.2f}x raw best" if s == SQLA else "") for s in sides],
             ratio_cell(best[SQLA].rate, best[PGQUEUER].rate, 2, True) if vs else None,
         )
     row(
@@ -716,7 +735,10 @@ def report(
     lines.append("Processing, every setting swept (median jobs/s):")
     lines.append("")
     for processes, best in processing.items():
-        for side in sides:
+        raw = best[RAW_BEST]
+        lines.append(f"- {processes} process{'es' if processes > 1 else ''}, raw best ({RAW_BEST}, one thread a "
+                     f"process): {raw.rate:,.0f} jobs/s ({raw.cpu:,.1f} µs CPU/job; {raw.setting})")
+        for side in [*sides, RAW_BEST]:
             swept = ", ".join(f"{k}: {v:,.0f}" for k, v in best[side].all.items())
             edge = ""
             if len(best[side].all) > 1 and best[side].setting == list(best[side].all)[-1]:

@@ -85,6 +85,14 @@ RAW_COMPLETE = (
 #: The baseline's batch when sqla_queue runs at its default ``batch_size`` (the most a
 #: Worker's thread claims at once by default; the baseline has no default of its own).
 BASELINE_BATCH = 32
+#: The raw loop at its best: one thread a process, each claim taking this many rows a
+#: statement (sqla_queue's claim SQL, SKIP LOCKED) in a transaction of its own, then one
+#: completing UPDATE. 100 is the batch the issue's figures name; on the development machine
+#: (2 cores, PostgreSQL 15, shared) 500 and 1,000 ran faster still, and 50 slower
+#: (2026-12-07, 1 and 2 processes). A full run measures each of ``Plan.raw_best_batches``
+#: in the same rounds and holds every processing figure to the fastest: what this machine
+#: can do, beside the matched baseline.
+RAW_BEST_BATCH = 100
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,8 @@ class Plan:
     async_processing: tuple[Processing, ...]
     pgqueuer_batch_sizes: tuple[int, ...]
     pgqueuer_jobs: int
+    #: The raw loop's batches measured as "raw best" (one thread a process).
+    raw_best_batches: tuple[int, ...] = (RAW_BEST_BATCH,)
 
 
 FULL = Plan(
@@ -154,6 +164,7 @@ FULL = Plan(
     ),
     pgqueuer_batch_sizes=(100, 1000),
     pgqueuer_jobs=20_000,
+    raw_best_batches=(RAW_BEST_BATCH, 500),
 )
 
 QUICK = Plan(
@@ -188,34 +199,71 @@ class Row:
     ratio: float | None = None
     target: str = ""
     met: bool | None = None
+    #: The raw loop at its best setting, measured in the same rounds (processing rows).
+    best: str = ""
+    best_ratio: float | None = None
 
-    def cells(self) -> list[str]:
+    def cells(self, with_best: bool = False) -> list[str]:
         ratio = f"{self.ratio:.2f}x" if self.ratio is not None else "—"
         met = {True: "met", False: "**missed**", None: "—"}[self.met]
-        return [self.name, self.ours, self.base, ratio, self.target or "—", met]
+        cells = [self.name, self.ours, self.base, ratio, self.target or "—", met]
+        if with_best:
+            cells += [self.best or "—", f"{self.best_ratio:.2f}x" if self.best_ratio is not None else "—"]
+        return cells
+
+    def against_best(self, ours: list[float], best: list[float], best_cpu: list[float] | None = None) -> None:
+        """Also hold the row's sqla_queue figure to the raw loop at its best setting."""
+        b = statistics.median(best)
+        self.best = f"{b:,.0f} jobs/s" + (f" ({statistics.median(best_cpu):,.1f} µs CPU/job)" if best_cpu else "")
+        self.best_ratio = statistics.median(ours) / b
 
 
 def markdown(rows: Sequence[Row]) -> str:
     header = ["benchmark", "sqla_queue", "baseline (psycopg)", "ratio", "target", ""]
+    with_best = any(row.best for row in rows)
+    if with_best:
+        header += ["raw best (psycopg, 1 thread a process, batch 100 unless named)", "ratio to raw best"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    lines += ["| " + " | ".join(row.cells(with_best)) + " |" for row in rows]
     return "\n".join(lines)
 
 
+def with_cpu(figure: str, cpu: list[float] | None) -> str:
+    """A throughput cell with the CPU time per job beside it (median, µs)."""
+    return figure if not cpu else f"{figure} ({statistics.median(cpu):,.1f} µs CPU/job)"
+
+
 def throughput_row(
-    name: str, ours: list[float], base: list[float], unit: str, target: float | None
+    name: str, ours: list[float], base: list[float], unit: str, target: float | None,
+    ours_cpu: list[float] | None = None, base_cpu: list[float] | None = None,
 ) -> Row:
-    """Higher is better; the ratio is sqla_queue / baseline of the medians."""
+    """Higher is better; the ratio is sqla_queue / baseline of the medians. ``*_cpu``:
+    the CPU µs per job of each run (shown beside the rate)."""
     a, b = statistics.median(ours), statistics.median(base)
     ratio = a / b
     return Row(
         name,
-        f"{a:,.0f} {unit}",
-        f"{b:,.0f} {unit}",
+        with_cpu(f"{a:,.0f} {unit}", ours_cpu),
+        with_cpu(f"{b:,.0f} {unit}", base_cpu),
         ratio,
         f">= {target:.2f}x" if target is not None else "",
         (ratio >= target) if target is not None else None,
     )
+
+
+class CpuClock:
+    """Runs of in-process sides, each with this process's CPU time per unit of work
+    (user + system, every thread: the benchmark process runs no other work meanwhile)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[Any, list[float]] = {}
+
+    def timed(self, side: Callable[..., float], n: int, *args: Any) -> float:
+        """``side(n, *args)`` (a rate); its CPU µs per unit of ``n`` is kept under ``side``."""
+        cpu = cpu_seconds()
+        rate = side(n, *args)
+        self.cpu.setdefault(side, []).append((cpu_seconds() - cpu) / n * 1e6)
+        return rate
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
@@ -390,36 +438,39 @@ def bench_enqueue(engine: Engine, url: URL, plan: Plan) -> list[Row]:
             for side in sides:
                 side(20, with_order)  # warm caches and prepared statements
             results: dict[Any, list[float]] = {side: [] for side in sides}
+            clock = CpuClock()
             for r in range(plan.enqueue_rounds):
                 for side in sides[r % len(sides):] + sides[: r % len(sides)]:
-                    results[side].append(side(plan.enqueue_txns, with_order))
+                    results[side].append(clock.timed(side, plan.enqueue_txns, with_order))
+            cpu = clock.cpu
             suffix = " + ORM business row" if with_order else ""
             found = [
-                throughput_row(f"enqueue, 1 job per transaction{suffix}", results[ours], results[base], "txn/s", None),
+                throughput_row(f"enqueue, 1 job per transaction{suffix}", results[ours], results[base], "txn/s", None,
+                               cpu[ours], cpu[base]),
                 throughput_row(
                     f"enqueue, 1 job per transaction{suffix}, fast path (enqueue_values) in a Session",
-                    results[fast], results[base], "txn/s", 0.8,
+                    results[fast], results[base], "txn/s", 0.8, cpu[fast], cpu[base],
                 ),
                 throughput_row(
                     f"enqueue, 1 job per transaction{suffix}, fast path (enqueue_values) on a Connection",
-                    results[fast_conn], results[base], "txn/s", 0.8,
+                    results[fast_conn], results[base], "txn/s", 0.8, cpu[fast_conn], cpu[base],
                 ),
             ]
             if not with_order:
                 found.append(throughput_row(
                     "enqueue, 1 job per transaction, fast path (enqueue_values) on one open Connection, "
                     "as the baseline keeps one (reference)",
-                    results[fast_held], results[base], "txn/s", None,
+                    results[fast_held], results[base], "txn/s", None, cpu[fast_held], cpu[base],
                 ))
                 found.append(throughput_row(
                     "enqueue, 1 job per transaction: plain SQLAlchemy ORM insert + pg_notify, "
                     "no sqla_queue (reference)",
-                    results[plain_orm], results[base], "txn/s", None,
+                    results[plain_orm], results[base], "txn/s", None, cpu[plain_orm], cpu[base],
                 ))
                 # The target of session.enqueue(): at most 10 % slower than the plain ORM.
                 vs_orm = throughput_row(
                     "enqueue, 1 job per transaction: session.enqueue() vs the plain ORM reference",
-                    results[ours], results[plain_orm], "txn/s", 0.9,
+                    results[ours], results[plain_orm], "txn/s", 0.9, cpu[ours], cpu[plain_orm],
                 )
                 vs_orm.base = vs_orm.base + " (the reference)"
                 found.append(vs_orm)
@@ -447,14 +498,14 @@ def bench_bulk(engine: Engine, url: URL, plan: Plan) -> list[Row]:
     n = plan.bulk_rows
     data = [{"order_id": i, "recipient": f"user{i}@example.com"} for i in range(n)]
 
-    def ours(method: str) -> float:
+    def ours(n: int, method: str) -> float:
         start = time.perf_counter()
         with Session(engine) as session:
             enqueue_many(session, BenchJob, data, method=method)  # type: ignore[arg-type]
             session.commit()
         return n / (time.perf_counter() - start)
 
-    def base(method: str) -> float:
+    def base(n: int, method: str) -> float:
         with raw_connect(url) as conn:
             conn.execute("SELECT 1")
             conn.commit()
@@ -477,14 +528,16 @@ def bench_bulk(engine: Engine, url: URL, plan: Plan) -> list[Row]:
     for method, label in (("copy", "COPY"), ("insert", "INSERT executemany")):
         a: list[float] = []
         b: list[float] = []
+        clock = CpuClock()
         for r in range(plan.bulk_rounds):
             for side in ((ours, base) if r % 2 == 0 else (base, ours)):
                 reset(engine)
                 vacuum_analyze(url)
-                (a if side is ours else b).append(side(method))
+                (a if side is ours else b).append(clock.timed(side, n, method))
         reset(engine)
         name = f"bulk enqueue {n:,} jobs, {label}"
-        rows.append(throughput_row(name, a, b, "rows/s", 0.8 if method == "copy" else None))
+        rows.append(throughput_row(name, a, b, "rows/s", 0.8 if method == "copy" else None,
+                                   clock.cpu[ours], clock.cpu[base]))
         say(f"  {name}: {rows[-1].cells()[1:4]}")
     return rows
 
@@ -653,8 +706,12 @@ def bench_processing(engine: Engine, url: URL, plan: Plan) -> list[Row]:
     ``max(concurrency, batch)`` through its single claim loop. Beside the rate, the CPU
     time the worker processes used per job (Python and driver; the server's is not in
     it): on a small machine shared with PostgreSQL, that is what limits the rate.
+
+    Every row is also held to the raw loop at its best setting (:class:`RawBest`), which
+    does not match sqla_queue's threads or batch but what this machine can do at all.
     """
     rows = []
+    best = RawBest(plan, max(cfg.jobs for cfg in plan.processing))
     for cfg in plan.processing:
         rates: dict[str, list[float]] = {"sqla_queue": [], "raw": []}
         cpus: dict[str, list[float]] = {"sqla_queue": [], "raw": []}
@@ -663,15 +720,54 @@ def bench_processing(engine: Engine, url: URL, plan: Plan) -> list[Row]:
                 rate, cpu = run_processing(url, engine, kind, cfg)
                 rates[kind].append(rate)
                 cpus[kind].append(cpu)
+            best.run_round(url, engine, cfg.processes)  # beside them, in the same rounds
         name = f"processing, {cfg.label}"
         # The target is at default options; an explicit batch size is shown for reference.
-        row = throughput_row(name, rates["sqla_queue"], rates["raw"], "jobs/s", None if cfg.batch else 0.8)
-        row.ours += f" ({statistics.median(cpus['sqla_queue']):,.0f} µs CPU/job)"
-        row.base += f" ({statistics.median(cpus['raw']):,.0f} µs CPU/job)"
+        row = throughput_row(name, rates["sqla_queue"], rates["raw"], "jobs/s", None if cfg.batch else 0.8,
+                             cpus["sqla_queue"], cpus["raw"])
+        best.hold(row, cfg.processes, rates["sqla_queue"])
         rows.append(row)
-        say(f"  {name}: {rows[-1].cells()[1:4]}")
+        say(f"  {name}: {rows[-1].cells(True)[1:]}")
     reset(engine)
     return rows
+
+
+class RawBest:
+    """The raw loop at its best setting (``RAW_BEST_BATCH``, one thread a process), run
+    in the rounds of the figures it is held against: every batch of
+    ``plan.raw_best_batches`` at each process count, the fastest median kept. It runs in
+    the rounds of the first configuration of each process count (``rounds`` times), and
+    the later ones are held to the same figure."""
+
+    def __init__(self, plan: Plan, jobs: int) -> None:
+        self.batches = plan.raw_best_batches
+        self.rounds = plan.processing_rounds
+        self.jobs = jobs
+        self.rates: dict[tuple[int, int], list[float]] = {}
+        self.cpus: dict[tuple[int, int], list[float]] = {}
+        self._turn = 0
+
+    def run_round(self, url: URL, engine: Engine, processes: int) -> None:
+        """One run of every batch at ``processes``, in an order that turns round to round
+        (nothing once it ran ``rounds`` times at ``processes``)."""
+        batches = list(self.batches)
+        if len(self.rates.get((processes, batches[0]), [])) >= self.rounds:
+            return
+        shift = self._turn % len(batches)
+        self._turn += 1
+        for batch in batches[shift:] + batches[:shift]:
+            rate, cpu = run_processing(url, engine, "raw", Processing(processes, 1, batch, self.jobs))
+            self.rates.setdefault((processes, batch), []).append(rate)
+            self.cpus.setdefault((processes, batch), []).append(cpu)
+
+    def hold(self, row: Row, processes: int, ours: list[float]) -> None:
+        """Put the best batch's figure (and its name) and the ratio to it on ``row``."""
+        found = [b for b in self.batches if (processes, b) in self.rates]
+        if not found:
+            return
+        batch = max(found, key=lambda b: statistics.median(self.rates[processes, b]))
+        row.against_best(ours, self.rates[processes, batch], self.cpus[processes, batch])
+        row.best += f", batch {batch}" if batch != RAW_BEST_BATCH else ""
 
 
 # -- pickup latency ------------------------------------------------------------------------

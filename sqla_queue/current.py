@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar, Token
 from typing import Any, Final, Protocol, TypeVar
 
@@ -281,7 +281,7 @@ bind: Final[Callable[[ContextSource | None], Token[ContextSource | None]]] = _cu
 unbind: Final = _current.reset
 
 
-async def in_context(context: JobContext, awaitable: Coroutine[Any, Any, T]) -> T:
+async def in_context(context: JobContext, awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` with ``context`` current (a coroutine runs in the awaiting
     task's context, not where it was made)."""
     token = _current.set(context)

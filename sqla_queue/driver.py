@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, final
 
 import psycopg
 from psycopg import sql as pgsql
@@ -103,9 +103,11 @@ class WorkerStartError(SqlaQueueError, RuntimeError):
     """The worker cannot start: no connection, not PostgreSQL, or no usable queue table."""
 
 
+@final
 @dataclass(frozen=True)
 class RowError:
-    """A claimed row psycopg could not read: its key and attempt, and why."""
+    """A claimed row psycopg could not read: its key and attempt, and why. Final: the
+    claim's paths tell it from a row by ``type(row) is RowError``, no call a row."""
 
     pk: Any
     attempt: int

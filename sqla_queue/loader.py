@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import ARRAY, JSON, Column, Double, Float, TypeDecorator, inspect
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, attributes, configure_mappers
+from sqlalchemy.orm.base import instance_dict
 from sqlalchemy.orm.exc import UnmappedColumnError
 
 __all__ = ["RowLoader", "polymorphic_column"]
@@ -129,12 +130,57 @@ class RowLoader:
         discriminator = polymorphic_column(mapper)
         self._discriminator = where.get(id(discriminator)) if discriminator is not None else None
         self._polymorphic_map: dict[Any, Mapper[Any]] = dict(mapper.polymorphic_map)
+        #: The instance for one row; raises whatever building it raised. Without a
+        #: discriminator, a function made for the model's one plan (see :meth:`_one_plan`).
+        self.load: Callable[[Sequence[Any]], Any] = self._load if self._discriminator is not None else self._first
 
     def use_type_codes(self, type_codes: Mapping[str, Any]) -> None:
         """The type code the server reports for each column (by name), as in
         ``cursor.description``: result processors are made for them."""
         self._type_codes = dict(type_codes)
         self._plans = {}
+        if self._discriminator is None:
+            self.load = self._first
+
+    def _first(self, row: Sequence[Any]) -> Any:
+        """The first row since the type codes are known: make the plan's function (the
+        processors need the codes, so not before), then load with it."""
+        self.load = self._one_plan()
+        return self.load(row)
+
+    def _one_plan(self) -> Callable[[Sequence[Any]], Any]:
+        """:meth:`_load` for a model whose rows all load as its own class, as one function
+        with the plan's parts bound: every claimed row passes here, and a no-op job costs
+        little more than this (no plan lookup, no mapper choice, no call per attribute)."""
+        plan = self._plan(self._mapper)
+        if plan.plain_values is None or self._pk_single is None or plan.manager.dict_getter() is not instance_dict:
+            return self._load  # one plain column, a composite key, custom instrumentation
+        new_instance = plan.new_instance
+        state_of = attributes.instance_state
+        keys, values_of, processed = plan.plain_keys, plan.plain_values, plan.processed
+        deserialize = self._deserialize
+        identity_class, pk = self._identity_class, self._pk_single
+        manager, fire_load = plan.manager, plan.fire_load
+
+        def load(row: Sequence[Any]) -> Any:
+            instance = new_instance()
+            values = instance.__dict__  # what instance_dict() gives (checked above)
+            values.update(zip(keys, values_of(row), strict=True))
+            for key, index, process, json_kind in processed:
+                value = row[index]
+                if json_kind and value is not None:
+                    value = deserialize(value) if json_kind == 1 else _parse_items(value, deserialize)
+                if process is not None:
+                    value = process(value)
+                values[key] = value
+            state = state_of(instance)
+            state.key = (identity_class, (row[pk],), None)
+            if fire_load:
+                manager.dispatch.load(state, None)
+                state._commit_all(values)  # as the ORM does after the load event
+            return instance
+
+        return load
 
     def _plan(self, mapper: Mapper[Any]) -> _MapperPlan:
         plan = self._plans.get(mapper)
@@ -159,8 +205,8 @@ class RowLoader:
             )
         return found
 
-    def load(self, row: Sequence[Any]) -> Any:
-        """The instance for one row; raises whatever building it raised."""
+    def _load(self, row: Sequence[Any]) -> Any:
+        """The instance for one row, any mapper of the hierarchy (see :attr:`load`)."""
         plan = self._plan(self._mapper_of(row))
         instance = plan.new_instance()
         state = attributes.instance_state(instance)

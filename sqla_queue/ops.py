@@ -360,10 +360,14 @@ def _seconds_between(start: Any, end: Any) -> float:
 
 def _int_array(values: list[Any]) -> Any:
     """Integers as a PostgreSQL array literal (``'{1,2,3}'``, cast by the statement):
-    psycopg dumps a list element by element in Python, the literal is built in C."""
-    if all(type(v) is int for v in values):
+    psycopg dumps a list element by element in Python, the literal is built in C (the
+    check too: no Python call per element)."""
+    if not values or set(map(type, values)) == _ONLY_INT:
         return "{" + ",".join(map(str, values)) + "}"
     return values
+
+
+_ONLY_INT: Final = {int}
 
 
 #: Tokens one statement takes at most (a call with more runs one statement per part).
@@ -670,8 +674,9 @@ class QueueOps:
         seen(
             [
                 (row[priority], row[run_after], row[pk], row[queue])
-                for row in rows
-                if not isinstance(row, RowError) and isinstance(row[run_after], datetime)
+                for row in rows  # the exact types first: no call for what psycopg gives
+                if type(row) is not RowError
+                and (type(row[run_after]) is datetime or isinstance(row[run_after], datetime))
             ],
             from_head=not request.from_cursor,
             took=took,
@@ -718,18 +723,14 @@ class QueueOps:
         with self.driver.deadline(conn, self.statement_deadline):
             rows = conn.fetch_claimed(stmt, values, pk, attempt, self._flow_turn)
         took = time.perf_counter() - began
-        claimed: list[tuple[Any, ...] | RowError] = []
-        keep = claimed.append
-        owed = False
-        kept = self._child_ids_index
-        for row in rows:  # the last column tells a completed token's row from a claimed one
-            if isinstance(row, RowError) or not row[-1]:
-                keep(row)
-            else:
-                done[row[pk], row[attempt]] = "done"
-                owed = owed or (kept is not None and row[kept] is not None)
-        if owed:
-            self.on_owed()
+        # The last column tells a completed token's row from a claimed one.
+        claimed = [row for row in rows if type(row) is RowError or not row[-1]]
+        if len(claimed) < len(rows):
+            completed = [row for row in rows if type(row) is not RowError and row[-1]]
+            done.update({(row[pk], row[attempt]): "done" for row in completed})
+            kept = self._child_ids_index  # on a table with workflows, the children each kept
+            if kept is not None and any(row[kept] is not None for row in completed):
+                self.on_owed()
         self._note(claimed, request, took)
         return cast(Moved, done), self._claimed(claimed, request.isolated)
 
@@ -740,7 +741,7 @@ class QueueOps:
         found: list[Claimed] = []
         append = found.append
         for row in rows:
-            if isinstance(row, RowError):
+            if type(row) is RowError:
                 problem = RowProblem("cannot read the row", row.error)
                 append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False, None)))
                 continue

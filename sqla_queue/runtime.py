@@ -262,6 +262,10 @@ class Runtime(Protocol):
         ``around``: wraps the awaitable of an ``async def`` one before it is awaited."""
         ...
 
+    #: ``call(fn, *args)`` for a function :meth:`is_async` said is plain, off the loop:
+    #: the path of every job of a plain handler, with no choice left to make per call.
+    call_plain: Callable[..., Any]
+
     def is_async(self, fn: Callable[..., Any]) -> bool:
         """Whether this runtime awaits ``fn`` (decided once per function)."""
         ...
@@ -294,6 +298,7 @@ class ThreadRuntime:
 
     def __init__(self) -> None:
         self._running = _Running()
+        self.call_plain: Callable[..., Any] = self._running.run
 
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
         return _on_thread(target, name, *args)
@@ -357,6 +362,7 @@ class AsyncRuntime:
         self._guard: asyncio.Task[None] | None = None
         self._guard_release: asyncio.Future[None] | None = None
         self._kinds: dict[Any, bool] = {}
+        self.call_plain: Callable[..., Any] = self.call
 
     def spawn(self, target: Callable[..., None], name: str, *args: Any, own_thread: bool = False) -> Strand:
         if own_thread:  # a loop of its own, on a thread of its own
@@ -409,7 +415,13 @@ class AsyncRuntime:
         handler is over, a cancellation it requested but never awaited is taken here,
         and the task's count of cancellation requests goes back to what it was, so the
         executor goes on as if nothing happened (``asyncio.timeout`` and task groups in
-        later handlers rely on that count)."""
+        later handlers rely on that count).
+
+        The awaitable is awaited by the task, never started here in the executor's
+        greenlet, even when it would finish without suspending: a handler using an
+        ``AsyncSession`` starts greenlets of its own, whose driver would then be this
+        greenlet instead of the task's, and the switches that follow would reach the
+        wrong one (the worker's tests with transactional handlers on asyncio fail so)."""
         task = asyncio.current_task()
         assert task is not None
         self._in_handler.add(task)
@@ -485,10 +497,12 @@ class _Running:
     one of them outlived its stop."""
 
     def __init__(self) -> None:
-        self._by_thread: dict[threading.Thread, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+        #: By thread identifier (``threading.get_ident()``: no Python call, unlike
+        #: ``current_thread()``); :meth:`report` finds the thread's name.
+        self._by_thread: dict[int, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        me = threading.current_thread()
+        me = threading.get_ident()
         self._by_thread[me] = (fn, args)
         try:
             return fn(*args)
@@ -496,7 +510,8 @@ class _Running:
             del self._by_thread[me]
 
     def report(self) -> None:
-        for thread, (fn, args) in list(self._by_thread.items()):
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        for ident, (fn, args) in list(self._by_thread.items()):
             if isinstance(getattr(fn, "__self__", None), contextvars.Context) and args:
                 fn, args = args[0], args[1:]  # Context.run(handler, job)
             job = getattr(args[0], "id", "?") if args else "?"
@@ -504,7 +519,7 @@ class _Running:
                 "handler %s (job %s) is still running in thread %s after the worker stopped: a "
                 "thread cannot be interrupted; its job was handed back, and the process can exit "
                 "without waiting for it",
-                _name_of(fn), job, thread.name,
+                _name_of(fn), job, names.get(ident, f"#{ident}"),
             )
 
 

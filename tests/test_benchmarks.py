@@ -265,3 +265,44 @@ def test_quick_pressure_run_prints_every_row() -> None:
     assert cluster, result.stderr
     leftover = Path(cluster[0].split("data in ", 1)[1].strip())
     assert not leftover.exists(), f"the benchmark left its cluster at {leftover}"
+
+
+#: The first cells of the rows of ``cost.py --quick``.
+COST_ROWS = (
+    "processing, raw best, batch 100, 1p |",
+    "processing, raw best, batch 500, 1p |",
+    "processing, matched raw, 1p |",
+    "processing, Worker, 1p |",
+    "processing, raw best, batch 100, 2p |",
+    "processing, raw best, batch 500, 2p |",
+    "processing, matched raw, 2p |",
+    "processing, Worker, 2p |",
+    "processing, AsyncWorker, 1p |",
+    "raw INSERT + NOTIFY |",
+    "enqueue_values, one open Connection |",
+    "enqueue_values, engine.begin() |",
+    "raw COPY |",
+    "enqueue_many(method='copy') |",
+)
+
+
+@pytest.mark.timeout(300)
+def test_quick_cost_run_prints_every_row(server: Server) -> None:
+    """``benchmarks/cost.py --quick``: every processing side drains its jobs (run.py's
+    harness checks each is done once), every row printed with its CPU per job."""
+    admin = server.admin_url.render_as_string(hide_password=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("cost.py")), "--quick", "--url", admin],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| measure | rate | CPU µs/job | / raw best | / matched raw |", result.stdout
+    for expected in COST_ROWS:
+        assert any(line.startswith(f"| {expected}") for line in table), (expected, result.stdout)
+    assert len(table) == len(COST_ROWS) + 1, result.stdout
+    for line in table[1:]:
+        assert float(line.split(" | ")[2].replace(",", "")) > 0, line  # a CPU time was measured

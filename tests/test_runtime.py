@@ -60,3 +60,36 @@ def test_pool_hands_errors_to_the_future_and_cancels_queued_work_on_shutdown() -
     gate.set()
     assert blocked.result(10) is True
     assert isinstance(blocked, concurrent.futures.Future)
+
+
+def test_a_plain_handler_still_running_when_the_thread_worker_closes_is_named_with_its_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``ThreadRuntime.call_plain`` keeps the handlers running by thread: a close while one
+    runs names its handler, its job and the thread it runs in; one that returned is gone."""
+    from types import SimpleNamespace
+
+    from sqla_queue.runtime import ThreadRuntime
+
+    runtime = ThreadRuntime()
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_handler(job: object) -> None:
+        inside.set()
+        release.wait(10)
+
+    assert runtime.call_plain(lambda job: job.id, SimpleNamespace(id=7)) == 7  # returned: not kept
+    thread = threading.Thread(
+        target=runtime.call_plain, args=(slow_handler, SimpleNamespace(id=41)), name="executor-under-test"
+    )
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with caplog.at_level("WARNING", logger="sqla_queue.worker"):
+            runtime.close()
+    finally:
+        release.set()
+        thread.join(10)
+    lines = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "slow_handler" in lines[0] and "job 41" in lines[0] and "executor-under-test" in lines[0]

@@ -69,24 +69,27 @@ class Completer:
         hand back what it moved (:meth:`settle_completed`), or its error
         (:meth:`complete_after_failure`). Returns those ([] when none is left to the
         caller: every outcome was recorded here)."""
-        done: list[Outcome] = []
         by_kind: dict[tuple[Kind, bool], list[Outcome]] = {}
         committed: list[Outcome] = []
         lost: list[Held] = []
         cancelled: list[Outcome] = []
-        for outcome in outcomes:
-            kind = outcome.kind
-            if kind is Kind.CANCELLED or outcome.held.stopped == CANCELLED:
-                # Told after its handler returned: the row says cancelled all the same.
-                cancelled.append(outcome)
-            elif outcome.held.lost or kind is Kind.LOST:
-                lost.append(outcome.held)
-            elif kind is Kind.DONE:
-                done.append(outcome)
-            elif kind is Kind.COMMITTED:
-                committed.append(outcome)
-            else:
-                by_kind.setdefault((kind, outcome.refund), []).append(outcome)
+        # The hot path: every outcome done (as the loop below would sort it), no call a job.
+        done = [o for o in outcomes if o.kind is Kind.DONE and o.held.stopped != CANCELLED and not o.held.lost]
+        if len(done) < len(outcomes):  # some other outcome: sort them all
+            done = []
+            for outcome in outcomes:
+                kind = outcome.kind
+                if kind is Kind.CANCELLED or outcome.held.stopped == CANCELLED:
+                    # Told after its handler returned: the row says cancelled all the same.
+                    cancelled.append(outcome)
+                elif outcome.held.lost or kind is Kind.LOST:
+                    lost.append(outcome.held)
+                elif kind is Kind.DONE:
+                    done.append(outcome)
+                elif kind is Kind.COMMITTED:
+                    committed.append(outcome)
+                else:
+                    by_kind.setdefault((kind, outcome.refund), []).append(outcome)
         if committed:  # recorded by the handler's own transaction
             self.settle([Settled(o.held, "done", o) for o in committed])
         if cancelled:  # recorded by the cancel itself
@@ -104,7 +107,7 @@ class Completer:
         if not done:
             return []
         # One statement is fenced by one owner: the claim's (an older name claims apart).
-        if claim_owner is None or any(o.held.owner != claim_owner for o in done):
+        if claim_owner is None or [o for o in done if o.held.owner != claim_owner]:
             self._record_kind(connect, Kind.DONE, done)
             return []
         alive = set(self.ledger.finishing([o.held for o in done]))
@@ -301,14 +304,14 @@ class Completer:
         results: list[Settled] = []
         missed: list[Held] = []
         append = results.append
-        if kind is Kind.DONE:  # the hot path: a tuple per job and nothing else
-            for o in outcomes:
-                if o.held.token not in moved:
-                    missed.append(o.held)
-                    continue
+        if kind is Kind.DONE:  # the hot path: a tuple per job and no call
+            done = [o for o in outcomes if o.held.token in moved]
+            if len(done) < len(outcomes):
+                missed = [o.held for o in outcomes if o.held.token not in moved]
+            for o in done:
                 if o.unsure:
                     _commit_landed(o.held.token)
-                append(_new_settled(Settled, (o.held, "done", o, None, "")))
+            results = [_new_settled(Settled, (o.held, "done", o, None, "")) for o in done]
         else:
             for o in outcomes:
                 status = moved.get(o.held.token)
@@ -396,7 +399,7 @@ class Completer:
         hooks.count(counts)
         hooks.finished(events)
         if not forgotten:
-            self.ledger.remove(r.held for r in results)
+            self.ledger.remove([r.held for r in results])
 
 
 #: Settled.status -> the outcome observers see.

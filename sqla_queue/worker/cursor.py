@@ -143,6 +143,8 @@ class ClaimCursor:
                 self._missed = False
             elif not ordered:
                 self._missed = True
+            if not per_queue and ordered:  # one lane: its greatest key, found in C
+                ordered = [max(ordered)]
             for lane, key in ordered:
                 last = lasts.get(lane)
                 if last is None or key > last:

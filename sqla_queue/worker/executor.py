@@ -28,6 +28,7 @@ import re
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, suppress
+from types import CoroutineType
 from typing import Any
 
 from sqlalchemy import Connection
@@ -122,6 +123,19 @@ class Executor:
         self.watchdog: Watchdog | None = None
         #: A return value as the result the table keeps (None: it keeps none).
         self.encode_result = ctx.ops.result_encoder(ctx.config.max_result_size) if ctx.ops.stores_results else None
+        #: The one handler when it is a plain function taking the job (not a registry, not
+        #: transactional, not ``async def``) and no ``job_context`` wraps it: a job without
+        #: a deadline then runs it straight from :meth:`run` (:meth:`_plain`), through
+        #: none of the choices the other kinds need.
+        self._plain_fn: Callable[[Any], Any] | None = None
+        #: The same for an ``async def`` handler (the AsyncWorker): :meth:`_plain_async`.
+        self._async_fn: Callable[[Any], Any] | None = None
+        if isinstance(handler, ResolvedHandler) and not handler.transactional and job_context is None:
+            if self.runtime.is_async(handler.fn):
+                self._async_fn = handler.fn
+            else:
+                self._plain_fn = handler.fn
+        self._call_plain = self.runtime.call_plain
 
     def run(self, held: Held, lane: Lane) -> Outcome:
         if held.load_error is not None:
@@ -130,18 +144,24 @@ class Executor:
             return Outcome(held, Kind.CANCELLED)
         bound = bind(held)  # its context is made when the handler first asks for it
         try:
-            handler = self._resolve(held.job)
-            if held.deadline is not None or self.job_context is not None or self.runtime.is_async(handler.fn):
-                # Made now: the watchdog tells a running handler by it, an ``async def``
-                # handler's task is cancelled through it, and a job_context may ask for it.
-                # Otherwise the handler's first current_job() makes it (most never ask).
-                held.job_context(running=False)
-                if held.deadline is not None and self.watchdog is not None:
-                    self.watchdog.watch(held)
-            if self.job_context is not None:
-                outcome = self._in_job_context(held, handler, lane)
+            fn = self._plain_fn
+            if fn is not None and held.deadline is None:
+                outcome = self._plain(held, fn)
+            elif self._async_fn is not None and held.deadline is None:
+                outcome = self._plain_async(held, self._async_fn)
             else:
-                outcome = self._call(held, handler, lane)
+                handler = self._resolve(held.job)
+                if held.deadline is not None or self.job_context is not None or self.runtime.is_async(handler.fn):
+                    # Made now: the watchdog tells a running handler by it, an ``async def``
+                    # handler's task is cancelled through it, and a job_context may ask for it.
+                    # Otherwise the handler's first current_job() makes it (most never ask).
+                    held.job_context(running=False)
+                    if held.deadline is not None and self.watchdog is not None:
+                        self.watchdog.watch(held)
+                if self.job_context is not None:
+                    outcome = self._in_job_context(held, handler, lane)
+                else:
+                    outcome = self._call(held, handler, lane)
         except BaseException as exc:
             if self.runtime.cancelled():
                 raise  # the executor's own task is cancelled (its loop is closing): stop here
@@ -149,6 +169,46 @@ class Executor:
         finally:
             unbind(bound)
         return outcome if held.stopped is None else self._over(held, outcome)
+
+    def _plain(self, held: Held, fn: Callable[[Any], Any]) -> Outcome:
+        """:meth:`_call` and :meth:`_invoke` for the plain handler (``_plain_fn``), in one
+        frame: the path every job of such a handler without a deadline takes."""
+        context = held.context  # None until the handler asks (then made running)
+        if context is not None:
+            context.enter(None)
+        try:
+            result = self._call_plain(fn, held.job)
+        finally:
+            context = held.context
+            if context is not None:
+                context.leave()
+        return Outcome(held, Kind.DONE) if result is None else self._returned(held, result)
+
+    def _plain_async(self, held: Held, fn: Callable[[Any], Any]) -> Outcome:
+        """:meth:`_call` and :meth:`_invoke` for the ``async def`` handler (``_async_fn``):
+        its context made and entered with the task a cancel or a timeout cancels, its
+        coroutine awaited with the context current (:func:`~sqla_queue.current.in_context`)."""
+        context = held.job_context(running=False)
+        context.enter(asyncio.current_task())
+        try:
+            awaitable: Any = fn(held.job)
+            if type(awaitable) is CoroutineType or inspect.isawaitable(awaitable):
+                awaitable = in_context(context, awaitable)
+            result = self.runtime.run_awaitable(awaitable, "the handler")
+        finally:
+            context.leave()
+        return Outcome(held, Kind.DONE) if result is None else self._returned(held, result)
+
+    def _returned(self, held: Held, result: Any) -> Outcome:
+        """What a plain or ``async def`` handler (of the fast paths) returned: done,
+        with the result the table keeps, if it keeps one."""
+        if result is None:
+            return Outcome(held, Kind.DONE)
+        if inspect.isawaitable(result):
+            return self._awaitable(held, self._resolve(held.job), result)
+        if self.encode_result is not None:
+            return self._with_result(held, result)
+        return Outcome(held, Kind.DONE)
 
     def _over(self, held: Held, outcome: Outcome) -> Outcome:
         """The outcome of an attempt that was told to stop: ``cancelled`` (nothing to
@@ -553,20 +613,30 @@ class ExecutorPool(Service):
         accepted = False
         hooks = self.hooks
         started = hooks.started if hooks.wants_started else None
+        ledger_start, run, clock = self.ledger.start, self.executor.run, time.perf_counter
+        # One reading of the clock a job: a job's run ends when the next one's begins
+        # (the few statements between them count in its run time), and its wall-clock
+        # start is the batch's, moved on by the monotonic clock.
+        t0 = clock()
+        wall = time.time() - t0
         try:
             for h in held:
-                start = self.ledger.start(h)
+                start = ledger_start(h)
                 if start is Start.DEFER:
                     deferred.append(h)  # a solitary job waits for this worker to empty
                     continue
                 if start is Start.SKIP:
                     continue  # lost meanwhile, or handed back by a shutdown
-                h.started_at = time.time()
+                if h.solitary:
+                    t0 = clock()  # it may have waited in start() for the others to finish
+                h.started_at = wall + t0
                 if started is not None:
                     started(h)
-                t0 = time.perf_counter()
-                outcomes.append(self.executor.run(h, lane))
-                h.run_time = time.perf_counter() - t0
+                    t0 = clock()
+                outcomes.append(run(h, lane))
+                end = clock()
+                h.run_time = end - t0
+                t0 = end
                 ran += 1
             busy = time.monotonic() - began
             if deferred:

@@ -207,7 +207,7 @@ class Ledger:
         nothing: the other jobs finish, or are handed back unstarted (DEFER), so that
         if it kills the worker, it takes no other job's attempt with it.
         """
-        with self._changed:
+        with self._lock:  # the Condition's own lock: ``_changed.wait`` may release it
             if held is self._solitary:
                 while not (held.lost or held.finishing) and (len(self._held) > 1 or self._claims):
                     self._changed.wait(0.05)
@@ -249,19 +249,20 @@ class Ledger:
 
     def finishing(self, held: Iterable[Held]) -> list[Held]:
         """Mark jobs whose outcome is about to be recorded; returns those not lost."""
-        live = []
         with self._lock:
-            for h in held:
-                if not h.lost:
-                    h.finishing = True
-                    live.append(h)
+            live = [h for h in held if not h.lost]
+            for h in live:
+                h.finishing = True
         return live
 
     def remove(self, held: Iterable[Held]) -> None:
         with self._lock:
+            jobs = self._held
             for h in held:
-                if self._held.get(h.token) is h:
-                    self._forget(h)
+                if jobs.get(h.token) is h:
+                    del jobs[h.token]  # _forget(), inline: once a job
+                    if h is self._solitary:
+                        self._solitary = None
             self._changed.notify_all()
 
     def _forget(self, h: Held) -> None:

@@ -35,6 +35,7 @@ import psycopg
 
 from ..driver import DbConnection, Driver
 from ..jsontext import MAX_PROGRESS_SIZE
+from ..model import ClaimToken
 from ..ops import Claimed, ClaimRequest, RowProblem
 from ..runtime import Semaphore
 from .context import WorkerContext
@@ -279,23 +280,27 @@ class Producer:
 
     def _held(self, rows: list[Claimed], request: ClaimRequest) -> list[Held]:
         isolated, owner = request.isolated, request.owner
-        held: list[Held] = []
-        append = held.append
         now = time.monotonic()
-        for token, job, problem, solitary, timeout in rows:
-            deadline = None if timeout is None else now + timeout
-            if problem is None and timeout is None:  # positional: the hot path, once per claimed row
-                append(Held(token, job, None, isolated, solitary, owner))
-            elif problem is None:
-                append(Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner, timeout=timeout,
-                            deadline=deadline))
-            else:
-                append(Held(token, load_error=self._load_error(problem), isolated=isolated, solitary=solitary,
-                            owner=owner, timeout=timeout, deadline=deadline))
+        held = [
+            Held(token, job, None, isolated, solitary, owner)  # positional: the hot path, once per claimed row
+            if problem is None and timeout is None
+            else self._held_other(token, job, problem, solitary, timeout, isolated, owner, now)
+            for token, job, problem, solitary, timeout in rows
+        ]
         if self._progress is not None:
             for h in held:
                 h.progress_encoder = self._progress
         return held
+
+    def _held_other(self, token: ClaimToken, job: Any, problem: RowProblem | None, solitary: bool,
+                    timeout: float | None, isolated: bool, owner: str, now: float) -> Held:
+        """The held job of a row with a timeout or a problem (see :meth:`_held`)."""
+        deadline = None if timeout is None else now + timeout
+        if problem is None:
+            return Held(token, job=job, isolated=isolated, solitary=solitary, owner=owner, timeout=timeout,
+                        deadline=deadline)
+        return Held(token, load_error=self._load_error(problem), isolated=isolated, solitary=solitary,
+                    owner=owner, timeout=timeout, deadline=deadline)
 
     def _load_error(self, problem: RowProblem) -> str:
         limit = self.config.max_error_length
