@@ -899,9 +899,12 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
 
     The times from each kill to those jobs' ends are printed, against lease + sweep +
     poll + 1 s plus the load measured meanwhile (:class:`ConnectLag`), but not asserted:
-    a job can take one more lease and sweep (killed a second time beside the killer's
-    isolated attempt), or wait for a worker to take it (the others dead, restarting, or
-    running a solitary job), on both runtimes. The handlers guide says so."""
+    a killed process's jobs are swept once its sessions ended and their leases missed 1.5
+    heartbeats, yet a job can take that once more (killed a second time beside the
+    killer's isolated attempt), then wait for a worker to run it alone, or wait for a
+    worker to take it (the others dead, restarting, or running a solitary job), on both
+    runtimes. The handlers guide says so; each job over the bound is printed with its
+    kills, its last claim and its end (seconds from its first kill)."""
     supervisor = Supervisor(engine, worker_processes, 3)
     try:
         wait_for(lambda: backends(engine, "sqla_queue_worker", listening=True) >= 3, timeout=60,
@@ -950,6 +953,12 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
           f"{min(took_first.values()):.2f}-{max(took_first.values()):.2f}s after their first; "
           f"lease+sweep+poll+1+lag {worst:.2f} = {bound:.2f}s; over it: "
           f"{sorted(round(t, 2) for t in took_first.values() if t > bound)}")
+    for i in sorted(i for i, t in took_first.items() if t > bound):
+        r, t0 = finished[i], first_kill[i]
+        print(f"  job {i}: killed at {[round(d - t0, 2) for d, _, held in sorted(deaths) if i in held]}, "
+              f"claimed {r.started_at.timestamp() - t0:.2f}, done {r.finished_at.timestamp() - t0:.2f} "
+              f"(other kills {[round(d - t0, 2) for d, _, held in sorted(deaths) if i not in held]}); "
+              f"attempt {r.attempts} of {r.max_attempts}, after {r.last_error!r}")
     assert max(kills.values()) <= 2, kills
     # At most one attempt lost per kill it was in flight for (none when its claim or its
     # completion had not reached the server when the process died). Attempts only grow: a
