@@ -8,8 +8,10 @@ only through the :class:`~sqla_queue.driver.Driver`:
   its own connection (:mod:`.producer`), runs the handlers, and hands every outcome to
   the **completer** (:mod:`.completer`), the one path by which results reach the table;
 - the **heartbeat** (:mod:`.heartbeat`) extends the leases of every held job;
-- the **sweeper** (:mod:`.sweeper`) returns expired leases of dead workers;
-- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups (unless ``listen=False``);
+- the **sweeper** (:mod:`.sweeper`) returns the jobs of dead workers (expired leases, or
+  ended sessions);
+- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups and holds the worker's
+  session lock (unless ``listen=False``);
 - the **scheduler** (:mod:`.scheduler`) enqueues periodic jobs, each tick once across
   every worker (when the worker has schedules);
 - the **pruner** (:mod:`.pruner`) deletes finished jobs past their ``retention`` (when set).
