@@ -1042,7 +1042,11 @@ def test_a_killed_workers_jobs_return_once_its_session_ends_never_a_live_or_leas
     victim_name, plain_name = _worker_name(engine, mine), _worker_name(engine, theirs)
     assert victim_name.endswith(q.SESSION_MARK) and f":{victim.pid}:" in victim_name
     assert not plain_name.endswith(q.SESSION_MARK) and f":{plain.pid}:" in plain_name
-    assert _lock_holders(engine, victim_name) == _listening_backends(engine, victim_app) != set()
+    def lock_on_listener() -> bool:  # held by the victim's listener connection, and by it only
+        holders = _lock_holders(engine, victim_name)
+        return bool(holders) and holders == _listening_backends(engine, victim_app)
+
+    wait_for(lock_on_listener, timeout=10, what="the victim's lock held by its listener")
     assert _lock_holders(engine, plain_name) == set()
 
     # A sweeper sweeps by session only once its own session is a lease old.
@@ -1068,8 +1072,7 @@ def test_a_killed_workers_jobs_return_once_its_session_ends_never_a_live_or_leas
     assert cut >= 2
     # Taken before its lease ran out: a sweep by session ran while the victim's lock was cut.
     assert time.monotonic() - began < GHOST_LEASE_LEFT, "the ghost's job waited for its lease"
-    holders = wait_for(lambda: _lock_holders(engine, victim_name), timeout=10, what="the victim's lock held again")
-    assert holders == _listening_backends(engine, victim_app)
+    wait_for(lock_on_listener, timeout=10, what="the victim's lock held again by its new listener connection")
     assert [(r.status, r.attempts, r.lease_owner.rsplit("/", 1)[0]) for r in rows(engine, mine)] == [
         ("running", 1, victim_name)] * 2
 
