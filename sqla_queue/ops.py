@@ -42,11 +42,11 @@ from .model import (
 from .periodic import Schedule, schedules_table
 from .registry import declared_workers_table
 from .rules import takes_turns
-from .sql import ClaimToken, is_solitary
+from .sql import SESSION_MARK, ClaimToken, is_solitary
 
 __all__ = [
     "ClaimRequest", "ClaimSeen", "ClaimStart", "Claimed", "CursorStart", "Moved", "Operations", "QueueOps",
-    "RetentionOps", "RowProblem", "ScheduleOps", "SweepResult", "SweptJob", "TokenState",
+    "SESSION_MARK", "RetentionOps", "RowProblem", "ScheduleOps", "SweepResult", "SweptJob", "TokenState",
 ]
 
 #: ``ClaimToken(pk, attempt)`` and ``Claimed(...)`` without the named tuples' Python-level ``__new__``.
@@ -325,7 +325,12 @@ class Operations(Protocol):
         """Which of ``tokens`` owners starting with ``owner_prefix`` still hold."""
 
     def sweep(self, conn: DbConnection, *, limit: int) -> SweepResult:
-        """Expired leases back to ``pending`` (isolated), or ``failed`` when exhausted."""
+        """Expired leases back to ``pending`` (isolated), or ``failed`` when exhausted;
+        with a heartbeat known, also the jobs of workers whose session ended."""
+
+    def hold_worker_lock(self, conn: DbConnection, owner: str) -> bool:
+        """Take the session lock of the worker ``owner`` on ``conn`` (kept for its life):
+        True once held, False while another session still holds it."""
 
     def complete_in_transaction(
         self, sa: Connection, owner: str, token: ClaimToken, result: str | None = None, progress: str | None = None
@@ -442,6 +447,7 @@ class QueueOps:
         *,
         queues: Sequence[str] | None = None,
         lease: float = 30.0,
+        heartbeat: float | None = None,
         statement_deadline: float = 30.0,
         timeout: float | None = None,
         task_timeouts: Mapping[str, float] | None = None,
@@ -453,6 +459,9 @@ class QueueOps:
         self.model = model
         self.queues = tuple(queues) if queues is not None else None
         self.lease = float(lease)
+        #: The workers' heartbeat interval: the sweep also returns the jobs of workers
+        #: whose session ended (see sql.sweep_expired). None: expired leases only.
+        self.heartbeat = None if heartbeat is None else float(heartbeat)
         self.statement_deadline = float(statement_deadline)
         self.channel = driver.channel(table)
         #: The claim's deadline of jobs without a timeout of their own (see sql._timeout_of).
@@ -570,6 +579,7 @@ class QueueOps:
         #: Statements for the rare cases, compiled when first needed.
         self._rare: dict[tuple[str, bool], Statement] = {}
         self._sweeps: dict[int, Statement] = {}
+        self._worker_lock: Statement | None = None
         columns = list(table.c)
         where = {id(c): n for n, c in enumerate(columns)}  # by identity: == makes SQL
         self._pk_index = where[id(qt.pk)]
@@ -1045,7 +1055,10 @@ class QueueOps:
         when their attempts are used up."""
         stmt = self._sweeps.get(limit)
         if stmt is None:
-            stmt = self._sweeps[limit] = self._compile(q.sweep_expired(self.table, limit=limit))
+            lease = None if self.heartbeat is None else self.lease
+            stmt = self._sweeps[limit] = self._compile(
+                q.sweep_expired(self.table, limit=limit, lease=lease, heartbeat=self.heartbeat)
+            )
         rows = conn.execute(stmt, {})
         return SweepResult(
             len(rows),
@@ -1054,6 +1067,16 @@ class QueueOps:
             sorted({row[2] for row in rows}),
             [SweptJob(row[0], row[1], row[2], row[3], row[4] if len(row) > 4 else None) for row in rows],
         )
+
+    def hold_worker_lock(self, conn: DbConnection, owner: str) -> bool:
+        """Take the session lock of the worker ``owner`` (its name ends with
+        :data:`SESSION_MARK`) on ``conn``, the connection it keeps for its life: True
+        once held, False while another session (its previous connection, not yet ended
+        on the server) still holds it."""
+        if self._worker_lock is None:
+            self._worker_lock = self.driver.compile(q.hold_worker_lock())
+        rows = conn.execute(self._worker_lock, {q.OWNER_PARAM: owner})
+        return bool(rows and rows[0][0])
 
     # -- the rare statements -----------------------------------------------------------
 

@@ -428,6 +428,13 @@ class FakeOps:
                      [j.id for j in expired if j.status == "failed"], sorted({j.queue for j in expired}),
                      [SweptJob(j.id, j.status, j.queue, j.attempts, None) for j in expired])
 
+    #: The workers whose session lock is held (the fake has no sessions: held for ever).
+    session_locks: set[str] = field(default_factory=set)
+
+    def hold_worker_lock(self, conn: Any, owner: str) -> bool:
+        self.session_locks.add(owner)
+        return True
+
     def result_encoder(self, limit: int) -> Callable[[Any], str | None]:
         return ResultEncoder(dialect_json_serializer(None), limit)
 

@@ -10,14 +10,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, bindparam, func, insert, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, create_engine, func, insert, select, text, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.pool import NullPool
 
 from sqla_queue import Backoff, ClaimToken, archive_table
 from sqla_queue import sql as q
 
 from . import claimers
-from .helpers import Server, table_of
+from .helpers import Server, table_of, wait_for
 from .models import Base, EmailJob, ReportJob, UuidJob
 
 JOBS = table_of(EmailJob)
@@ -393,6 +394,73 @@ def test_sweep_returns_expired_work_and_dead_letters_exhausted(engine: Engine) -
         assert conn.execute(q.sweep_expired(EmailJob)).all() == []
 
 
+def test_sweep_returns_the_jobs_of_a_worker_whose_session_ended_once_its_lease_missed_beats(
+    engine: Engine, server: Server
+) -> None:
+    """Given the workers' lease and heartbeat, a sweep also returns a job before its lease
+    expires when its owner marks a session lock, no session holds that lock, and the lease
+    missed 1.5 heartbeats; never a fresh lease (a live worker whose listener reconnects),
+    a held lock, an unmarked owner (lease only), nor from a session younger than a lease
+    (after a restart every session is new)."""
+    lease, beat = 3.0, 0.8  # a job swept early has a lease_expires_at before now + 1.8 s
+    mark = q.SESSION_MARK
+    owners = {
+        "ended": f"h:1:aaaaaaaa{mark}/0.0",
+        "held": f"h:2:bbbbbbbb{mark}/1.3",
+        "beating": f"h:3:cccccccc{mark}/0.0",
+        "unmarked": "h:4:dddddddd/0.0",
+        "expired": f"h:5:eeeeeeee{mark}/0.0",
+    }
+    #: Seconds from now each lease runs out: "beating" was extended 0.05 s ago, the
+    #: others missed 2.5 beats ("expired": its lease is over).
+    left = {"ended": 1.0, "held": 1.0, "beating": 2.95, "unmarked": 1.0, "expired": -1.0}
+    with engine.begin() as conn:
+        ids = dict(zip(owners, add_jobs(conn, len(owners)), strict=True))
+        for name, job_id in ids.items():
+            claim(conn, owner=owners[name], limit=1)  # the lowest pending id: job_id
+            assert status_of(conn, job_id) == "running"
+
+    def set_leases(conn: Connection) -> None:
+        for name, job_id in ids.items():
+            conn.execute(update(JOBS).where(JOBS.c.id == job_id).values(
+                lease_expires_at=func.clock_timestamp() + timedelta(seconds=left[name])))
+
+    fresh = create_engine(server.url, poolclass=NullPool)  # new sessions, ended when closed
+    holder = fresh.connect()
+    try:
+        assert holder.scalar(q.hold_worker_lock(), {q.OWNER_PARAM: owners["held"].rsplit("/", 1)[0]})
+        holder.commit()
+        with fresh.connect() as sweeper:
+            set_leases(sweeper)
+            young = {row[0] for row in sweeper.execute(q.sweep_expired(EmailJob, lease=lease, heartbeat=beat))}
+            sweeper.commit()
+            assert young == {ids["expired"]}  # a session younger than a lease: expired leases only
+            wait_for(lambda: sweeper.scalar(text(
+                "SELECT backend_start < clock_timestamp() - make_interval(secs => :s) "
+                "FROM pg_stat_activity WHERE pid = pg_backend_pid()"), {"s": lease}), timeout=10,
+                what="the sweeping session a lease old")
+            set_leases(sweeper)
+            plain = sweeper.execute(q.sweep_expired(EmailJob)).all()
+            assert plain == []  # without the workers' settings: expired leases only
+            swept = {row[0]: row for row in sweeper.execute(q.sweep_expired(EmailJob, lease=lease, heartbeat=beat))}
+            sweeper.commit()
+            assert set(swept) == {ids["ended"]}, {n: status_of(sweeper, i) for n, i in ids.items()}
+            assert tuple(swept[ids["ended"]])[1:4] == ("pending", "default", 1)
+            back = sweeper.execute(select(JOBS).where(JOBS.c.id == ids["ended"])).one()
+            assert back.isolated and back.lease_owner is None
+            assert back.last_error == f"lease expired: worker {owners['ended']} did not finish attempt 1 of 20"
+            assert {n: status_of(sweeper, i) for n, i in ids.items() if n not in ("ended", "expired")} == dict.fromkeys(
+                ("held", "beating", "unmarked"), "running")
+    finally:
+        holder.close()  # its session lock with it
+        fresh.dispose()
+
+
+def test_sweep_refuses_half_the_workers_settings() -> None:
+    with pytest.raises(ValueError, match="both lease and heartbeat"):
+        q.sweep_expired(EmailJob, lease=30)
+
+
 def test_a_second_expiry_in_a_row_marks_the_job_solitary(engine: Engine) -> None:
     """A job isolated already when its lease expires again gets the reason that makes the
     worker run it alone in the whole worker; a retry in between clears it."""
@@ -693,6 +761,8 @@ def test_claim_plans_use_the_partial_indexes_among_many_finished_rows(engine: En
         everywhere = _plan(conn, q.claim(EmailJob, owner="w", limit=10))
         one_queue = _plan(conn, q.claim(EmailJob, owner="w", limit=10, queues=["q1"]))
         sweep = _plan(conn, q.sweep_expired(EmailJob))
+        session_sweep = _plan(conn, q.sweep_expired(EmailJob, lease=30, heartbeat=1))
+        generic_session_sweep = _generic_plan(conn, q.sweep_expired(EmailJob, lease=30, heartbeat=1))
         generic_everywhere = _generic_plan(conn, q.claim(EmailJob, owner="w", limit=10))
         generic_one_queue = _generic_plan(conn, q.claim(EmailJob, owner="w", limit=10, queues=["q1"]))
     assert "email_jobs_claim_idx" in generic_everywhere, generic_everywhere
@@ -700,6 +770,8 @@ def test_claim_plans_use_the_partial_indexes_among_many_finished_rows(engine: En
     assert "email_jobs_claim_idx" in everywhere and "Sort" not in everywhere, everywhere
     assert "email_jobs_claim_queue_idx" in one_queue and "Sort" not in one_queue, one_queue
     assert "email_jobs_lease_idx" in sweep, sweep
+    for plan in (session_sweep, generic_session_sweep):  # one range of running leases, whatever the owners
+        assert "email_jobs_lease_idx" in plan and "Seq Scan on email_jobs" not in plan, plan
     assert "Seq Scan" not in everywhere + one_queue
 
 

@@ -17,16 +17,18 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import URL, Engine, MetaData, create_engine, select, text
+from sqlalchemy import URL, Engine, MetaData, create_engine, func, select, text
 from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 from sqla_queue import Backoff, JobMixin, QueueSession, RetryLater, Tasks, Worker
+from sqla_queue import sql as q
 from sqla_queue.driver import WorkerStartError
 from sqla_queue.errors import SqlaQueueError
 from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
@@ -897,9 +899,12 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
 
     The times from each kill to those jobs' ends are printed, against lease + sweep +
     poll + 1 s plus the load measured meanwhile (:class:`ConnectLag`), but not asserted:
-    a job can take one more lease and sweep (killed a second time beside the killer's
-    isolated attempt), or wait for a worker to take it (the others dead, restarting, or
-    running a solitary job), on both runtimes. The handlers guide says so."""
+    a killed process's jobs are swept once its sessions ended and their leases missed 1.5
+    heartbeats, yet a job can take that once more (killed a second time beside the
+    killer's isolated attempt), then wait for a worker to run it alone, or wait for a
+    worker to take it (the others dead, restarting, or running a solitary job), on both
+    runtimes. The handlers guide says so; each job over the bound is printed with its
+    kills, its last claim and its end (seconds from its first kill)."""
     supervisor = Supervisor(engine, worker_processes, 3)
     try:
         wait_for(lambda: backends(engine, "sqla_queue_worker", listening=True) >= 3, timeout=60,
@@ -948,6 +953,12 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
           f"{min(took_first.values()):.2f}-{max(took_first.values()):.2f}s after their first; "
           f"lease+sweep+poll+1+lag {worst:.2f} = {bound:.2f}s; over it: "
           f"{sorted(round(t, 2) for t in took_first.values() if t > bound)}")
+    for i in sorted(i for i, t in took_first.items() if t > bound):
+        r, t0 = finished[i], first_kill[i]
+        print(f"  job {i}: killed at {[round(d - t0, 2) for d, _, held in sorted(deaths) if i in held]}, "
+              f"claimed {r.started_at.timestamp() - t0:.2f}, done {r.finished_at.timestamp() - t0:.2f} "
+              f"(other kills {[round(d - t0, 2) for d, _, held in sorted(deaths) if i not in held]}); "
+              f"attempt {r.attempts} of {r.max_attempts}, after {r.last_error!r}")
     assert max(kills.values()) <= 2, kills
     # At most one attempt lost per kill it was in flight for (none when its claim or its
     # completion had not reached the server when the process died). Attempts only grow: a
@@ -957,3 +968,143 @@ def test_jobs_in_flight_on_a_process_a_job_kills_all_finish_losing_at_most_two_a
     spent = {r.id: r.attempts - (r.max_attempts - 3) for r in finished.values()}
     over = [(i, finished[i].attempts, finished[i].max_attempts, kills[i]) for i, n in spent.items() if n > kills[i] + 1]
     assert not over, f"(id, attempts, max_attempts, kills) of jobs that lost more than one attempt per kill: {over}"
+
+
+# -- 6c. a dead worker noticed by its ended session ----------------------------------------------
+
+#: A lease the sweep by lease alone takes seconds longer than the sweep by session.
+SESSION_LEASE, SESSION_BEAT, SESSION_SWEEP = 6.0, 0.5, 0.2
+SESSION_TIMING = ("--lease", "6s", "--heartbeat", "0.5s", "--poll-interval", "0.5s", "--sweep-interval", "0.2s")
+#: The lease a job of a dead worker has left when it appears (its worker missed two beats).
+GHOST_LEASE_LEFT = SESSION_LEASE - 2 * SESSION_BEAT
+
+
+def _worker_name(engine: Engine, job_ids: list[int]) -> str:
+    """The name of the worker whose executors hold ``job_ids`` (one worker)."""
+    names = {r.lease_owner.rsplit("/", 1)[0] for r in rows(engine, job_ids) if r.status == "running"}
+    assert len(names) == 1, names
+    return str(names.pop())
+
+
+def _lock_holders(engine: Engine, name: str) -> set[int]:
+    """The backends holding the session lock of the worker ``name``."""
+    with engine.connect() as conn:
+        return set(conn.scalars(
+            text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 "
+                "AND classid = CAST(:space AS oid) AND objid = CAST(hashtext(:name) AS oid)"
+            ),
+            {"space": q.WORKER_LOCK_SPACE, "name": name},
+        ))
+
+
+def _listening_backends(engine: Engine, app_name: str) -> set[int]:
+    with engine.connect() as conn:
+        return set(conn.scalars(
+            text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = :app AND query LIKE 'LISTEN %'"
+            ),
+            {"app": app_name},
+        ))
+
+
+def _pending_at(engine: Engine, ids: list[int], found: dict[int, float]) -> Callable[[], bool]:
+    """Note when each of ``ids`` is first seen back to pending (a sweep returned it)."""
+    def check() -> bool:
+        now = time.time()
+        for r in rows(engine, ids):
+            if r.id not in found and r.status == "pending":
+                found[r.id] = now
+        return all(i in found for i in ids)
+
+    return check
+
+
+def test_a_killed_workers_jobs_return_once_its_session_ends_never_a_live_or_lease_only_ones(
+    engine: Engine, server: Server, app_processes: Callable[..., AppProcess]
+) -> None:
+    """A listening worker holds a session lock: killed (SIGKILL), its jobs are swept about
+    1.5 heartbeats after its last one, not when their lease (6 s) runs out. While it lives,
+    cutting its listener's connection (pg_terminate_backend, again and again) takes none
+    of its jobs: its heartbeat goes on, and it takes its lock again on reconnecting. A
+    worker with ``--no-listen`` holds no lock: its jobs wait for their lease."""
+    sweeper_app, victim_app, plain_app = (unique_app_name(w) for w in ("sweeper", "victim", "plain"))
+    # The sweeper claims from another queue: the jobs returned stay pending, to be seen.
+    sweeper = app_processes("--queue", "elsewhere", *SESSION_TIMING, app_name=sweeper_app)
+    victim = app_processes("--concurrency", "2", "--batch-size", "1", *SESSION_TIMING, app_name=victim_app)
+    mine = enqueue(engine, "slow_first", 2, first=120)
+    wait_for(lambda: all(r.status == "running" for r in rows(engine, mine)), timeout=30, what="the victim's jobs")
+    plain = app_processes("--concurrency", "2", "--batch-size", "1", "--no-listen", *SESSION_TIMING,
+                          app_name=plain_app)
+    theirs = enqueue(engine, "slow_first", 2, first=120)
+    wait_for(lambda: all(r.status == "running" for r in rows(engine, theirs)), timeout=30, what="the plain worker's")
+    victim_name, plain_name = _worker_name(engine, mine), _worker_name(engine, theirs)
+    assert victim_name.endswith(q.SESSION_MARK) and f":{victim.pid}:" in victim_name
+    assert not plain_name.endswith(q.SESSION_MARK) and f":{plain.pid}:" in plain_name
+    def lock_on_listener() -> bool:  # held by the victim's listener connection, and by it only
+        holders = _lock_holders(engine, victim_name)
+        return bool(holders) and holders == _listening_backends(engine, victim_app)
+
+    wait_for(lock_on_listener, timeout=10, what="the victim's lock held by its listener")
+    assert _lock_holders(engine, plain_name) == set()
+
+    # A sweeper sweeps by session only once its own session is a lease old.
+    with engine.connect() as conn:
+        wait_for(lambda: conn.scalar(
+            text("SELECT bool_and(backend_start < clock_timestamp() - make_interval(secs => :s)) "
+                 "FROM pg_stat_activity WHERE application_name = :app"),
+            {"s": SESSION_LEASE, "app": sweeper_app}), timeout=30, what="the sweeper's session a lease old")
+
+    # The victim's listener connection cut, again and again, for three heartbeats and
+    # until a sweep by session took a ghost's job meanwhile: the victim keeps its jobs.
+    (ghost,) = enqueue(engine, "work", 1)
+    with engine.begin() as conn:
+        conn.execute(TASKS.update().where(TASKS.c.id == ghost).values(
+            status="running", attempts=1, lease_owner=f"ghost:1:00000000{q.SESSION_MARK}/0.0",
+            started_at=func.now(), lease_expires_at=func.now() + timedelta(seconds=GHOST_LEASE_LEFT)))
+    cut = 0
+    began = time.monotonic()
+    while time.monotonic() - began < 3 * SESSION_BEAT or rows(engine, [ghost])[0].status == "running":
+        assert time.monotonic() - began < 20, "no sweep took the ghost's job"
+        cut += terminate_backends_listening(engine, victim_app)
+        time.sleep(0.05)  # the pace of the cuts, not a wait for anything
+    assert cut >= 2
+    # Taken before its lease ran out: a sweep by session ran while the victim's lock was cut.
+    assert time.monotonic() - began < GHOST_LEASE_LEFT, "the ghost's job waited for its lease"
+    wait_for(lock_on_listener, timeout=10, what="the victim's lock held again by its new listener connection")
+    assert [(r.status, r.attempts, r.lease_owner.rsplit("/", 1)[0]) for r in rows(engine, mine)] == [
+        ("running", 1, victim_name)] * 2
+
+    with ConnectLag(server.url) as lag:
+        killed_at = time.time()
+        victim.signal(signal.SIGKILL)
+        plain.signal(signal.SIGKILL)
+        back: dict[int, float] = {}
+        wait_for(_pending_at(engine, mine, back), timeout=30, interval=0.05, what="the victim's jobs swept")
+        wait_for(_pending_at(engine, theirs, back), timeout=30, interval=0.05, what="the plain worker's jobs swept")
+    after = {i: t - killed_at for i, t in back.items()}
+    bound = 1.5 * SESSION_BEAT + SESSION_SWEEP + 0.5 + lag.worst
+    print(f"\nswept {[round(after[i], 2) for i in mine]}s after the kill (bound {bound:.2f}s), lease only "
+          f"{[round(after[i], 2) for i in theirs]}s (lease {SESSION_LEASE}s)")
+    assert all(after[i] <= bound for i in mine), (after, bound)
+    assert all(after[i] < SESSION_LEASE - 2 * SESSION_BEAT for i in mine), after  # the lease cannot explain it
+    # Their last heartbeat came at most a beat (and any lag) before the kill.
+    assert all(after[i] >= SESSION_LEASE - 2 * SESSION_BEAT - lag.worst for i in theirs), after
+    for r in rows(engine, mine + theirs):
+        assert r.isolated and r.last_error.startswith("lease expired: worker "), r
+    assert sweeper.proc.poll() is None
+
+
+def terminate_backends_listening(engine: Engine, app_name: str) -> int:
+    """Terminate this test database's LISTENing connections tagged ``app_name``; how many."""
+    with engine.connect() as conn:
+        killed = conn.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = :app AND query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+            ),
+            {"app": app_name},
+        )
+        conn.commit()
+    return int(killed or 0)

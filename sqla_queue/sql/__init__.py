@@ -26,6 +26,8 @@ that is no longer current. Callers learn the outcome from ``RETURNING``.
 #   _cancel.py       cancel: pending and running jobs, or pending ones only
 #   _history.py      each attempt's history, appended by the statement that ends it
 #   _leases.py       the heartbeat's extension, owned tokens, lost claims, the sweep, next due
+#   _sessions.py     the session lock a listening worker holds, and the sweep's test that a
+#                    job's worker's session ended
 #   _inspect.py      job filters, listings, counts, lease owners, listening workers, whether
 #                    an isolated job waits
 #   _retention.py    requeue, delete, prune, archive
@@ -153,6 +155,9 @@ from ._schedules import (
     schedule_states,
     schedule_tick_template,
 )
+from ._sessions import SESSION_MARK as SESSION_MARK
+from ._sessions import WORKER_LOCK_SPACE as WORKER_LOCK_SPACE
+from ._sessions import hold_worker_lock, worker_lock_owner
 from ._transitions import (
     complete_if_owner,
     complete_many_if_owner,
@@ -251,6 +256,8 @@ __all__ = [
     "snooze_many_if_owner",
     "still_fresh",
     "sweep_expired",
+    "hold_worker_lock",
+    "worker_lock_owner",
     "parents_of",
     "settle_edges",
     "wake_values",

@@ -67,6 +67,7 @@ from ._flow import unpaused
 from ._history import history_values
 from ._limits import next_free_start
 from ._results import progress_extra, progress_values
+from ._sessions import lease_over
 from ._workflows import edges_cleared
 
 
@@ -101,10 +102,15 @@ def is_solitary(isolated: Any, last_error: Any) -> bool:
     return bool(isolated) and isinstance(last_error, str) and last_error.startswith(SOLITARY_REASON + ":")
 
 
-def sweep_expired(model: QueueModel, *, limit: int = 1000) -> Finishing:
+def sweep_expired(
+    model: QueueModel, *, limit: int = 1000, lease: Duration | None = None, heartbeat: Duration | None = None
+) -> Finishing:
     """Return jobs whose lease expired to ``pending`` (or ``failed`` when exhausted).
 
-    Their worker stopped heartbeating: it died, froze or lost the database. The job is
+    Their worker stopped heartbeating: it died, froze or lost the database. With
+    ``lease`` and ``heartbeat`` (the workers' settings), also the jobs of a worker whose
+    session ended (it died: see :func:`~sqla_queue.sql._sessions.lease_over`) once
+    their lease missed 1.5 heartbeats, before it expires; they count as expired. The job is
     marked ``isolated`` so its next attempt runs alone in its batch, and ``last_error``
     says why; a job that was isolated already gets :data:`SOLITARY_REASON` there, and
     the worker then runs it alone in the whole worker (see :func:`is_solitary`).
@@ -115,11 +121,18 @@ def sweep_expired(model: QueueModel, *, limit: int = 1000) -> Finishing:
     """
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
+    if (lease is None) != (heartbeat is None):
+        raise ValueError("give both lease and heartbeat, or neither")
     qt = queue_table(model)
     c = qt.c
+    over = lease_over(
+        qt,
+        lease=None if lease is None else _seconds(lease, "lease"),
+        heartbeat=None if heartbeat is None else _seconds(heartbeat, "heartbeat"),
+    )
     expired = (
         select(qt.pk)
-        .where(_status(qt, RUNNING), c.lease_expires_at < _clock())
+        .where(_status(qt, RUNNING), over)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )

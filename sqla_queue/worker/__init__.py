@@ -8,8 +8,10 @@ only through the :class:`~sqla_queue.driver.Driver`:
   its own connection (:mod:`.producer`), runs the handlers, and hands every outcome to
   the **completer** (:mod:`.completer`), the one path by which results reach the table;
 - the **heartbeat** (:mod:`.heartbeat`) extends the leases of every held job;
-- the **sweeper** (:mod:`.sweeper`) returns expired leases of dead workers;
-- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups (unless ``listen=False``);
+- the **sweeper** (:mod:`.sweeper`) returns the jobs of dead workers (expired leases, or
+  ended sessions);
+- the **listener** (:mod:`.listener`) turns NOTIFY into wake-ups and holds the worker's
+  session lock (unless ``listen=False``);
 - the **scheduler** (:mod:`.scheduler`) enqueues periodic jobs, each tick once across
   every worker (when the worker has schedules);
 - the **pruner** (:mod:`.pruner`) deletes finished jobs past their ``retention`` (when set).
@@ -43,7 +45,7 @@ from ..driver import DbConnection, Driver, WorkerStartError
 from ..enqueue.session import QueueSession
 from ..enqueue.values import enqueue_values
 from ..model import ClaimToken, QueueTable, flow_rules, queue_table
-from ..ops import QueueOps, RetentionOps, ScheduleOps
+from ..ops import SESSION_MARK, QueueOps, RetentionOps, ScheduleOps
 from ..periodic import Schedule, check_schedules
 from ..rules import check_retention, rate_periods
 from ..runtime import Event, is_async_callable
@@ -151,7 +153,9 @@ class Worker:
         self._driver = self._make_driver(engine)
         self.session_factory = session_factory or self._default_sessions(engine)
         name = self.config.name or f"{socket.gethostname()}:{os.getpid()}"
-        self.owner = f"{name}:{uuid.uuid4().hex[:8]}"
+        # A listening worker holds a session lock on its listener's connection, and says
+        # so in its name: a sweep returns its jobs soon after that session ends.
+        self.owner = f"{name}:{uuid.uuid4().hex[:8]}" + (SESSION_MARK if self.config.listen else "")
         self.stats = WorkerStats()
         self.ledger = Ledger()
         self.signal = WorkSignal(self.config.concurrency)
@@ -173,7 +177,7 @@ class Worker:
         )
 
         ops = self._ops = QueueOps(
-            driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease,
+            driver, self._qt.mapped_class, queues=cfg.queues, lease=cfg.lease, heartbeat=cfg.effective_heartbeat,
             statement_deadline=cfg.statement_deadline, timeout=cfg.timeout,
             task_timeouts=resolved.timeouts() if isinstance(resolved, TaskRegistry) else None,
         )

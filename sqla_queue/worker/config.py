@@ -56,7 +56,8 @@ class WorkerConfig:
     poll_interval: float = 5.0
     shutdown_grace: float = 30.0
     queues: tuple[str, ...] | None = None
-    #: False: poll only (PgBouncer in transaction pooling mode cannot LISTEN).
+    #: False: poll only (PgBouncer in transaction pooling mode cannot LISTEN), and hold
+    #: no session lock: once such a worker died, its jobs wait for their lease to run out.
     listen: bool = True
     backoff: Backoff = field(default_factory=Backoff)
     #: ``last_error`` keeps the exception and the end of its traceback, up to this size.

@@ -4,6 +4,11 @@ The listener holds one dedicated autocommit connection (a connection idle in a
 transaction receives nothing). NOTIFY is not durable: notifications sent while the
 connection is down are lost, so after every (re)connect it wakes an executor once, and
 idle executors poll on their own timer regardless.
+
+That connection lives as long as the worker, so it also holds the worker's session
+lock (:meth:`~sqla_queue.ops.Operations.hold_worker_lock`), taken again on each new
+connection: once the worker's process dies, its sessions end with it and a sweep
+returns its jobs without waiting for their leases to run out.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from .watchdog import tell_cancelled
 
 __all__ = ["Listener"]
 
-#: The longest the read of cancelled jobs' rows may take.
+#: The longest the read of cancelled jobs' rows, or the taking of the session lock, may take.
 CANCEL_CHECK_SECONDS = 10.0
 
 log = logging.getLogger("sqla_queue.worker")
@@ -44,6 +49,9 @@ class Listener(Service):
         #: Called when a sweeper says it returned jobs of these queues (isolated now).
         self.on_swept = on_swept
         self.link = Reconnecting(driver, "sqla_queue listener", listen=channel)
+        #: The name whose session lock this connection holds once ``locked`` (see :mod:`.listener`).
+        self.owner = ctx.owner
+        self.locked = False
 
     @property
     def connections(self) -> int:
@@ -53,6 +61,10 @@ class Listener(Service):
     def tick(self) -> float:
         made = self.link.connections
         conn = self.link.connect()
+        if self.link.connections != made:
+            self.locked = False
+        if not self.locked:
+            self._hold_lock(conn)
         if self.link.connections != made:
             if self.link.connections > 1:
                 log.info("listener: reconnected; polling once for jobs sent meanwhile")
@@ -79,6 +91,13 @@ class Listener(Service):
         if cancelled:
             self._hear_cancels(conn, cancelled)
         return 0.0
+
+    def _hold_lock(self, conn: DbConnection) -> None:
+        """Take the worker's session lock on this connection; tried again on the next
+        round while its previous connection, ending on the server, still holds it."""
+        with self.driver.deadline(conn, CANCEL_CHECK_SECONDS):
+            self.locked = self.ops.hold_worker_lock(conn, self.owner)
+            self.driver.listen(conn, self.channel)  # the last statement names the channel again
 
     def _hear_cancels(self, conn: DbConnection, ids: set[str] | None) -> None:
         """Cancels were committed: tell the running attempts of ``ids`` this worker holds
