@@ -48,6 +48,17 @@ def _json_kind(column_type: Any, dialect: Dialect) -> int:
     return 0
 
 
+def _plain_array(column_type: Any, dialect: Dialect) -> bool:
+    """An ``ARRAY`` (not a decorated one) that loads as the list psycopg reads: not as
+    tuples, its items needing no conversion."""
+    if isinstance(column_type, TypeDecorator):
+        return False
+    impl = column_type.dialect_impl(dialect)
+    if not isinstance(impl, ARRAY) or impl.as_tuple:
+        return False
+    return _impl(impl.item_type, dialect).result_processor(dialect, None) is None
+
+
 def _parse_items(value: Any, parse: Callable[[str], Any]) -> Any:
     if isinstance(value, list):
         return [_parse_items(item, parse) for item in value]
@@ -88,6 +99,8 @@ class _MapperPlan:
                 coltype = _FLOAT8_OID if isinstance(column.type, Double) or column.type.precision is None else None
             process = column.type.dialect_impl(dialect).result_processor(dialect, coltype)
             json_kind = _json_kind(column.type, dialect)
+            if process is not None and not json_kind and _plain_array(column.type, dialect):
+                process = None  # psycopg's list is the value: the processor would only copy it
             if process is None and not json_kind:
                 plain.append((prop.key, index))
             else:

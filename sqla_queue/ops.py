@@ -756,8 +756,6 @@ class QueueOps:
                 append(_new_tuple(Claimed, (ClaimToken(row.pk, row.attempt), None, problem, False, None)))
                 continue
             token = _new_tuple(ClaimToken, (row[pk], row[attempt]))
-            if self._child_ids_index is not None and row[self._child_ids_index] is None:
-                self._leaf(token)
             solitary = isolated and is_solitary(row[self._isolated_index], row[self._last_error_index])
             timeout = None
             if deadline is not None and row[deadline[1]] is not None:
@@ -769,6 +767,10 @@ class QueueOps:
                 append(_new_tuple(Claimed, (token, None, problem, solitary, timeout)))
                 continue
             append(_new_tuple(Claimed, (token, job, None, solitary, timeout)))
+        children = self._child_ids_index
+        if children is not None:  # the jobs no job waits for (see _for)
+            self._note_leaves([c.token for c, row in zip(found, rows, strict=True)
+                               if type(row) is not RowError and row[children] is None])
         return found
 
     #: The most tokens of jobs without children remembered; past it they are forgotten,
@@ -776,10 +778,10 @@ class QueueOps:
     #: finishes, whose leases it lost, are never taken out otherwise).
     LEAVES_KEPT = 100_000
 
-    def _leaf(self, token: ClaimToken) -> None:
-        if len(self._leaves) >= self.LEAVES_KEPT:
+    def _note_leaves(self, tokens: list[ClaimToken]) -> None:
+        if len(self._leaves) + len(tokens) > self.LEAVES_KEPT:
             self._leaves.clear()
-        self._leaves.add(token)
+        self._leaves.update(tokens)
 
     def _for(self, stmt: Statement, tokens: Sequence[ClaimToken]) -> Statement:
         """``stmt``, or for tokens all of jobs without children, its twin without the
@@ -788,9 +790,8 @@ class QueueOps:
         if not leaves:  # a table without workflows, or none noted
             return stmt
         twin = self._leaf_twins.get(id(stmt))
-        chosen = twin if twin is not None and all(token in leaves for token in tokens) else stmt
-        for token in tokens:  # a snooze or a release (no twin) ends the attempt too
-            leaves.discard(token)
+        chosen = twin if twin is not None and leaves.issuperset(tokens) else stmt
+        leaves.difference_update(tokens)  # a snooze or a release (no twin) ends the attempt too
         return chosen
 
     def claim_candidates(
