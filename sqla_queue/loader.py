@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from sqlalchemy import ARRAY, JSON, Column, Double, Float, TypeDecorator, inspect
+from sqlalchemy import ARRAY, JSON, Column, Double, Enum, Float, Integer, String, TypeDecorator, inspect
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Mapper, attributes, configure_mappers
 from sqlalchemy.orm.base import instance_dict
@@ -50,13 +50,16 @@ def _json_kind(column_type: Any, dialect: Dialect) -> int:
 
 def _plain_array(column_type: Any, dialect: Dialect) -> bool:
     """An ``ARRAY`` (not a decorated one) that loads as the list psycopg reads: not as
-    tuples, its items needing no conversion."""
+    tuples, of integers or texts needing no conversion."""
     if isinstance(column_type, TypeDecorator):
         return False
     impl = column_type.dialect_impl(dialect)
     if not isinstance(impl, ARRAY) or impl.as_tuple:
         return False
-    return _impl(impl.item_type, dialect).result_processor(dialect, None) is None
+    item = _impl(impl.item_type, dialect)
+    # Integers and texts only: a number's processor depends on the server's type.
+    plain = isinstance(item, (Integer, String)) and not isinstance(item, Enum)
+    return plain and item.result_processor(dialect, None) is None
 
 
 def _parse_items(value: Any, parse: Callable[[str], Any]) -> Any:

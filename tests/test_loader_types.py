@@ -85,6 +85,8 @@ TYPES: list[tuple[str, Any, Any]] = [
     ("array_double", pg.ARRAY(pg.DOUBLE_PRECISION()), [0.25, -1.0]),
     ("array_integer", pg.ARRAY(Integer()), [1, 2, 3]),
     ("array_string", pg.ARRAY(String(20)), ["a", "b"]),
+    ("array_bigint_2d", pg.ARRAY(BigInteger(), dimensions=2), [[1, 2], [3, None]]),
+    ("array_text_nulls", pg.ARRAY(Text()), ["a", None, ""]),
     ("array_uuid", pg.ARRAY(Uuid()), [uuid.UUID(int=5)]),
     ("array_jsonb", pg.ARRAY(pg.JSONB()), [{"a": 1}, [2, 3]]),
     ("json", JSON(), {"a": [1, 2.5, None, "x"]}),
