@@ -108,7 +108,9 @@ def test_a_group_is_of_one_kind_and_each_worker_once(engine: Engine) -> None:
         AsyncWorkers([worker])  # type: ignore[list-item]
 
 
-def test_the_command_refuses_one_table_twice(capsys: Any) -> None:
+def test_the_command_refuses_one_table_twice(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Refused before any connection: the targets' engines need a URL, never a server.
+    monkeypatch.setenv("SQLA_QUEUE_TEST_URL", "postgresql+psycopg://nobody@127.0.0.1:9/none")
     assert main(["worker", "tests.worker_app:make_worker", "tests.worker_app:make_worker"]) == 2
     assert "two targets serve the same table" in capsys.readouterr().err
 
