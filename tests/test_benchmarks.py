@@ -61,17 +61,23 @@ EXPECTED_ROWS = (
 )
 
 
-@pytest.mark.timeout(300)
-def test_quick_run_prints_every_benchmark(server: Server) -> None:
+def quick_run(script: Path, server: Server, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``script --quick --url <the suite's server>``, which must exit 0 within ``timeout``."""
     admin = server.admin_url.render_as_string(hide_password=False)
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--url", admin],
+        [sys.executable, str(script), "--quick", "--url", admin],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=timeout,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_prints_every_benchmark(server: Server) -> None:
+    result = quick_run(SCRIPT, server, timeout=280)
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table, result.stdout
     assert table[0].startswith("| benchmark | sqla_queue | baseline")
@@ -97,15 +103,7 @@ def test_quick_peers_run_prints_every_peer(server: Server) -> None:
     missing = [name for name in PEERS if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (the bench extra: pip install -e '.[bench]')")
-    admin = server.admin_url.render_as_string(hide_password=False)
-    result = subprocess.run(
-        [sys.executable, str(PEERS_SCRIPT), "--quick", "--url", admin],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = quick_run(PEERS_SCRIPT, server, timeout=280)
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table, result.stdout
     assert table[0] == (
@@ -123,15 +121,7 @@ def test_quick_peers_run_prints_every_peer(server: Server) -> None:
 def test_quick_dashboard_page_run_prints_every_query(server: Server) -> None:
     """``benchmarks/dashboard_page.py --quick``: 10,000 jobs, each query of the job list
     timed; every page query returns its rows (a full page but for the text search)."""
-    admin = server.admin_url.render_as_string(hide_password=False)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT.with_name("dashboard_page.py")), "--quick", "--url", admin],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = quick_run(SCRIPT.with_name("dashboard_page.py"), server, timeout=280)
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[0] == ["| query", "rows", "median ms |"], result.stdout
     names = [row[0].removeprefix("| ") for row in rows[1:]]
@@ -145,15 +135,7 @@ def test_quick_dashboard_charts_run_prints_every_row(server: Server) -> None:
     """``benchmarks/dashboard_charts.py --quick``: 20,000 finished jobs, the overview and
     each statement of its charts timed, from the queue table and from the activity table
     the workers' statement recorded."""
-    admin = server.admin_url.render_as_string(hide_password=False)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT.with_name("dashboard_charts.py")), "--quick", "--url", admin],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = quick_run(SCRIPT.with_name("dashboard_charts.py"), server, timeout=280)
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[0] == ["| read from", "what", "median ms |"], result.stdout
     sources = [row[0].removeprefix("| ") for row in rows[1:]]
@@ -184,15 +166,7 @@ def test_quick_unique_enqueue_run_prints_both_rates(server: Server) -> None:
 def test_quick_flow_run_prints_both_tables(server: Server) -> None:
     """``benchmarks/flow.py --quick``: the drains with and without a concurrency rule,
     and the achieved rate of both rate limit modes; a strict limit is never exceeded."""
-    admin = server.admin_url.render_as_string(hide_password=False)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT.with_name("flow.py")), "--quick", "--url", admin],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = quick_run(SCRIPT.with_name("flow.py"), server, timeout=170)
     assert "ratio with the rule to without:" in result.stdout, result.stdout
     strict = next(line for line in result.stdout.splitlines() if line.startswith("| strict rate |"))
     assert int(strict.split(" | ")[-1].rstrip(" |")) <= 500, strict
@@ -202,15 +176,7 @@ def test_quick_flow_run_prints_both_tables(server: Server) -> None:
 def test_quick_workflows_run_prints_every_load_and_the_release_latency(server: Server) -> None:
     """``benchmarks/workflows.py --quick``: each load drained to done (the script checks
     every job is), its row printed, and the release latency of a chain."""
-    admin = server.admin_url.render_as_string(hide_password=False)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT.with_name("workflows.py")), "--quick", "--url", admin],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = quick_run(SCRIPT.with_name("workflows.py"), server, timeout=170)
     rows = ("| plain table |", "| workflow table, no dependencies |", "| fan-out 1 -> 399 |", "| fan-in 399 -> 1 |",
             "| fan-in 300 -> 100 (parent i into child i mod 100) |")
     for row in rows:
@@ -290,15 +256,7 @@ COST_ROWS = (
 def test_quick_cost_run_prints_every_row(server: Server) -> None:
     """``benchmarks/cost.py --quick``: every processing side drains its jobs (run.py's
     harness checks each is done once), every row printed with its CPU per job."""
-    admin = server.admin_url.render_as_string(hide_password=False)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT.with_name("cost.py")), "--quick", "--url", admin],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = quick_run(SCRIPT.with_name("cost.py"), server, timeout=280)
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0] == "| measure | rate | CPU µs/job | / raw best | / matched raw |", result.stdout
     for expected in COST_ROWS:

@@ -446,15 +446,22 @@ def test_listener_reconnects_and_polls_once(engine: Engine, Sessions: Any, serve
         assert listener is not None
         wait_for(lambda: listener.connections == 1)
         wait_for(worker.idle)
-        with engine.begin() as conn:
-            killed = conn.scalar(
-                text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND application_name = 'sqla_queue_listen_victim' "
-                    "AND query LIKE 'LISTEN %'"
+
+        def cut() -> bool:
+            """Terminate the listener's connection once it waits in LISTEN (it also takes
+            the worker's session lock right after connecting)."""
+            with engine.begin() as conn:
+                killed = conn.scalar(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND application_name = 'sqla_queue_listen_victim' "
+                        "AND query LIKE 'LISTEN %'"
+                    )
                 )
-            )
-        assert killed == 1
+            return bool(killed == 1)
+
+        wait_for(cut, what="the listener's connection cut while it listens")
+        assert listener.connections == 1
         (job_id,) = add(Sessions, "record")  # its NOTIFY may fall into the gap
         wait_for(lambda: listener.connections == 2, what="the listener to reconnect")
         wait_for(status_is(engine, job_id, "done"), timeout=10)

@@ -103,15 +103,17 @@ def backends(engine: Engine, app_name: str, *, listening: bool = False) -> int:
         )
 
 
-def terminate_backends(engine: Engine, app_name: str) -> int:
-    """Terminate this test database's connections tagged ``app_name``; how many."""
+def terminate_backends(engine: Engine, app_name: str, *, listening: bool = False) -> int:
+    """Terminate this test database's connections tagged ``app_name`` (with ``listening``,
+    only those that LISTEN: a worker's listener); how many."""
     with engine.connect() as conn:
         killed = conn.scalar(
             text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND application_name = :app AND pid <> pg_backend_pid()"
+                "WHERE datname = current_database() AND application_name = :app AND pid <> pg_backend_pid() "
+                "AND (NOT :listening OR query LIKE 'LISTEN %')"
             ),
-            {"app": app_name},
+            {"app": app_name, "listening": listening},
         )
         conn.commit()
     return int(killed or 0)
@@ -1067,7 +1069,7 @@ def test_a_killed_workers_jobs_return_once_its_session_ends_never_a_live_or_leas
     began = time.monotonic()
     while time.monotonic() - began < 3 * SESSION_BEAT or rows(engine, [ghost])[0].status == "running":
         assert time.monotonic() - began < 20, "no sweep took the ghost's job"
-        cut += terminate_backends_listening(engine, victim_app)
+        cut += terminate_backends(engine, victim_app, listening=True)
         time.sleep(0.05)  # the pace of the cuts, not a wait for anything
     assert cut >= 2
     # Taken before its lease ran out: a sweep by session ran while the victim's lock was cut.
@@ -1094,17 +1096,3 @@ def test_a_killed_workers_jobs_return_once_its_session_ends_never_a_live_or_leas
     for r in rows(engine, mine + theirs):
         assert r.isolated and r.last_error.startswith("lease expired: worker "), r
     assert sweeper.proc.poll() is None
-
-
-def terminate_backends_listening(engine: Engine, app_name: str) -> int:
-    """Terminate this test database's LISTENing connections tagged ``app_name``; how many."""
-    with engine.connect() as conn:
-        killed = conn.scalar(
-            text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND application_name = :app AND query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
-            ),
-            {"app": app_name},
-        )
-        conn.commit()
-    return int(killed or 0)
