@@ -27,7 +27,7 @@ from sqla_queue import sql as q
 from sqla_queue.enqueue.workflow import WAITING_RUN_AFTER
 from sqla_queue.sql import CASCADE_REASON
 
-from .helpers import table_of, wait_for
+from .helpers import table_of, wait_for, wait_for_counts
 from .models import Effect, StepJob, StepTask, Task
 from .test_ops import on_driver
 from .workers import async_engine_like
@@ -603,7 +603,7 @@ def test_a_hostile_parent_releases_its_child_once_with_its_committed_end(
     assert found[parent.id].attempts == (1 if shape == "savepoint" else 2)
     assert found[child.id].attempts == 1 and found[child.id].started_at >= found[parent.id].finished_at
     assert [job_id for job_id, _ in effects(engine)] == [parent.id]  # the failed attempt wrote nothing
-    assert worker.stats.done == 2
+    wait_for_counts(worker, done=2)  # counted once each COMMIT returned, a moment after the rows show it
 
 
 @tasks.task
@@ -628,7 +628,7 @@ def test_a_parent_that_updates_its_own_row_releases_its_child_once(
     assert all((found[p.id].status, found[p.id].priority, found[p.id].child_ids) == ("done", 7, None) for p in parents)
     assert found[child.id].attempts == 1 and found[child.id].waiting_on == 0
     assert sorted(job_id for job_id, _ in effects(engine)) == sorted(p.id for p in parents)
-    wait_for(lambda: worker.stats.done == 3, timeout=10, what="three jobs counted done")
+    wait_for_counts(worker, done=3)
 
 
 def test_a_parent_whose_row_cannot_be_loaded_ends_failed_and_cancels_its_child(
