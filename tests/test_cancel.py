@@ -9,6 +9,7 @@ its jobs' rows (``listen=False``), and tells the handler.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
@@ -236,14 +237,22 @@ def test_a_cancel_heard_after_the_handler_returned_counts_as_cancelled(
 ) -> None:
     """Job A's handler has returned, its outcome waits for its batch-mate B; B cancels A
     and returns once the worker's poll told A's attempt (after A's handler returned).
-    The row is cancelled, and the worker counts and logs a cancel, not a lost lease."""
+    The row is cancelled, and the worker counts and logs a cancel, not a lost lease.
+
+    A and B share a batch once the worker has measured its handlers fast; on a loaded
+    machine it may take a few pairs (each pair that ran apart ends both done)."""
     workers: list[Any] = []
     ran: list[str] = []
+    together: list[int] = []
 
     def handler(j: Any) -> None:
         ran.append(j.payload.get("name", "warm"))
         if j.payload.get("name") == "b":
-            (a,) = [h for h in workers[0].ledger.held() if h.token.job_id == j.payload["a"]]
+            held = [h for h in workers[0].ledger.held() if h.token.job_id == j.payload["a"]]
+            if not held:
+                return  # A ran in a batch of its own: the next pair
+            (a,) = held
+            together.append(a.token.job_id)
             assert cancel_now(engine, [a.token.job_id]) == [a.token.job_id]
             wait_for(lambda: a.stopped == "cancelled", what="the poll told A's attempt")
 
@@ -252,18 +261,26 @@ def test_a_cancel_heard_after_the_handler_returned_counts_as_cancelled(
     workers.append(worker)
     enqueue(engine)  # measured fast: the next claim takes two jobs, one batch
     wait_for(lambda: worker.stats.done == 1, what="the warm-up job")
-    with sessionmaker(engine, class_=QueueSession)() as session:
-        a = session.enqueue(Task(task="work", payload={"name": "a"}))
-        session.flush()
-        b = session.enqueue(Task(task="work", payload={"name": "b", "a": a.id}))
-        session.commit()
-        a_id, b_id = a.id, b.id
+    pairs = 0
     with caplog.at_level("INFO", logger="sqla_queue"):
-        wait_for(lambda: worker.stats.done + worker.stats.cancelled + worker.stats.lost == 3, what="both settled")
-    assert ran == ["warm", "a", "b"]
+        while not together:
+            assert pairs < 20, f"no pair of jobs ran in one batch: {ran}"
+            with sessionmaker(engine, class_=QueueSession)() as session:
+                a = session.enqueue(Task(task="work", payload={"name": "a"}))
+                session.flush()
+                b = session.enqueue(Task(task="work", payload={"name": "b", "a": a.id}))
+                session.commit()
+                a_id, b_id = a.id, b.id
+            pairs += 1
+            wait_for(functools.partial(_settled, worker, 1 + 2 * pairs), what="both settled")
+    assert together == [a_id] and ran[-2:] == ["a", "b"]
     assert (job(engine, a_id).status, job(engine, b_id).status) == ("cancelled", "done")
-    assert (worker.stats.done, worker.stats.cancelled, worker.stats.lost) == (2, 1, 0)
+    assert (worker.stats.done, worker.stats.cancelled, worker.stats.lost) == (2 * pairs, 1, 0)
     assert "lease lost" not in caplog.text and f"job {a_id} attempt 1 cancelled" in caplog.text
+
+
+def _settled(worker: Any, n: int) -> bool:
+    return bool(worker.stats.done + worker.stats.cancelled + worker.stats.lost == n)
 
 
 def test_a_cancel_racing_the_completion_has_one_winner(engine: Engine, start: Callable[..., Any]) -> None:
