@@ -1,7 +1,9 @@
 """The dashboard in a real browser: ``sqla-queue dashboard`` started on a free port,
 headless Chromium driven through chromedriver to filter jobs, requeue a dead letter,
-cancel a pending job and every job a filter matches, and run a schedule now, the
-database checked after each, a screenshot of every page.
+cancel a pending job and every job a filter matches, run a schedule now, pause and
+resume a queue and a schedule, set a queue's limit, requeue and delete every job a
+filter matches, and be refused each kind of form without its token, the database
+checked after each, a screenshot of every page.
 
 CI installs Debian's ``chromium`` and ``chromium-driver`` (.ci/run) and fails this test
 when they are missing; elsewhere it is skipped, saying what to install. Screenshots go
@@ -35,11 +37,14 @@ from .helpers import Server, table_of, wait_for
 from .models import (
     CHART_ACTIVITY,
     RESULT_WORKERS,
+    SHARD_QUEUES,
+    TASK_QUEUES,
     TASK_SCHEDULES,
     ChartJob,
     EmailJob,
     Order,
     ResultTask,
+    ShardJob,
     StepTask,
     Task,
 )
@@ -100,16 +105,13 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
-@pytest.fixture
-def dashboard(server: Server, engine: Engine) -> Iterator[str]:
-    """``sqla-queue dashboard`` on a free port (``--port 0``); its address, once it listens."""
+@contextlib.contextmanager
+def _dashboard_of(server: Server, *targets: str) -> Iterator[str]:
+    """``sqla-queue dashboard TARGETS`` on a free port (``--port 0``); its address, once it
+    listens."""
     url = server.url.render_as_string(hide_password=False)
-    # The periodic app's worker: the schedules page knows its schedule (in the code).
     process = subprocess.Popen(
-        [sys.executable, "-m", "sqla_queue", "dashboard", "tests.models:ChartJob", "tests.models:EmailJob",
-         "tests.models:Task", "tests.models:ResultTask", "tests.models:StepTask", "tests.periodic_app:make_worker",
-         "--url", url, "--port", "0",
-         "--api-actions"],
+        [sys.executable, "-m", "sqla_queue", "dashboard", *targets, "--url", url, "--port", "0", "--api-actions"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "SQLA_QUEUE_TEST_URL": url},
     )
@@ -123,6 +125,14 @@ def dashboard(server: Server, engine: Engine) -> Iterator[str]:
         process.wait(timeout=30)
         if process.stdout is not None:
             process.stdout.close()
+
+
+@pytest.fixture
+def dashboard(server: Server, engine: Engine) -> Iterator[str]:
+    # The periodic app's worker: the schedules page knows its schedule (in the code).
+    with _dashboard_of(server, "tests.models:ChartJob", "tests.models:EmailJob", "tests.models:Task",
+                       "tests.models:ResultTask", "tests.models:StepTask", "tests.periodic_app:make_worker") as url:
+        yield url
 
 
 @pytest.fixture
@@ -347,6 +357,123 @@ def _a_workflow_its_jobs_and_its_cancel(engine: Engine, dashboard: str, browser:
         counted = select(STEPS.c.status, func.count()).where(STEPS.c.workflow_id == flow.id).group_by(STEPS.c.status)
         found: dict[str, int] = {row[0]: row[1] for row in conn.execute(counted).all()}
     assert found == {"done": 3, "failed": 1, "cancelled": 5}
+
+
+def test_pauses_limits_schedules_and_bulk_requeue_and_delete_in_a_real_browser(
+    engine: Engine, server: Server, browser: Any, shots: Path
+) -> None:
+    """The actions the first test leaves out, each clicked in the browser and checked in
+    the database: a queue paused and resumed from the overview, a queue's own limit set,
+    a schedule paused and resumed, every dead letter a filter matches requeued and every
+    job another filter matches deleted, each through its count and confirm. Each kind of
+    form, its token removed in the page, is refused and changes nothing."""
+    from selenium.webdriver.common.by import By
+
+    with engine.begin() as conn:
+        conn.execute(insert(TASKS).values(task="render", queue="pdf"))
+        conn.execute(insert(table_of(ShardJob)).values(queue="shards", account="a"))
+        dead = [conn.execute(insert(TASKS).values(task="t", queue=queue, status="failed", attempts=3,
+                                                  last_error="boom", finished_at=func.now()).returning(TASKS.c.id))
+                .scalar_one() for queue in ("mail", "mail", "sms")]
+        old = conn.execute(insert(TASKS).values(task="t", queue="old", status="done", finished_at=func.now())
+                           .returning(TASKS.c.id)).scalar_one()
+
+    def go(path: str) -> None:
+        browser.get(root + path)
+        wait_for(lambda: browser.execute_script("return document.readyState") == "complete", what=path)
+
+    def flashed() -> str:
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+        return str(browser.find_element(By.CSS_SELECTOR, ".flash").text)
+
+    def forged(form_selector: str, button_selector: str) -> None:
+        """Submit a form of the page with its token taken out: a 400 that says CSRF."""
+        browser.execute_script(f"document.querySelector('{form_selector} [name=csrf_token]').remove()")
+        browser.find_element(By.CSS_SELECTOR, button_selector).click()
+        wait_for(lambda: "CSRF" in browser.page_source, what="the refusal")
+
+    def queue_row(table: Any, queue: str) -> Any:
+        with engine.connect() as conn:
+            return conn.execute(select(table).where(table.c.queue == queue)).one_or_none()
+
+    def schedule_paused() -> bool:
+        with engine.connect() as conn:
+            return conn.scalar(select(TASK_SCHEDULES.c.paused_at).where(TASK_SCHEDULES.c.name == "beat")) is not None
+
+    with _dashboard_of(server, "tests.models:ShardJob", "tests.periodic_app:make_worker") as url:
+        root = url.rstrip("/")
+        # a queue paused and resumed from the overview; the pause's form refused without its token
+        go("/")
+        forged('section[data-queue="pdf"] form.pause', 'section[data-queue="pdf"] form.pause button')
+        assert queue_row(TASK_QUEUES, "pdf") is None
+        go("/")
+        browser.find_element(By.CSS_SELECTOR, 'section[data-queue="pdf"] form.pause button[value="pause"]').click()
+        assert "paused queue pdf" in flashed()
+        assert queue_row(TASK_QUEUES, "pdf").paused_at is not None
+        assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="pdf"] .badge.paused')
+        browser.save_screenshot(str(shots / "overview-paused.png"))
+        browser.find_element(By.CSS_SELECTOR, 'section[data-queue="pdf"] form.pause button[value="resume"]').click()
+        assert "resumed queue pdf" in flashed()
+        assert queue_row(TASK_QUEUES, "pdf").paused_at is None
+
+        # a queue's own limit, then back to the model's
+        limits = 'div[data-limits-queue="shards"] form.limit'
+        browser.find_element(By.CSS_SELECTOR, f'{limits} input[name="concurrency"]').send_keys("2")
+        browser.find_element(By.CSS_SELECTOR, f"{limits} button").click()
+        assert "limits of queue shards: concurrency 2" in flashed()
+        assert queue_row(SHARD_QUEUES, "shards").concurrency == 2
+        assert "the queue's own; the model's 4" in browser.find_element(
+            By.CSS_SELECTOR, 'div[data-limits-queue="shards"]').text
+        browser.find_element(By.CSS_SELECTOR, f'{limits} input[name="concurrency"]').clear()
+        browser.find_element(By.CSS_SELECTOR, f"{limits} button").click()
+        assert "concurrency the model default" in flashed()
+        assert queue_row(SHARD_QUEUES, "shards").concurrency is None
+
+        # a schedule paused and resumed; its form refused without its token
+        go("/tasks/schedules")
+        forged('tr[data-schedule="beat"] form.pause', 'tr[data-schedule="beat"] .pause-schedule')
+        assert not schedule_paused()
+        go("/tasks/schedules")
+        browser.find_element(By.CSS_SELECTOR, 'tr[data-schedule="beat"] .pause-schedule').click()
+        assert "paused schedule beat" in flashed()
+        assert schedule_paused()
+        browser.save_screenshot(str(shots / "schedules-paused.png"))
+        browser.find_element(By.CSS_SELECTOR, 'tr[data-schedule="beat"] .resume-schedule').click()
+        assert "resumed schedule beat" in flashed()
+        assert not schedule_paused()
+
+        # every dead letter of queue mail requeued; the confirm refused without its token first
+        go("/tasks/jobs?queue=mail&status=failed")
+        browser.find_element(By.ID, "bulk-requeue").click()
+        wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the requeue's confirm page")
+        assert "2 job(s) match the filter" in browser.find_element(By.ID, "bulk-count").text
+        forged("form.actions", "#bulk-confirm")
+        assert status_of_task(engine, dead) == ["failed", "failed", "failed"]
+        go("/tasks/jobs?queue=mail&status=failed")
+        browser.find_element(By.ID, "bulk-requeue").click()
+        wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the requeue's confirm page")
+        browser.find_element(By.ID, "bulk-confirm").click()
+        assert "requeued 2 job(s) matching the filter" in flashed()
+        assert status_of_task(engine, dead) == ["pending", "pending", "failed"]
+
+        # every job of queues sms and old deleted, whatever its status
+        go("/tasks/jobs?queue=sms,old")
+        browser.find_element(By.ID, "bulk-delete").click()
+        wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the delete's confirm page")
+        assert "2 job(s) match the filter" in browser.find_element(By.ID, "bulk-count").text
+        browser.find_element(By.ID, "bulk-confirm").click()
+        assert "deleted 2 job(s) matching the filter" in flashed()
+        assert status_of_task(engine, [dead[2], old]) == []
+        assert status_of_task(engine, dead[:2]) == ["pending", "pending"]  # other queues untouched
+    refused = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert refused == []
+
+
+def status_of_task(engine: Engine, keys: list[int]) -> list[str]:
+    """The statuses of those of ``keys`` still in the task table, in ``keys``' order."""
+    with engine.connect() as conn:
+        found: dict[int, str] = dict(conn.execute(select(TASKS.c.id, TASKS.c.status).where(TASKS.c.id.in_(keys))))
+    return [found[k] for k in keys if k in found]
 
 
 def _recorded_activity(engine: Engine) -> None:

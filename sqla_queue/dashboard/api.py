@@ -374,13 +374,7 @@ def _list_arguments(entry: _Table, *, dead: bool, default_limit: int) -> tuple[a
     )
     before = args.get("before")
     key = _key(entry, before, status=400, kind="bad_filter") if before else None
-    try:
-        limit = int(args.get("limit", default_limit))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= _MAX_LIMIT:
-        _fail(400, "bad_filter", f"limit is a whole number from 1 to {_MAX_LIMIT}")
-    return filters, key, limit
+    return filters, key, _limit_argument(default_limit)
 
 
 def _page_arguments(entry: _Table, default_limit: int) -> tuple[Any, int]:
@@ -390,13 +384,18 @@ def _page_arguments(entry: _Table, default_limit: int) -> tuple[Any, int]:
     if unknown:
         _fail(400, "bad_filter", f"unknown argument(s) {', '.join(unknown)}: a workflow's are after, limit")
     after = args.get("after")
+    return (_key(entry, after, status=400, kind="bad_filter") if after else None), _limit_argument(default_limit)
+
+
+def _limit_argument(default_limit: int) -> int:
+    """``limit`` of a list, strictly: a whole number from 1 to the most a page holds."""
     try:
-        limit = int(args.get("limit", default_limit))
+        limit = int(request.args.get("limit", default_limit))
     except ValueError:
         limit = 0
     if not 1 <= limit <= _MAX_LIMIT:
         _fail(400, "bad_filter", f"limit is a whole number from 1 to {_MAX_LIMIT}")
-    return (_key(entry, after, status=400, kind="bad_filter") if after else None), limit
+    return limit
 
 
 def _listed(row: Mapping[str, Any]) -> dict[str, Any]:
