@@ -472,7 +472,7 @@ def test_pauses_limits_schedules_and_bulk_requeue_and_delete_in_a_real_browser(
 def status_of_task(engine: Engine, keys: list[int]) -> list[str]:
     """The statuses of those of ``keys`` still in the task table, in ``keys``' order."""
     with engine.connect() as conn:
-        found: dict[int, str] = dict(conn.execute(select(TASKS.c.id, TASKS.c.status).where(TASKS.c.id.in_(keys))))
+        found: dict[int, str] = dict(conn.execute(select(TASKS.c.id, TASKS.c.status).where(TASKS.c.id.in_(keys))).all())
     return [found[k] for k in keys if k in found]
 
 
