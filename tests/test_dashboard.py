@@ -24,44 +24,26 @@ from markupsafe import escape
 from sqla_queue import Tasks, cancel, current_job
 from sqla_queue.dashboard import create_app, dashboard_blueprint
 
+from .dashboard_helpers import XSS, add, check_one_and_several_values, client_of, dashboard_app, page_token, status_of
 from .helpers import table_of, wait_for
 from .models import EmailJob, Order, ResultTask, Task, UuidJob
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
-XSS = "<script>alert('x')</script>"
 
 
 @pytest.fixture
-def app(engine: Engine) -> Flask:
-    app = create_app(engine, [EmailJob, Task], lease=60.0, page_size=3)
-    app.testing = True
-    return app
-
-
-@pytest.fixture
-def client(app: Flask) -> Iterator[Any]:
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"  # what a browser sends from the dashboard's pages
+def client(engine: Engine) -> Iterator[Any]:
+    with client_of(dashboard_app(engine, [EmailJob, Task], lease=60.0, page_size=3)) as client:
         yield client
 
 
 def csrf(client: Any, path: str = "/email_jobs/jobs") -> str:
+    """The CSRF token of the forms on ``path``, which must have one."""
     page = client.get(path).get_data(as_text=True)
-    match = re.search(r'name="csrf_token" value="([^"]+)"', page)
-    assert match, page
-    return match.group(1)
-
-
-def add(engine: Engine, table: Any, **values: Any) -> int:
-    with engine.begin() as conn:
-        key = conn.execute(insert(table).values(**values).returning(table.c.id)).scalar_one()
-    return int(key)
-
-
-def status_of(engine: Engine, table: Any, key: int) -> str | None:
-    with engine.connect() as conn:
-        return conn.scalar(select(table.c.status).where(table.c.id == key))
+    token = page_token(page)
+    assert token, page
+    return token
 
 
 def ids_on(page: str) -> list[int]:
@@ -94,31 +76,12 @@ def test_overview_counts_ages_and_the_last_hours_chart(engine: Engine, client: A
 
 
 def test_jobs_filters_one_and_several_values(engine: Engine, client: Any) -> None:
-    a = add(engine, JOBS, queue="a")
-    b = add(engine, JOBS, queue="b", status="failed", last_error="SMTP timeout")
-    c = add(engine, JOBS, queue="c", status="done", last_error="smtp REFUSED 100%")
-    add(engine, TASKS, task="resize", queue="x")
-    t2 = add(engine, TASKS, task="crop", queue="x")
-    t3 = add(engine, TASKS, task="send", queue="x")
-
     def shown(query: str, table: str = "email_jobs") -> list[int]:
         response = client.get(f"/{table}/jobs?{query}")
         assert response.status_code == 200
         return ids_on(response.get_data(as_text=True))
 
-    assert shown("queue=a") == [a]
-    assert shown("queue=a,c") == [c, a]
-    assert shown("queue=a&queue=b") == [b, a]
-    assert shown("status=failed") == [b]
-    assert shown("status=failed&status=pending") == [b, a]
-    assert shown("status=done,pending") == [c, a]
-    assert shown("error=smtp") == [c, b]  # case-insensitive
-    assert shown("error=100%25") == [c]  # % is literal
-    assert shown("error=10_%25") == []  # so is _
-    assert shown("queue=b&status=failed&error=timeout") == [b]
-    assert shown("task=crop", "tasks") == [t2]
-    assert shown("task=crop,send", "tasks") == [t3, t2]
-    assert shown("task=crop&task=send&queue=x", "tasks") == [t3, t2]
+    check_one_and_several_values(engine, shown)
 
 
 def test_jobs_pages_by_key(engine: Engine, client: Any) -> None:
@@ -236,17 +199,13 @@ def test_an_action_returns_only_to_the_dashboards_own_pages(engine: Engine, clie
 
 def test_read_only_mode_hides_and_refuses_actions(engine: Engine) -> None:
     key = add(engine, JOBS, status="failed")
-    app = create_app(engine, [EmailJob], read_only=True)
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    with client_of(create_app(engine, [EmailJob], read_only=True)) as client:
         page = client.get("/email_jobs/jobs").get_data(as_text=True)
         assert ids_on(page) == [key]
         assert 'value="requeue"' not in page and 'type="checkbox" name="id"' not in page
         assert 'value="requeue"' not in client.get(f"/email_jobs/job/{key}").get_data(as_text=True)
-        token = re.search(r'name="csrf_token" value="([^"]+)"', page)
         response = client.post(
-            "/email_jobs/action",
-            data={"csrf_token": token.group(1) if token else "", "action": "requeue", "id": str(key)},
+            "/email_jobs/action", data={"csrf_token": page_token(page) or "", "action": "requeue", "id": str(key)}
         )
         assert response.status_code == 403
     assert status_of(engine, JOBS, key) == "failed"
@@ -280,8 +239,7 @@ def test_auth_callable_guards_every_page(engine: Engine) -> None:
     app.register_blueprint(
         dashboard_blueprint(engine, [EmailJob], auth=lambda: allowed["verdict"]), url_prefix="/admin/queue"
     )
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    with client_of(app) as client:
         for path in ("/admin/queue/", "/admin/queue/email_jobs/jobs", "/admin/queue/email_jobs/workers"):
             assert client.get(path).status_code == 403
         assert client.post("/admin/queue/email_jobs/action", data={}).status_code == 403
@@ -432,8 +390,7 @@ def test_hostile_input_is_a_400_or_404_and_changes_nothing(
     app = create_app(engine, [EmailJob, Task, UuidJob])  # not testing: a failure is the 500 a browser would see
     key = add(engine, JOBS, status="failed", last_error="x")
     task = add(engine, TASKS, task="t", status="failed")
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    with client_of(app) as client:
         if method == "GET":
             response = client.get(path)
         else:
@@ -556,8 +513,7 @@ def test_workers_page_shows_idle_workers_and_what_each_runs(
     app = create_app(engine, [Task], lease=30.0)
     workers = [start_worker(tasks, lease=30.0) for _ in range(3)]
     try:
-        with app.test_client() as client:
-            client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+        with client_of(app) as client:
             wait_for(lambda: len(_listening(engine)) == 3, what="three listeners")
             pids, jobs = _workers_page(client)
             assert sorted(map(int, pids)) == sorted(_listening(engine)) and jobs == {}  # three idle workers
@@ -595,8 +551,7 @@ def _activity(engine: Engine, pid: int) -> Any:
 
 def test_a_job_page_shows_the_result_and_the_progress_first_escaped(engine: Engine) -> None:
     results = table_of(ResultTask)
-    app = create_app(engine, [ResultTask], lease=60.0)
-    app.testing = True
+    app = dashboard_app(engine, [ResultTask], lease=60.0)
     done = add(engine, results, task="t", status="done", result={"html": XSS, "n": 1}, progress=[1, 2])
     waiting = add(engine, results, task="t")
     with app.test_client() as client:
@@ -614,8 +569,7 @@ def test_a_job_page_shows_the_result_and_the_progress_first_escaped(engine: Engi
 
 def test_a_job_page_lists_its_attempts_newest_first_escaped(engine: Engine) -> None:
     results = table_of(ResultTask)
-    app = create_app(engine, [ResultTask], lease=60.0)
-    app.testing = True
+    app = dashboard_app(engine, [ResultTask], lease=60.0)
     entries = [
         {"attempt": 1, "outcome": "retried", "worker": "w/1", "started_at": "t1", "seconds": 0.5, "error": XSS},
         {"attempt": 2, "outcome": "done", "worker": "w/2", "started_at": "t2", "seconds": 1, "error": None},

@@ -23,8 +23,24 @@ from flask import Flask, request
 
 from sqla_queue import Tasks, pause, set_queue_limits
 from sqla_queue.cli import build_parser
-from sqla_queue.dashboard import create_app, dashboard_blueprint
+from sqla_queue.dashboard import dashboard_blueprint
 
+from .dashboard_helpers import (
+    API_REFUSALS,
+    PAGE_TOKEN_REFUSAL,
+    XSS,
+    act,
+    add,
+    check_one_and_several_values,
+    client_of,
+    dashboard_app,
+    get,
+    refusal_options,
+    refuse_every_action,
+    run_every_action,
+    status_of,
+    token,
+)
 from .helpers import table_of, wait_for
 from .models import RESULT_WORKERS, SHARD_QUEUES, EmailJob, OnceJob, ResultTask, ShardJob, Task, TotalJob, UuidJob
 
@@ -35,58 +51,18 @@ SHARDS = table_of(ShardJob)
 ONCE = table_of(OnceJob)
 UUIDS = table_of(UuidJob)
 TOTALS = table_of(TotalJob)
-XSS = "<script>alert('x')</script>"
 MODELS = [EmailJob, Task, ResultTask, ShardJob, OnceJob, UuidJob, TotalJob]
-ORIGIN = "http://localhost"
 
 
 def make_app(engine: Engine, **options: Any) -> Flask:
-    options.setdefault("api_actions", True)
-    app = create_app(engine, MODELS, lease=60.0, page_size=3, **options)
-    app.testing = True
-    return app
+    """Every model, pages of three, the API's actions on unless a test says otherwise."""
+    return dashboard_app(engine, MODELS, lease=60.0, page_size=3, **{"api_actions": True, **options})
 
 
 @pytest.fixture
 def client(engine: Engine) -> Iterator[Any]:
-    with make_app(engine).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN  # what a page of the dashboard's own origin sends
+    with client_of(make_app(engine)) as client:
         yield client
-
-
-def add(engine: Engine, table: Any, **values: Any) -> Any:
-    with engine.begin() as conn:
-        return conn.execute(insert(table).values(**values).returning(table.c.id)).scalar_one()
-
-
-def status_of(engine: Engine, table: Any, key: Any) -> str | None:
-    with engine.connect() as conn:
-        return conn.scalar(select(table.c.status).where(table.c.id == key))
-
-
-def get(client: Any, path: str, status: int = 200, **kwargs: Any) -> Any:
-    """The JSON of ``GET /api{path}``, which must answer ``status`` as JSON."""
-    response = client.get("/api" + path, **kwargs)
-    assert response.status_code == status, response.get_data(as_text=True)[:500]
-    assert response.mimetype == "application/json", response.get_data(as_text=True)[:500]
-    return response.get_json()
-
-
-def token(client: Any) -> str:
-    value = get(client, "/csrf")["csrf_token"]
-    assert isinstance(value, str) and len(value) >= 32
-    return value
-
-
-def act(client: Any, table: str, verb: str, body: Any, *, csrf: str | None, headers: dict[str, str] | None = None,
-        status: int = 200) -> Any:
-    """POST an action; its JSON answer, which must have ``status``."""
-    sent = {"Content-Type": "application/json", **({"X-CSRF-Token": csrf} if csrf is not None else {}),
-            **(headers or {})}
-    response = client.post(f"/api/tables/{table}/actions/{verb}", data=json.dumps(body), headers=sent)
-    assert response.status_code == status, response.get_data(as_text=True)[:500]
-    assert response.mimetype == "application/json", response.get_data(as_text=True)[:500]
-    return response.get_json()
 
 
 def ids(listing: dict[str, Any]) -> list[Any]:
@@ -150,29 +126,10 @@ def test_the_overview_counts_each_queue_as_the_page_over_its_window_with_pause_a
 
 
 def test_jobs_filter_as_the_page_does_with_one_and_several_values(engine: Engine, client: Any) -> None:
-    a = add(engine, JOBS, queue="a")
-    b = add(engine, JOBS, queue="b", status="failed", last_error="SMTP timeout")
-    c = add(engine, JOBS, queue="c", status="done", last_error="smtp REFUSED 100%")
-    add(engine, TASKS, task="resize", queue="x")
-    t2 = add(engine, TASKS, task="crop", queue="x")
-    t3 = add(engine, TASKS, task="send", queue="x")
-
     def shown(query: str, table: str = "email_jobs") -> list[Any]:
         return ids(get(client, f"/tables/{table}/jobs?{query}&limit=50"))
 
-    assert shown("queue=a") == [a]
-    assert shown("queue=a,c") == [c, a]
-    assert shown("queue=a&queue=b") == [b, a]
-    assert shown("status=failed") == [b]
-    assert shown("status=failed&status=pending") == [b, a]
-    assert shown("status=done,pending") == [c, a]
-    assert shown("error=smtp") == [c, b]  # case-insensitive
-    assert shown("error=100%25") == [c]  # % is literal
-    assert shown("error=10_%25") == []  # so is _
-    assert shown("queue=b&status=failed&error=timeout") == [b]
-    assert shown("task=crop", "tasks") == [t2]
-    assert shown("task=crop,send", "tasks") == [t3, t2]
-    assert shown("task=crop&task=send&queue=x", "tasks") == [t3, t2]
+    b = check_one_and_several_values(engine, shown)["b"]
     listing = get(client, "/tables/email_jobs/jobs?queue=b,a&status=failed")
     assert listing["filters"] == {"queue": ["b", "a"], "status": ["failed"], "task": [], "error": None}
     (row,) = listing["jobs"]
@@ -456,55 +413,16 @@ def seed(engine: Engine) -> None:
         pause(conn, ShardJob, "slow")
 
 
-@pytest.mark.parametrize(
-    ("refusal", "status", "kind"),
-    [
-        ("no token", 403, "csrf"),
-        ("a wrong token", 403, "csrf"),
-        ("the page's token", 403, "csrf"),
-        ("read-only dashboard", 403, "read_only"),
-        ("API actions not allowed", 403, "read_only"),
-        ("forged Host", 400, "bad_request"),
-        ("forged Origin", 400, "bad_request"),
-        ("no Origin", 400, "bad_request"),
-        ("cross-site", 403, "cross_site"),
-        ("a form's body", 415, "unsupported_media_type"),
-    ],
-)
+@pytest.mark.parametrize(("refusal", "status", "kind"), [*API_REFUSALS, PAGE_TOKEN_REFUSAL])
 def test_every_action_is_refused_and_changes_nothing(engine: Engine, refusal: str, status: int, kind: str) -> None:
     seed(engine)
     before = snapshot(engine)
-    options: dict[str, Any] = {"read-only dashboard": {"read_only": True},
-                               "API actions not allowed": {"api_actions": False}}.get(refusal, {})
-    with make_app(engine, **options).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
-        # The token this session would be given (none where actions are refused).
-        real = "x" * 43 if options else token(client)
-        csrf: str | None = {"no token": None, "a wrong token": "x" * 43}.get(refusal, real)
-        if refusal == "the page's token":  # the pages' token is not the API's
-            page = client.get("/email_jobs/jobs").get_data(as_text=True)
-            csrf = page.split('name="csrf_token" value="', 1)[1].split('"', 1)[0]
-        headers = {
-            "forged Host": {"Host": "attacker.example", "Origin": "http://attacker.example"},
-            "forged Origin": {"Origin": "http://evil.example"},
-            "no Origin": {"Origin": ""},
-            "cross-site": {"Sec-Fetch-Site": "cross-site"},
-        }.get(refusal, {})
-        for table, verb, body in ACTIONS:
-            if refusal == "a form's body":
-                response = client.post(f"/api/tables/{table}/actions/{verb}", data={"ids": "1"},
-                                       headers={"X-CSRF-Token": real})
-                assert response.status_code == status and response.get_json()["error"] == kind, verb
-                continue
-            answer = act(client, table, verb, body, csrf=csrf, headers=headers, status=status)
-            assert answer["error"] == kind and answer["status"] == status, (verb, answer)
+    with client_of(make_app(engine, **refusal_options(refusal))) as client:
+        refuse_every_action(client, refusal, status, kind, ACTIONS, form={"ids": "1"})
     assert snapshot(engine) == before
     # The same actions, allowed and with the token, change what they say they do.
-    with make_app(engine).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
-        csrf = token(client)
-        for table, verb, body in ACTIONS:
-            act(client, table, verb, body, csrf=csrf)
+    with client_of(make_app(engine)) as client:
+        run_every_action(client, ACTIONS)
     assert snapshot(engine) != before
 
 

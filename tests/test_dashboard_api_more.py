@@ -24,49 +24,44 @@ from sqla_queue import sql as q
 from sqla_queue.activity import bucket_start
 from sqla_queue.dashboard import create_app
 
+from .dashboard_helpers import (
+    API_REFUSALS,
+    HOURLY,
+    NIGHTLY,
+    XSS,
+    act,
+    add_rows,
+    client_of,
+    dashboard_app,
+    get,
+    refusal_options,
+    refuse_every_action,
+    run_every_action,
+    schedule_state,
+    token,
+    watermark,
+)
 from .helpers import table_of
 from .models import TASK_SCHEDULES, ChartJob, EmailJob, OnceJob, Task
-from .test_activity import RUNS, WAITS, finished, p
-from .test_dashboard_api import ORIGIN, XSS, act, get, token
+from .test_activity import RUNS, WAITS, db_now, finished, p
 
 CHARTS = table_of(ChartJob)
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
 ONCE = table_of(OnceJob)
 MINUTE = timedelta(minutes=1)
-HOURLY = Schedule("hourly", every=3600, values={"task": "report", "payload": {"kind": "hourly"}}, queue="reports")
-NIGHTLY = Schedule(f"nightly {XSS}", "30 2 * * *", timezone="Europe/Paris", values={"task": "nightly", "payload": {}})
 
 
 def make_app(engine: Engine, **options: Any) -> Flask:
-    options.setdefault("api_actions", True)
-    app = create_app(engine, [ChartJob, EmailJob, Task, OnceJob], schedules={Task: [HOURLY, NIGHTLY]}, **options)
-    app.testing = True
-    return app
+    """Charts, schedules, bulk actions, the API's actions on unless a test says otherwise."""
+    return dashboard_app(engine, [ChartJob, EmailJob, Task, OnceJob], schedules={Task: [HOURLY, NIGHTLY]},
+                       **{"api_actions": True, **options})
 
 
 @pytest.fixture
 def client(engine: Engine) -> Iterator[Any]:
-    with make_app(engine).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
+    with client_of(make_app(engine)) as client:
         yield client
-
-
-def db_now(engine: Engine) -> datetime:
-    with engine.connect() as conn:
-        now: datetime | None = conn.scalar(select(func.now()))
-    assert now is not None
-    return now
-
-
-def watermark(engine: Engine, name: str, tick: datetime) -> None:
-    with engine.begin() as conn:
-        conn.execute(q.claim_schedule_tick(Task, schedule=name, tick=tick))
-
-
-def state(engine: Engine, name: str) -> Any:
-    with engine.connect() as conn:
-        return conn.execute(q.schedule_states(Task).where(TASK_SCHEDULES.c.name == name)).one_or_none()
 
 
 def rows(engine: Engine, table: Any) -> list[Any]:
@@ -75,13 +70,9 @@ def rows(engine: Engine, table: Any) -> list[Any]:
 
 
 def statuses(engine: Engine, table: Any) -> dict[Any, str]:
+    """Every row's status, by key."""
     with engine.connect() as conn:
         return dict(conn.execute(select(table.c.id, table.c.status)).all())
-
-
-def add(engine: Engine, table: Any, n: int = 1, **values: Any) -> list[Any]:
-    with engine.begin() as conn:
-        return [conn.execute(insert(table).values(**values).returning(table.c.id)).scalar_one() for _ in range(n)]
 
 
 def test_the_index_names_the_new_reads_and_actions(client: Any) -> None:
@@ -181,7 +172,8 @@ def test_run_now_is_fenced_by_the_watermark_the_caller_read(engine: Engine, clie
     assert datetime.fromisoformat(answer.pop("last_tick")) == job.run_after
     assert answer == {"table": "tasks", "action": "run_now", "name": "hourly", "job": job.id}
     assert clicked <= job.run_after <= datetime.now(UTC)
-    assert (state(engine, "hourly").last_tick, state(engine, "hourly").previous_tick) == (job.run_after, last)
+    after = schedule_state(engine, "hourly")
+    assert (after.last_tick, after.previous_tick) == (job.run_after, last)
     # The same body again: the watermark moved since it was read, nothing is enqueued.
     assert act(client, "tasks", "run_now", {"name": "hourly", "seen": seen}, csrf=csrf,
                status=409)["error"] == "schedule_ticked"
@@ -209,7 +201,7 @@ def test_run_now_is_fenced_by_the_watermark_the_caller_read(engine: Engine, clie
                status=400)["error"] == "not_in_code"
     assert act(client, "email_jobs", "run_now", {"name": "hourly", "seen": None}, csrf=csrf,
                status=404)["error"] == "no_schedules"
-    assert len(rows(engine, TASKS)) == 2 and state(engine, "gone").last_tick == last
+    assert len(rows(engine, TASKS)) == 2 and schedule_state(engine, "gone").last_tick == last
 
 
 def test_a_run_whose_job_cannot_be_made_changes_nothing(engine: Engine) -> None:
@@ -220,12 +212,11 @@ def test_a_run_whose_job_cannot_be_made_changes_nothing(engine: Engine) -> None:
                      api_actions=True)
     start = datetime(2026, 1, 1, tzinfo=UTC)
     watermark(engine, "broken", start)
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
+    with client_of(app) as client:
         error = act(client, "tasks", "run_now", {"name": "broken", "seen": start.isoformat()}, csrf=token(client),
                     status=422)
     assert error["error"] == "enqueue_failed" and "RuntimeError: no report for " + XSS in error["message"]
-    assert rows(engine, TASKS) == [] and state(engine, "broken").last_tick == start
+    assert rows(engine, TASKS) == [] and schedule_state(engine, "broken").last_tick == start
 
 
 def test_pause_and_resume_a_schedule(engine: Engine, client: Any) -> None:
@@ -233,35 +224,35 @@ def test_pause_and_resume_a_schedule(engine: Engine, client: Any) -> None:
     csrf = token(client)
     assert act(client, "tasks", "pause_schedule", {"name": "hourly"}, csrf=csrf) == {
         "table": "tasks", "action": "pause_schedule", "name": "hourly", "paused": True, "changed": True}
-    assert state(engine, "hourly").paused_at is not None
+    assert schedule_state(engine, "hourly").paused_at is not None
     assert act(client, "tasks", "pause_schedule", {"name": "hourly"}, csrf=csrf)["changed"] is False
     shown = get(client, "/tables/tasks/schedules")["schedules"][0]
     assert shown["paused_at"] is not None and shown["next_tick"] is None
     # A schedule with no row yet is paused too: its row is made, paused.
     assert act(client, "tasks", "pause_schedule", {"name": f"nightly {XSS}"}, csrf=csrf)["changed"] is True
-    assert state(engine, f"nightly {XSS}").paused_at is not None
+    assert schedule_state(engine, f"nightly {XSS}").paused_at is not None
     resumed_at = datetime.now(UTC)
     assert act(client, "tasks", "resume_schedule", {"name": "hourly"}, csrf=csrf)["changed"] is True
-    after = state(engine, "hourly")
+    after = schedule_state(engine, "hourly")
     assert after.paused_at is None and after.last_tick >= resumed_at  # the pause's ticks skipped
     assert act(client, "tasks", "resume_schedule", {"name": "hourly"}, csrf=csrf)["changed"] is False
     assert act(client, "tasks", "pause_schedule", {"name": "nobody"}, csrf=csrf, status=404)["error"] == (
         "no_such_schedule")
-    assert state(engine, "nobody") is None
+    assert schedule_state(engine, "nobody") is None
 
 
 def test_a_bulk_action_is_counted_then_walks_the_jobs_of_the_count(engine: Engine, client: Any) -> None:
-    pending = add(engine, JOBS, 3, queue="a")
-    running = add(engine, JOBS, queue="a", status="running", lease_owner="w/0", attempts=1)
-    other = add(engine, JOBS, 2, queue="b")
-    done = add(engine, JOBS, queue="a", status="done")
+    pending = add_rows(engine, JOBS, 3, queue="a")
+    running = add_rows(engine, JOBS, queue="a", status="running", lease_owner="w/0", attempts=1)
+    other = add_rows(engine, JOBS, 2, queue="b")
+    done = add_rows(engine, JOBS, queue="a", status="done")
     csrf = token(client)
     count = get(client, "/tables/email_jobs/bulk?action=cancel&queue=a")
     assert (count["matched"], count["acting"], count["holding_keys"]) == (5, 4, 0)
     assert count["filters"] == {"queue": ["a"], "status": [], "task": [], "error": None}
     assert count["batch"] == 1000 and count["run"] == "/api/tables/email_jobs/actions/bulk_cancel"
     assert set(statuses(engine, JOBS).values()) == {"pending", "running", "done"}  # a count changes nothing
-    late = add(engine, JOBS, queue="a")  # enqueued after the count: not the caller's to cancel
+    late = add_rows(engine, JOBS, queue="a")  # enqueued after the count: not the caller's to cancel
     answer = act(client, "email_jobs", "bulk_cancel", {"queue": "a", "as_of": count["as_of"]}, csrf=csrf)
     assert (answer["done"], answer["batches"], answer["kept_holding_keys"]) == (4, 1, 0)
     assert answer["filters"]["queue"] == ["a"]
@@ -269,8 +260,8 @@ def test_a_bulk_action_is_counted_then_walks_the_jobs_of_the_count(engine: Engin
     assert [found[k] for k in [*pending, *running]] == ["cancelled"] * 4
     assert [found[k] for k in [*other, *done, *late]] == ["pending", "pending", "done", "pending"]
 
-    dead = add(engine, TASKS, 2, task="mail", queue="out", status="failed", last_error="SMTPError")
-    kept = add(engine, TASKS, task="sms", queue="out", status="failed", last_error="SMTPError")
+    dead = add_rows(engine, TASKS, 2, task="mail", queue="out", status="failed", last_error="SMTPError")
+    kept = add_rows(engine, TASKS, task="sms", queue="out", status="failed", last_error="SMTPError")
     count = get(client, "/tables/tasks/bulk?action=requeue&task=mail&status=failed,pending&error=smtp")
     assert (count["matched"], count["acting"]) == (2, 2)
     answer = act(client, "tasks", "bulk_requeue", {"task": ["mail"], "status": "failed,pending", "error": "smtp",
@@ -280,8 +271,8 @@ def test_a_bulk_action_is_counted_then_walks_the_jobs_of_the_count(engine: Engin
 
 
 def test_a_bulk_delete_keeps_key_holders_until_asked_with_free_keys(engine: Engine, client: Any) -> None:
-    holder = add(engine, ONCE, status="done", unique_key="k1")
-    plain = add(engine, ONCE, status="failed")
+    holder = add_rows(engine, ONCE, status="done", unique_key="k1")
+    plain = add_rows(engine, ONCE, status="failed")
     csrf = token(client)
     count = get(client, "/tables/once_jobs/bulk?action=delete")
     assert (count["matched"], count["acting"], count["holding_keys"]) == (2, 1, 1)
@@ -325,7 +316,7 @@ def test_a_count_that_cannot_be_is_a_typed_error(client: Any, request_: str, sta
 def test_a_bulk_body_that_cannot_be_is_refused_and_changes_nothing(
     engine: Engine, client: Any, verb: str, body: dict[str, Any]
 ) -> None:
-    add(engine, JOBS, 2)
+    add_rows(engine, JOBS, 2)
     before = statuses(engine, JOBS)
     assert act(client, "email_jobs", verb, body, csrf=token(client), status=400)["error"] == "bad_body"
     assert statuses(engine, JOBS) == before
@@ -344,9 +335,9 @@ ACTIONS: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def seed(engine: Engine) -> None:
-    add(engine, JOBS, status="failed", last_error="boom")
-    add(engine, JOBS)
-    add(engine, ONCE, status="done", unique_key="k1")
+    add_rows(engine, JOBS, status="failed", last_error="boom")
+    add_rows(engine, JOBS)
+    add_rows(engine, ONCE, status="done", unique_key="k1")
     with engine.begin() as conn:
         conn.execute(q.pause_schedule(Task, schedule="paused", tick=datetime(2026, 1, 1, tzinfo=UTC)))
 
@@ -358,55 +349,21 @@ def snapshot(engine: Engine) -> list[Any]:
                 for table in (JOBS, TASKS, ONCE, TASK_SCHEDULES)]
 
 
-@pytest.mark.parametrize(
-    ("refusal", "status", "kind"),
-    [
-        ("no token", 403, "csrf"),
-        ("a wrong token", 403, "csrf"),
-        ("read-only dashboard", 403, "read_only"),
-        ("API actions not allowed", 403, "read_only"),
-        ("forged Host", 400, "bad_request"),
-        ("forged Origin", 400, "bad_request"),
-        ("no Origin", 400, "bad_request"),
-        ("cross-site", 403, "cross_site"),
-        ("a form's body", 415, "unsupported_media_type"),
-    ],
-)
+@pytest.mark.parametrize(("refusal", "status", "kind"), API_REFUSALS)
 def test_every_new_action_is_refused_and_changes_nothing(engine: Engine, refusal: str, status: int, kind: str) -> None:
     seed(engine)
     before = snapshot(engine)
-    options: dict[str, Any] = {"read-only dashboard": {"read_only": True},
-                               "API actions not allowed": {"api_actions": False}}.get(refusal, {})
-    with make_app(engine, **options).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
-        real = "x" * 43 if options else token(client)
-        csrf: str | None = {"no token": None, "a wrong token": "x" * 43}.get(refusal, real)
-        headers = {
-            "forged Host": {"Host": "attacker.example", "Origin": "http://attacker.example"},
-            "forged Origin": {"Origin": "http://evil.example"},
-            "no Origin": {"Origin": ""},
-            "cross-site": {"Sec-Fetch-Site": "cross-site"},
-        }.get(refusal, {})
-        for table, verb, body in ACTIONS:
-            if refusal == "a form's body":
-                response = client.post(f"/api/tables/{table}/actions/{verb}", data={"as_of": FAR, "name": "hourly"},
-                                       headers={"X-CSRF-Token": real})
-                assert response.status_code == status and response.get_json()["error"] == kind, verb
-                continue
-            answer = act(client, table, verb, body, csrf=csrf, headers=headers, status=status)
-            assert answer["error"] == kind and answer["status"] == status, (verb, answer)
+    options = refusal_options(refusal)
+    with client_of(make_app(engine, **options)) as client:
+        refuse_every_action(client, refusal, status, kind, ACTIONS, form={"as_of": FAR, "name": "hourly"})
         if options:  # the count confirms an action: refused where the action is, as the page's
             assert get(client, "/tables/email_jobs/bulk?action=cancel", 403)["error"] == "read_only"
             assert get(client, "/")["tables"][0]["bulk"] is None
     assert snapshot(engine) == before
     # The same actions, allowed and with the token, change what they say they do.
-    with make_app(engine).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
-        csrf = token(client)
-        changed = []
-        for table, verb, body in ACTIONS:
-            answer = act(client, table, verb, body, csrf=csrf)
-            changed.append(answer.get("changed", answer.get("done", answer.get("job"))))
+    with client_of(make_app(engine)) as client:
+        answers = run_every_action(client, ACTIONS)
+    changed = [answer.get("changed", answer.get("done", answer.get("job"))) for answer in answers]
     assert all(changed), changed
     assert snapshot(engine) != before
 
@@ -417,4 +374,4 @@ def test_a_read_only_dashboard_still_reads_the_schedules_and_activity(engine: En
         assert [s["name"] for s in get(client, "/tables/tasks/schedules")["schedules"]][:1] == ["hourly"]
         assert get(client, "/tables/chart_jobs/activity")["queues"] == []
         assert get(client, "/")["tables"][2]["actions"] == []
-    assert state(engine, "hourly").paused_at is None
+    assert schedule_state(engine, "hourly").paused_at is None

@@ -147,6 +147,31 @@ def status_of(engine: Engine, key: int) -> str | None:
         return conn.scalar(select(JOBS.c.status).where(JOBS.c.id == key))
 
 
+def _flashed(browser: Any) -> str:
+    """The flash message of the page an action led to, once that page is shown."""
+    from selenium.webdriver.common.by import By
+
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
+    return str(browser.find_element(By.CSS_SELECTOR, ".flash").text)
+
+
+def _open_confirm(browser: Any, opener: str, confirm: str, what: str) -> None:
+    """Click ``opener`` (a CSS selector), which leads to an action's confirm page; wait
+    for that page's button (the id ``confirm``)."""
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.CSS_SELECTOR, opener).click()
+    wait_for(lambda: browser.find_elements(By.ID, confirm), what=what)
+
+
+def _confirmed(browser: Any, confirm: str) -> str:
+    """Click the confirm page's button (the id ``confirm``): the flash message after."""
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.ID, confirm).click()
+    return _flashed(browser)
+
+
 def test_filter_requeue_and_cancel_in_a_real_browser(
     engine: Engine, dashboard: str, browser: Any, shots: Path
 ) -> None:
@@ -237,22 +262,18 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     # cancel one pending job from the filtered list
     browser.find_element(By.CSS_SELECTOR, f'input[name="id"][value="{keys["mail_pending"]}"]').click()
     browser.find_element(By.ID, "cancel-selected").click()
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
-    assert "cancelled 1 of 1" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    assert "cancelled 1 of 1" in _flashed(browser)
     assert status_of(engine, keys["mail_pending"]) == "cancelled"
     assert status_of(engine, keys["mail_other"]) == "pending"
     assert "status=pending" in browser.current_url  # back on the filtered page
     assert keys["mail_pending"] not in shown()
 
     # cancel every job the filter still matches: the count first, then the confirm
-    browser.find_element(By.ID, "bulk-cancel").click()
-    wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the bulk action's confirm page")
+    _open_confirm(browser, "#bulk-cancel", "bulk-confirm", "the bulk action's confirm page")
     assert "1 job(s) match the filter" in browser.find_element(By.ID, "bulk-count").text
     assert status_of(engine, keys["mail_other"]) == "pending"  # counting changed nothing
     browser.save_screenshot(str(shots / "bulk-confirm.png"))
-    browser.find_element(By.ID, "bulk-confirm").click()
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
-    assert "cancelled 1 job(s) matching the filter" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    assert "cancelled 1 job(s) matching the filter" in _confirmed(browser, "bulk-confirm")
     assert status_of(engine, keys["mail_other"]) == "cancelled"
     assert status_of(engine, keys["sms_pending"]) == "pending"  # another queue: not in the filter
     assert shown() == []
@@ -262,8 +283,7 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     assert shown() == [keys["dead"]]
     browser.find_element(By.CSS_SELECTOR, f'input[name="id"][value="{keys["dead"]}"]').click()
     browser.find_element(By.ID, "requeue-selected").click()
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
-    assert "requeued 1 of 1" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    assert "requeued 1 of 1" in _flashed(browser)
     with engine.connect() as conn:
         row = conn.execute(select(JOBS.c.status, JOBS.c.attempts).where(JOBS.c.id == keys["dead"])).one()
     assert (row.status, row.attempts) == ("pending", 0)
@@ -290,11 +310,8 @@ def test_filter_requeue_and_cancel_in_a_real_browser(
     rows = {row.get_attribute("data-schedule"): row.text
             for row in browser.find_elements(By.CSS_SELECTOR, "#schedules tr[data-schedule]")}
     assert set(rows) == {"beat", f"gone {xss}"} and "every 1s" in rows["beat"]
-    browser.find_element(By.CSS_SELECTOR, 'tr[data-schedule="beat"] a.run-now').click()
-    wait_for(lambda: browser.find_elements(By.ID, "run-now"), what="the run now's confirm page")
-    browser.find_element(By.ID, "run-now").click()
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
-    assert "ran schedule beat now" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    _open_confirm(browser, 'tr[data-schedule="beat"] a.run-now', "run-now", "the run now's confirm page")
+    assert "ran schedule beat now" in _confirmed(browser, "run-now")
     with engine.connect() as conn:
         (beat,) = conn.execute(select(TASKS).where(TASKS.c.task == "beat")).all()
         last = conn.scalar(select(TASK_SCHEDULES.c.last_tick).where(TASK_SCHEDULES.c.name == "beat"))
@@ -348,11 +365,8 @@ def _a_workflow_its_jobs_and_its_cancel(engine: Engine, dashboard: str, browser:
     wait_for(lambda: browser.current_url.endswith(f"/step_tasks/job/{parts[2].id}"), what="the parent's page")
     browser.find_element(By.ID, "workflow-link").click()
     wait_for(lambda: browser.find_elements(By.ID, "cancel-workflow"), what="the workflow page")
-    browser.find_element(By.ID, "cancel-workflow").click()
-    wait_for(lambda: browser.find_elements(By.ID, "cancel-workflow-confirm"), what="the cancel's confirm page")
-    browser.find_element(By.ID, "cancel-workflow-confirm").click()
-    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
-    assert "cancelled 5 job(s) of workflow" in browser.find_element(By.CSS_SELECTOR, ".flash").text
+    _open_confirm(browser, "#cancel-workflow", "cancel-workflow-confirm", "the cancel's confirm page")
+    assert "cancelled 5 job(s) of workflow" in _confirmed(browser, "cancel-workflow-confirm")
     with engine.connect() as conn:
         counted = select(STEPS.c.status, func.count()).where(STEPS.c.workflow_id == flow.id).group_by(STEPS.c.status)
         found: dict[str, int] = {row[0]: row[1] for row in conn.execute(counted).all()}
@@ -382,10 +396,6 @@ def test_pauses_limits_schedules_and_bulk_requeue_and_delete_in_a_real_browser(
         browser.get(root + path)
         wait_for(lambda: browser.execute_script("return document.readyState") == "complete", what=path)
 
-    def flashed() -> str:
-        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, ".flash"), what="the flash message")
-        return str(browser.find_element(By.CSS_SELECTOR, ".flash").text)
-
     def forged(form_selector: str, button_selector: str) -> None:
         """Submit a form of the page with its token taken out: a 400 that says CSRF."""
         browser.execute_script(f"document.querySelector('{form_selector} [name=csrf_token]').remove()")
@@ -408,25 +418,25 @@ def test_pauses_limits_schedules_and_bulk_requeue_and_delete_in_a_real_browser(
         assert queue_row(TASK_QUEUES, "pdf") is None
         go("/")
         browser.find_element(By.CSS_SELECTOR, 'section[data-queue="pdf"] form.pause button[value="pause"]').click()
-        assert "paused queue pdf" in flashed()
+        assert "paused queue pdf" in _flashed(browser)
         assert queue_row(TASK_QUEUES, "pdf").paused_at is not None
         assert browser.find_element(By.CSS_SELECTOR, 'section[data-queue="pdf"] .badge.paused')
         browser.save_screenshot(str(shots / "overview-paused.png"))
         browser.find_element(By.CSS_SELECTOR, 'section[data-queue="pdf"] form.pause button[value="resume"]').click()
-        assert "resumed queue pdf" in flashed()
+        assert "resumed queue pdf" in _flashed(browser)
         assert queue_row(TASK_QUEUES, "pdf").paused_at is None
 
         # a queue's own limit, then back to the model's
         limits = 'div[data-limits-queue="shards"] form.limit'
         browser.find_element(By.CSS_SELECTOR, f'{limits} input[name="concurrency"]').send_keys("2")
         browser.find_element(By.CSS_SELECTOR, f"{limits} button").click()
-        assert "limits of queue shards: concurrency 2" in flashed()
+        assert "limits of queue shards: concurrency 2" in _flashed(browser)
         assert queue_row(SHARD_QUEUES, "shards").concurrency == 2
         assert "the queue's own; the model's 4" in browser.find_element(
             By.CSS_SELECTOR, 'div[data-limits-queue="shards"]').text
         browser.find_element(By.CSS_SELECTOR, f'{limits} input[name="concurrency"]').clear()
         browser.find_element(By.CSS_SELECTOR, f"{limits} button").click()
-        assert "concurrency the model default" in flashed()
+        assert "concurrency the model default" in _flashed(browser)
         assert queue_row(SHARD_QUEUES, "shards").concurrency is None
 
         # a schedule paused and resumed; its form refused without its token
@@ -435,34 +445,29 @@ def test_pauses_limits_schedules_and_bulk_requeue_and_delete_in_a_real_browser(
         assert not schedule_paused()
         go("/tasks/schedules")
         browser.find_element(By.CSS_SELECTOR, 'tr[data-schedule="beat"] .pause-schedule').click()
-        assert "paused schedule beat" in flashed()
+        assert "paused schedule beat" in _flashed(browser)
         assert schedule_paused()
         browser.save_screenshot(str(shots / "schedules-paused.png"))
         browser.find_element(By.CSS_SELECTOR, 'tr[data-schedule="beat"] .resume-schedule').click()
-        assert "resumed schedule beat" in flashed()
+        assert "resumed schedule beat" in _flashed(browser)
         assert not schedule_paused()
 
         # every dead letter of queue mail requeued; the confirm refused without its token first
         go("/tasks/jobs?queue=mail&status=failed")
-        browser.find_element(By.ID, "bulk-requeue").click()
-        wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the requeue's confirm page")
+        _open_confirm(browser, "#bulk-requeue", "bulk-confirm", "the requeue's confirm page")
         assert "2 job(s) match the filter" in browser.find_element(By.ID, "bulk-count").text
         forged("form.actions", "#bulk-confirm")
         assert status_of_task(engine, dead) == ["failed", "failed", "failed"]
         go("/tasks/jobs?queue=mail&status=failed")
-        browser.find_element(By.ID, "bulk-requeue").click()
-        wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the requeue's confirm page")
-        browser.find_element(By.ID, "bulk-confirm").click()
-        assert "requeued 2 job(s) matching the filter" in flashed()
+        _open_confirm(browser, "#bulk-requeue", "bulk-confirm", "the requeue's confirm page")
+        assert "requeued 2 job(s) matching the filter" in _confirmed(browser, "bulk-confirm")
         assert status_of_task(engine, dead) == ["pending", "pending", "failed"]
 
         # every job of queues sms and old deleted, whatever its status
         go("/tasks/jobs?queue=sms,old")
-        browser.find_element(By.ID, "bulk-delete").click()
-        wait_for(lambda: browser.find_elements(By.ID, "bulk-confirm"), what="the delete's confirm page")
+        _open_confirm(browser, "#bulk-delete", "bulk-confirm", "the delete's confirm page")
         assert "2 job(s) match the filter" in browser.find_element(By.ID, "bulk-count").text
-        browser.find_element(By.ID, "bulk-confirm").click()
-        assert "deleted 2 job(s) matching the filter" in flashed()
+        assert "deleted 2 job(s) matching the filter" in _confirmed(browser, "bulk-confirm")
         assert status_of_task(engine, [dead[2], old]) == []
         assert status_of_task(engine, dead[:2]) == ["pending", "pending"]  # other queues untouched
     refused = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
@@ -472,7 +477,7 @@ def test_pauses_limits_schedules_and_bulk_requeue_and_delete_in_a_real_browser(
 def status_of_task(engine: Engine, keys: list[int]) -> list[str]:
     """The statuses of those of ``keys`` still in the task table, in ``keys``' order."""
     with engine.connect() as conn:
-        found: dict[int, str] = dict(conn.execute(select(TASKS.c.id, TASKS.c.status).where(TASKS.c.id.in_(keys))))
+        found: dict[int, str] = dict(conn.execute(select(TASKS.c.id, TASKS.c.status).where(TASKS.c.id.in_(keys))).all())
     return [found[k] for k in keys if k in found]
 
 

@@ -17,7 +17,6 @@ from sqlalchemy import Engine, event, func, insert, select
 
 pytest.importorskip("flask")
 
-from flask import Flask
 from markupsafe import escape
 
 from sqla_queue.admin import JobFilters
@@ -26,40 +25,19 @@ from sqla_queue.control import Cancel, parse
 from sqla_queue.dashboard import create_app
 from sqla_queue.model import notify_channel
 
+from .dashboard_helpers import XSS, add, add_rows, client_of, dashboard_app, page_token, statuses
 from .helpers import table_of
 from .models import EmailJob, OnceJob, ResultTask, Task
 
 JOBS = table_of(EmailJob)
 TASKS = table_of(Task)
 ONCE = table_of(OnceJob)
-XSS = "<script>alert('x')</script>"
 
 
 @pytest.fixture
-def app(engine: Engine) -> Flask:
-    app = create_app(engine, [EmailJob, Task, OnceJob], page_size=3)
-    app.testing = True
-    return app
-
-
-@pytest.fixture
-def client(app: Flask) -> Iterator[Any]:
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+def client(engine: Engine) -> Iterator[Any]:
+    with client_of(dashboard_app(engine, [EmailJob, Task, OnceJob], page_size=3)) as client:
         yield client
-
-
-def add(engine: Engine, table: Any, n: int = 1, **values: Any) -> list[int]:
-    with engine.begin() as conn:
-        return list(conn.scalars(insert(table).values(**values).returning(table.c.id), [{}] * n)) if n > 1 else [
-            conn.execute(insert(table).values(**values).returning(table.c.id)).scalar_one()]
-
-
-def statuses(engine: Engine, table: Any, keys: list[int]) -> list[str | None]:
-    with engine.connect() as conn:
-        found: dict[int, str] = dict(conn.execute(select(table.c.id, table.c.status).where(
-            table.c.id.in_(keys))).all())
-    return [found.get(k) for k in keys]
 
 
 def count(engine: Engine, table: Any) -> int:
@@ -96,11 +74,11 @@ def counted(page: str) -> tuple[int, int]:
 def test_cancel_by_filter_counts_first_then_cancels_every_page_running_jobs_too(
     engine: Engine, client: Any, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    pending = add(engine, JOBS, 5, queue="mail")
-    running = add(engine, JOBS, 2, queue="mail", status="running", lease_owner="w:1:a/0", attempts=1,
+    pending = add_rows(engine, JOBS, 5, queue="mail")
+    running = add_rows(engine, JOBS, 2, queue="mail", status="running", lease_owner="w:1:a/0", attempts=1,
                   lease_expires_at=func.now() + timedelta(seconds=60))
-    done = add(engine, JOBS, queue="mail", status="done", finished_at=func.now())
-    other = add(engine, JOBS, 2, queue="sms")
+    done = add_rows(engine, JOBS, queue="mail", status="done", finished_at=func.now())
+    other = add_rows(engine, JOBS, 2, queue="sms")
     page = client.get("/email_jobs/jobs?queue=mail").get_data(as_text=True)
     assert len(re.findall(r"<tr data-id=", page)) == 3  # one page of three; the action takes them all
     fields = bulk_form(page)
@@ -108,7 +86,7 @@ def test_cancel_by_filter_counts_first_then_cancels_every_page_running_jobs_too(
     shown, posted = confirm(client, "email_jobs", "cancel", fields)
     assert counted(shown) == (8, 7) and "on every page" in shown
     assert statuses(engine, JOBS, pending + running) == ["pending"] * 5 + ["running"] * 2  # counting changed nothing
-    late = add(engine, JOBS, queue="mail")  # enqueued after the count: not chased
+    late = add_rows(engine, JOBS, queue="mail")  # enqueued after the count: not chased
     listener.execute(f'LISTEN "{notify_channel(JOBS)}"')
     response = client.post("/email_jobs/bulk", data=posted)
     assert response.status_code == 302 and response.headers["Location"].endswith("/email_jobs/jobs?queue=mail")
@@ -121,10 +99,10 @@ def test_cancel_by_filter_counts_first_then_cancels_every_page_running_jobs_too(
 
 
 def test_requeue_by_filter_takes_the_dead_letters_the_filter_matches(engine: Engine, client: Any) -> None:
-    smtp = add(engine, JOBS, 4, queue="mail", status="failed", attempts=20, last_error="SMTPError 550")
-    dns = add(engine, JOBS, queue="mail", status="failed", attempts=20, last_error="DNS failure")
-    pending = add(engine, JOBS, queue="mail", last_error="SMTPError earlier")
-    elsewhere = add(engine, JOBS, queue="sms", status="failed", last_error="SMTPError")
+    smtp = add_rows(engine, JOBS, 4, queue="mail", status="failed", attempts=20, last_error="SMTPError 550")
+    dns = add_rows(engine, JOBS, queue="mail", status="failed", attempts=20, last_error="DNS failure")
+    pending = add_rows(engine, JOBS, queue="mail", last_error="SMTPError earlier")
+    elsewhere = add_rows(engine, JOBS, queue="sms", status="failed", last_error="SMTPError")
     fields = bulk_form(client.get("/email_jobs/jobs?queue=mail&status=failed,pending&error=smtp").get_data(
         as_text=True))
     assert fields == {"queue": "mail", "status": "failed,pending", "error": "smtp"}
@@ -135,19 +113,19 @@ def test_requeue_by_filter_takes_the_dead_letters_the_filter_matches(engine: Eng
         moved = conn.execute(select(JOBS.c.status, JOBS.c.attempts).where(JOBS.c.id.in_(smtp))).all()
     assert set(moved) == {("pending", 0)}
     assert statuses(engine, JOBS, dns + pending + elsewhere) == ["failed", "pending", "failed"]
-    tasks = add(engine, TASKS, 2, task="crop", status="failed")
-    kept = add(engine, TASKS, task="send", status="failed")
+    tasks = add_rows(engine, TASKS, 2, task="crop", status="failed")
+    kept = add_rows(engine, TASKS, task="send", status="failed")
     _, posted = confirm(client, "tasks", "requeue", {"task": "crop,resize", "queue": "", "status": "", "error": ""})
     client.post("/tasks/bulk", data=posted)
     assert statuses(engine, TASKS, tasks + kept) == ["pending", "pending", "failed"]
 
 
 def test_delete_by_filter_keeps_key_holders_until_a_second_confirm(engine: Engine, client: Any) -> None:
-    held = add(engine, ONCE, queue="q", status="done", unique_key="invoice:1", finished_at=func.now())
-    held += add(engine, ONCE, queue="q", status="done", unique_key="invoice:2", finished_at=func.now())
-    keyless = add(engine, ONCE, queue="q", status="done", finished_at=func.now())
-    pending = add(engine, ONCE, queue="q")
-    running = add(engine, ONCE, queue="q", status="running", lease_owner="w:1:a/0", attempts=1)
+    held = add_rows(engine, ONCE, queue="q", status="done", unique_key="invoice:1", finished_at=func.now())
+    held += add_rows(engine, ONCE, queue="q", status="done", unique_key="invoice:2", finished_at=func.now())
+    keyless = add_rows(engine, ONCE, queue="q", status="done", finished_at=func.now())
+    pending = add_rows(engine, ONCE, queue="q")
+    running = add_rows(engine, ONCE, queue="q", status="running", lease_owner="w:1:a/0", attempts=1)
     shown, posted = confirm(client, "once_jobs", "delete", {"queue": "q", "status": "", "error": ""})
     assert counted(shown) == (5, 2) and 'data-holding="2"' in shown
     response = client.post("/once_jobs/bulk", data=posted)
@@ -185,7 +163,7 @@ def test_a_bulk_action_runs_in_statements_of_at_most_a_thousand_rows(engine: Eng
 
 
 def test_the_filter_is_shown_escaped_and_an_empty_one_says_every_job(engine: Engine, client: Any) -> None:
-    add(engine, JOBS, queue=XSS)
+    add_rows(engine, JOBS, queue=XSS)
     shown, _ = confirm(client, "email_jobs", "delete", {"queue": XSS, "status": "", "error": XSS})
     assert "<script>" not in shown and str(escape(XSS)) in shown
     shown, _ = confirm(client, "email_jobs", "cancel", {"queue": "", "status": "", "error": ""})
@@ -195,7 +173,7 @@ def test_the_filter_is_shown_escaped_and_an_empty_one_says_every_job(engine: Eng
 
 
 def test_a_bulk_action_needs_its_token_and_a_page_of_the_dashboard(engine: Engine, client: Any) -> None:
-    keys = add(engine, JOBS, 3, queue="mail")
+    keys = add_rows(engine, JOBS, 3, queue="mail")
     _, posted = confirm(client, "email_jobs", "cancel", {"queue": "mail", "status": "", "error": ""})
     for data in ({k: v for k, v in posted.items() if k != "csrf_token"}, {**posted, "csrf_token": "forged"}):
         response = client.post("/email_jobs/bulk", data=data)
@@ -220,20 +198,15 @@ def test_a_bulk_action_needs_its_token_and_a_page_of_the_dashboard(engine: Engin
 
 
 def test_read_only_mode_hides_and_refuses_the_bulk_actions(engine: Engine) -> None:
-    keys = add(engine, JOBS, 2, queue="mail")
-    writable = create_app(engine, [EmailJob])
-    with writable.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    keys = add_rows(engine, JOBS, 2, queue="mail")
+    with client_of(create_app(engine, [EmailJob])) as client:
         _, posted = confirm(client, "email_jobs", "delete", {"queue": "mail", "status": "", "error": ""})
-    app = create_app(engine, [EmailJob], read_only=True)
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    with client_of(create_app(engine, [EmailJob], read_only=True)) as client:
         page = client.get("/email_jobs/jobs?queue=mail").get_data(as_text=True)
         assert 'id="bulk-actions"' not in page
         assert client.get("/email_jobs/bulk?action=delete&queue=mail").status_code == 403
-        token = re.search(r'name="csrf_token" value="([^"]+)"', page)
-        assert client.post("/email_jobs/bulk", data={**posted, "csrf_token": token.group(1) if token else ""}
-                           ).status_code == 403
+        token = page_token(page) or ""
+        assert client.post("/email_jobs/bulk", data={**posted, "csrf_token": token}).status_code == 403
     assert statuses(engine, JOBS, keys) == ["pending", "pending"]
 
 
@@ -241,10 +214,10 @@ def test_a_walk_takes_every_matching_job_in_batches_on_a_table_that_keeps_result
     """The cancel of a table that keeps results and history, five jobs in batches of
     two: three statements, the running job's attempt ended in its history."""
     results = table_of(ResultTask)
-    pending = add(engine, results, 4, task="t")
-    running = add(engine, results, task="t", status="running", lease_owner="w:1:a/0", attempts=1,
+    pending = add_rows(engine, results, 4, task="t")
+    running = add_rows(engine, results, task="t", status="running", lease_owner="w:1:a/0", attempts=1,
                   started_at=func.now())
-    add(engine, results, task="other")
+    add_rows(engine, results, task="other")
     filters = JobFilters(tasks=("t",))
     counted = count_matching(engine, ResultTask, "cancel", filters)
     assert (counted.matched, counted.acting, counted.holding_keys) == (5, 5, 0)
@@ -265,9 +238,9 @@ def test_a_requeue_walk_keeps_the_unique_keys_as_requeue_failed_does(engine: Eng
     a dead letter whose key a done job holds (UNIQUE_EVER) stays. In batches of two, the
     walk goes on past a batch that moved fewer than it picked, and ends at one that
     moves none."""
-    once = [add(engine, ONCE, queue="q", status="failed", unique_key=key)[0] for key in ("k1", "k2", "k1", "k3")]
-    add(engine, ONCE, queue="q", status="done", unique_key="k3")  # holds k3
-    newest = add(engine, ONCE, queue="q", status="failed", unique_key="k1")
+    once = [add(engine, ONCE, queue="q", status="failed", unique_key=key) for key in ("k1", "k2", "k1", "k3")]
+    add_rows(engine, ONCE, queue="q", status="done", unique_key="k3")  # holds k3
+    newest = add_rows(engine, ONCE, queue="q", status="failed", unique_key="k1")
     sizes: list[int] = []
     counted = count_matching(engine, OnceJob, "requeue", JobFilters(queues=("q",)))
     result = run_bulk(engine, OnceJob, "requeue", JobFilters(queues=("q",)), created_before=counted.as_of, batch=2,

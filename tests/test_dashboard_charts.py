@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, func, insert, select
+from sqlalchemy import Engine, create_engine, func, insert
 from sqlalchemy.orm import DeclarativeBase
 
 pytest.importorskip("flask")
@@ -27,34 +27,20 @@ from sqla_queue.activity import MINUTES, QUARTERS, bucket_start, due_range
 from sqla_queue.dashboard import create_app
 from sqla_queue.dashboard.charts import LIVE_CSP, duration
 
+from .dashboard_helpers import XSS, client_of, dashboard_app
 from .helpers import Server, table_of
 from .models import ChartJob, EmailJob
-from .test_activity import RUNS, WAITS, finished, p
+from .test_activity import RUNS, WAITS, db_now, finished, p
 
 JOBS = table_of(ChartJob)
 EMAILS = table_of(EmailJob)
-XSS = "<script>alert('x')</script>"
 MINUTE = timedelta(minutes=1)
 
 
 @pytest.fixture
-def app(engine: Engine) -> Flask:
-    app = create_app(engine, [ChartJob, EmailJob])
-    app.testing = True
-    return app
-
-
-@pytest.fixture
-def client(app: Flask) -> Iterator[Any]:
-    with app.test_client() as client:
+def client(engine: Engine) -> Iterator[Any]:
+    with client_of(dashboard_app(engine, [ChartJob, EmailJob]), origin=None) as client:  # reads only: no Origin
         yield client
-
-
-def db_now(engine: Engine) -> datetime:
-    with engine.connect() as conn:
-        now: datetime | None = conn.scalar(select(func.now()))
-    assert now is not None
-    return now
 
 
 def card(page: str, queue: str) -> str:

@@ -18,40 +18,28 @@ pytest.importorskip("flask")
 from flask import Flask
 
 from sqla_queue import Schedule
-from sqla_queue import sql as q
 from sqla_queue.dashboard import create_app, dashboard_blueprint
 
+from .dashboard_helpers import (
+    HOURLY,
+    NIGHTLY,
+    XSS,
+    client_of,
+    dashboard_app,
+    page_token,
+    schedule_state,
+    watermark,
+)
 from .helpers import table_of
-from .models import TASK_SCHEDULES, EmailJob, ReportJob, Task
+from .models import EmailJob, ReportJob, Task
 
 TASKS = table_of(Task)
-XSS = "<script>alert('x')</script>"
-HOURLY = Schedule("hourly", every=3600, values={"task": "report", "payload": {"kind": "hourly"}}, queue="reports")
-NIGHTLY = Schedule(f"nightly {XSS}", "30 2 * * *", timezone="Europe/Paris", values={"task": "nightly", "payload": {}})
 
 
 @pytest.fixture
-def app(engine: Engine) -> Flask:
-    app = create_app(engine, [EmailJob, Task], schedules={Task: [HOURLY, NIGHTLY]})
-    app.testing = True
-    return app
-
-
-@pytest.fixture
-def client(app: Flask) -> Iterator[Any]:
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+def client(engine: Engine) -> Iterator[Any]:
+    with client_of(dashboard_app(engine, [EmailJob, Task], schedules={Task: [HOURLY, NIGHTLY]})) as client:
         yield client
-
-
-def watermark(engine: Engine, name: str, tick: datetime) -> None:
-    with engine.begin() as conn:
-        conn.execute(q.claim_schedule_tick(Task, schedule=name, tick=tick))
-
-
-def state(engine: Engine, name: str) -> Any:
-    with engine.connect() as conn:
-        return conn.execute(q.schedule_states(Task).where(TASK_SCHEDULES.c.name == name)).one_or_none()
 
 
 def jobs(engine: Engine) -> list[Any]:
@@ -126,7 +114,7 @@ def test_run_now_confirms_then_enqueues_one_job_fenced_by_the_watermark(engine: 
     (job,) = jobs(engine)
     assert (job.task, job.payload, job.queue) == ("report", {"kind": "hourly"}, "reports")
     assert clicked <= job.run_after <= datetime.now(UTC)
-    after = state(engine, "hourly")
+    after = schedule_state(engine, "hourly")
     assert (after.last_tick, after.previous_tick) == (job.run_after, last)
     assert f"job {job.id} enqueued" in client.get("/tasks/schedules").get_data(as_text=True)
     # The same form again (a second click): the watermark moved since it was read.
@@ -142,7 +130,7 @@ def test_run_now_is_refused_when_the_scheduler_ticked_since_the_page(engine: Eng
     fields = form(client.get("/tasks/schedules/run?name=hourly").get_data(as_text=True), name="hourly")
     watermark(engine, "hourly", last + timedelta(hours=1))  # a worker claims the next tick meanwhile
     client.post("/tasks/schedules/run", data=fields)
-    assert jobs(engine) == [] and state(engine, "hourly").last_tick == last + timedelta(hours=1)
+    assert jobs(engine) == [] and schedule_state(engine, "hourly").last_tick == last + timedelta(hours=1)
 
 
 def test_pause_and_resume_from_the_page(engine: Engine, client: Any) -> None:
@@ -150,19 +138,19 @@ def test_pause_and_resume_from_the_page(engine: Engine, client: Any) -> None:
     page = client.get("/tasks/schedules").get_data(as_text=True)
     response = client.post("/tasks/schedules/action", data={**form(page, name="hourly"), "action": "pause"})
     assert response.status_code == 302
-    assert state(engine, "hourly").paused_at is not None
+    assert schedule_state(engine, "hourly").paused_at is not None
     page = client.get("/tasks/schedules").get_data(as_text=True)
     assert "paused schedule hourly" in page
     *_, next_tick, _, status, actions = rows(page)["hourly"]
     assert next_tick == "paused" and status.startswith("paused since") and "Resume" in actions
     # A schedule with no row yet is paused too: its row is made, paused.
     client.post("/tasks/schedules/action", data={**form(page, name=f"nightly {XSS}"), "action": "pause"})
-    assert state(engine, f"nightly {XSS}").paused_at is not None
+    assert schedule_state(engine, f"nightly {XSS}").paused_at is not None
     flashed = client.get("/tasks/schedules").get_data(as_text=True)
     assert "<script>" not in flashed and "paused schedule nightly &lt;script&gt;" in flashed
     resumed_at = datetime.now(UTC)
     client.post("/tasks/schedules/action", data={**form(page, name="hourly"), "action": "resume"})
-    after = state(engine, "hourly")
+    after = schedule_state(engine, "hourly")
     assert after.paused_at is None and after.last_tick >= resumed_at  # the pause's ticks skipped
     client.post("/tasks/schedules/action", data={**form(page, name="hourly"), "action": "resume"})
     assert "schedule hourly was not paused" in client.get("/tasks/schedules").get_data(as_text=True)
@@ -173,7 +161,7 @@ def test_pause_and_resume_from_the_page(engine: Engine, client: Any) -> None:
         ({"action": "pause", "name": ""}, 404),
     ):
         assert client.post("/tasks/schedules/action", data={**data, "csrf_token": token}).status_code == code
-    assert state(engine, "nobody") is None
+    assert schedule_state(engine, "nobody") is None
 
 
 ACTIONS = [
@@ -194,22 +182,21 @@ def test_every_action_needs_its_token_and_a_page_of_the_dashboard(
                     {"Origin": ""}):
         assert client.post(path, headers=headers, data={**data, "csrf_token": token}).status_code == 400, headers
     assert client.get("/tasks/schedules", headers={"Host": "attacker.example"}).status_code == 400
-    assert jobs(engine) == [] and state(engine, "hourly") is None  # nothing ran, nothing paused
+    assert jobs(engine) == [] and schedule_state(engine, "hourly") is None  # nothing ran, nothing paused
     assert client.post(path, data={**data, "csrf_token": token}).status_code == 302  # the real one passes
 
 
 def test_read_only_mode_hides_and_refuses_every_schedule_action(engine: Engine) -> None:
     app = create_app(engine, [Task], read_only=True, schedules={Task: [HOURLY]})
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    with client_of(app) as client:
         page = client.get("/tasks/schedules").get_data(as_text=True)
         assert "hourly" in page and "run-now" not in page and 'value="pause"' not in page
         assert client.get("/tasks/schedules/run?name=hourly").status_code == 403
-        token = re.search(r'name="csrf_token" value="([^"]+)"', client.get("/tasks/jobs").get_data(as_text=True))
+        token = page_token(client.get("/tasks/jobs").get_data(as_text=True)) or ""
         for path, data in ACTIONS:
-            sent = {**data, "csrf_token": token.group(1) if token else ""}
+            sent = {**data, "csrf_token": token}
             assert client.post(path, data=sent).status_code == 403
-    assert jobs(engine) == [] and state(engine, "hourly") is None
+    assert jobs(engine) == [] and schedule_state(engine, "hourly") is None
 
 
 def test_a_page_whose_watermark_table_is_missing_says_so(engine: Engine) -> None:
@@ -230,14 +217,13 @@ def test_a_run_whose_job_cannot_be_made_changes_nothing(engine: Engine) -> None:
         raise RuntimeError(f"no report for {XSS}")
 
     app = create_app(engine, [Task], schedules={Task: [Schedule("broken", every=60, values=broken)]})
-    with app.test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = "http://localhost"
+    with client_of(app) as client:
         watermark(engine, "broken", datetime(2026, 1, 1, tzinfo=UTC))
         fields = form(client.get("/tasks/schedules/run?name=broken").get_data(as_text=True), name="broken")
         assert client.post("/tasks/schedules/run", data=fields).status_code == 302
         page = client.get("/tasks/schedules").get_data(as_text=True)
     assert "its job could not be enqueued, nothing changed: RuntimeError: no report for &lt;script&gt;" in page
-    assert jobs(engine) == [] and state(engine, "broken").last_tick == datetime(2026, 1, 1, tzinfo=UTC)
+    assert jobs(engine) == [] and schedule_state(engine, "broken").last_tick == datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_flask_queue_s_dashboard_knows_the_schedules_of_its_workers(engine: Engine) -> None:

@@ -8,7 +8,6 @@ and not drawn."""
 from __future__ import annotations
 
 import html
-import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -26,29 +25,24 @@ from flask import Flask
 from sqla_queue import Workflow, enqueue_workflow
 from sqla_queue import sql as q
 from sqla_queue.control import Cancel, parse
-from sqla_queue.dashboard import create_app
 from sqla_queue.dashboard.workflows import LINKS_SHOWN
 from sqla_queue.model import notify_channel
 
+from .dashboard_helpers import XSS, act, client_of, dashboard_app, get
 from .helpers import table_of
 from .models import EmailJob, StepJob, StepTask
 
 STEPS = table_of(StepTask)
-XSS = "<script>alert('x')</script>"
-ORIGIN = "http://localhost"
 
 
 def make_app(engine: Engine, **options: Any) -> Flask:
-    options.setdefault("api_actions", True)
-    app = create_app(engine, [StepTask, StepJob, EmailJob], page_size=options.pop("page_size", 50), **options)
-    app.testing = True
-    return app
+    """Workflows and plain jobs, pages of fifty, the API's actions on unless a test says otherwise."""
+    return dashboard_app(engine, [StepTask, StepJob, EmailJob], **{"page_size": 50, "api_actions": True, **options})
 
 
 @pytest.fixture
 def client(engine: Engine) -> Iterator[Any]:
-    with make_app(engine).test_client() as client:
-        client.environ_base["HTTP_ORIGIN"] = ORIGIN
+    with client_of(make_app(engine)) as client:
         yield client
 
 
@@ -230,8 +224,7 @@ def test_the_cancel_is_refused_without_token_from_another_origin_and_read_only(
     forged = client.post(path, data={"csrf_token": token}, headers={"Origin": "http://evil.example"})
     assert forged.status_code == 400
     assert client.post(path, data={"csrf_token": token}, headers={"Origin": ""}).status_code == 400
-    with make_app(engine, read_only=True).test_client() as other:
-        other.environ_base["HTTP_ORIGIN"] = ORIGIN
+    with client_of(make_app(engine, read_only=True)) as other:
         assert other.get(path).status_code == 403
         assert other.post(path, data={"csrf_token": token}).status_code == 403
         assert 'id="cancel-workflow"' not in page_of(other, f"/step_tasks/workflow/{flow.id}")
@@ -272,26 +265,18 @@ def test_a_big_workflow_is_paged_counted_and_not_drawn(engine: Engine) -> None:
 # -- the JSON API -----------------------------------------------------------------------------
 
 
-def api_get(client: Any, path: str, status: int = 200) -> Any:
-    response = client.get("/api" + path)
-    assert response.status_code == status, response.get_data(as_text=True)[:500]
-    assert response.mimetype == "application/json"
-    return response.get_json()
-
-
-def act(client: Any, body: Any, *, csrf: str | None, status: int = 200, headers: dict[str, str] | None = None) -> Any:
-    sent = {"Content-Type": "application/json", **({"X-CSRF-Token": csrf} if csrf else {}), **(headers or {})}
-    response = client.post("/api/tables/step_tasks/actions/cancel_workflow", data=json.dumps(body), headers=sent)
-    assert response.status_code == status, response.get_data(as_text=True)[:500]
-    return response.get_json()
+def cancel_workflow(client: Any, body: Any, *, csrf: str | None, status: int = 200,
+                    headers: dict[str, str] | None = None) -> Any:
+    """The API's cancel of a workflow: its JSON answer, which must have ``status``."""
+    return act(client, "step_tasks", "cancel_workflow", body, csrf=csrf, headers=headers, status=status)
 
 
 def test_the_api_answers_a_workflow_as_its_page_shows_it(client: Any, diamond: dict[str, Any]) -> None:
     flow = diamond["flow"]
-    actions = {t["table"]: t["actions"] for t in api_get(client, "/")["tables"]}
+    actions = {t["table"]: t["actions"] for t in get(client, "/")["tables"]}
     assert "/api/tables/step_tasks/actions/cancel_workflow" in actions["step_tasks"]
     assert not any(a.endswith("/cancel_workflow") for a in actions["email_jobs"])  # no workflows there
-    found = api_get(client, f"/tables/step_tasks/workflows/{flow.id}")
+    found = get(client, f"/tables/step_tasks/workflows/{flow.id}")
     assert found["workflow"] == str(flow.id) and found["policies"] == ["hold"]
     assert (found["total"], found["done"], found["waiting"]) == (5, 1, 2)
     assert found["counts"] == {"pending": 2, "running": 1, "done": 1, "failed": 1, "cancelled": 0}
@@ -303,9 +288,9 @@ def test_the_api_answers_a_workflow_as_its_page_shows_it(client: Any, diamond: d
     assert jobs[diamond["left"]]["task"] == f"left {XSS}" and found["next"] is None
     raw = client.get(f"/api/tables/step_tasks/workflows/{flow.id}").get_data(as_text=True)
     assert "<script>" not in raw and "\\u003cscript\\u003e" in raw
-    paged = api_get(client, f"/tables/step_tasks/workflows/{flow.id}?limit=2")
+    paged = get(client, f"/tables/step_tasks/workflows/{flow.id}?limit=2")
     assert [j["id"] for j in paged["jobs"]] == [diamond["root"], diamond["left"]]
-    second = api_get(client, paged["next"].removeprefix("/api"))
+    second = get(client, paged["next"].removeprefix("/api"))
     assert [j["id"] for j in second["jobs"]] == [diamond["right"], diamond["tail"]]
     for path, status, kind in [
         (f"/tables/step_tasks/workflows/{uuid.uuid4()}", 404, "no_such_workflow"),
@@ -314,7 +299,7 @@ def test_the_api_answers_a_workflow_as_its_page_shows_it(client: Any, diamond: d
         (f"/tables/step_tasks/workflows/{flow.id}?limit=0", 400, "bad_filter"),
         (f"/tables/step_tasks/workflows/{flow.id}?status=done", 400, "bad_filter"),
     ]:
-        assert api_get(client, path, status)["error"] == kind
+        assert get(client, path, status)["error"] == kind
 
 
 def test_the_api_cancels_a_workflow_under_its_protections(
@@ -322,16 +307,15 @@ def test_the_api_cancels_a_workflow_under_its_protections(
 ) -> None:
     flow = diamond["flow"]
     before = statuses(engine, flow)
-    assert act(client, {"workflow": str(flow.id)}, csrf=None, status=403)["error"] == "csrf"
-    token = api_get(client, "/csrf")["csrf_token"]
-    assert act(client, {"workflow": str(flow.id)}, csrf=token, status=400,
+    assert cancel_workflow(client, {"workflow": str(flow.id)}, csrf=None, status=403)["error"] == "csrf"
+    token = get(client, "/csrf")["csrf_token"]
+    assert cancel_workflow(client, {"workflow": str(flow.id)}, csrf=token, status=400,
                headers={"Origin": "http://evil.example"})["error"] == "bad_request"
-    assert act(client, {"workflow": "nope"}, csrf=token, status=400)["error"] == "bad_body"
-    with make_app(engine, read_only=True).test_client() as other:
-        other.environ_base["HTTP_ORIGIN"] = ORIGIN
-        assert act(other, {"workflow": str(flow.id)}, csrf=token, status=403)["error"] == "read_only"
+    assert cancel_workflow(client, {"workflow": "nope"}, csrf=token, status=400)["error"] == "bad_body"
+    with client_of(make_app(engine, read_only=True)) as other:
+        assert cancel_workflow(other, {"workflow": str(flow.id)}, csrf=token, status=403)["error"] == "read_only"
     assert statuses(engine, flow) == before
-    done = act(client, {"workflow": str(flow.id)}, csrf=token)
+    done = cancel_workflow(client, {"workflow": str(flow.id)}, csrf=token)
     assert done == {"table": "step_tasks", "action": "cancel_workflow", "workflow": str(flow.id), "cancelled": 3}
     assert sorted(statuses(engine, flow).values()) == ["cancelled"] * 3 + ["done", "failed"]
-    assert act(client, {"workflow": str(flow.id)}, csrf=token)["cancelled"] == 0  # harmless again
+    assert cancel_workflow(client, {"workflow": str(flow.id)}, csrf=token)["cancelled"] == 0  # harmless again
