@@ -22,12 +22,13 @@ from sqla_queue import (
     enqueue_workflow,
     parent_counts,
     parent_results,
+    queue_table,
 )
 from sqla_queue import sql as q
 from sqla_queue.enqueue.workflow import WAITING_RUN_AFTER
 from sqla_queue.sql import CASCADE_REASON
 
-from .helpers import table_of, wait_for, wait_for_counts
+from .helpers import SENTINEL_CHANNEL, Server, notifications_until_sentinel, table_of, wait_for, wait_for_counts
 from .models import Effect, StepJob, StepTask, Task
 from .test_ops import on_driver
 from .workers import async_engine_like
@@ -140,6 +141,22 @@ def test_a_child_reads_its_parents_results(engine: Engine, start_worker: Callabl
     start_worker(tasks, StepTask)
     wait_for(lambda: rows(engine, flow)[child.id].status == "done", timeout=30, what="the child done")
     assert rows(engine, flow)[child.id].result == {"seen": ["a", "b", "c"], "done": 3}
+
+
+def test_the_enqueue_wakes_the_queues_of_the_jobs_that_can_run_only(
+    engine: Engine, listener: Any, server: Server
+) -> None:
+    """A job that waits for its parents is never due: waking its queue at the commit
+    would only send its workers to claim nothing (its release wakes it)."""
+    channel = queue_table(StepTask).channel
+    for name in (channel, SENTINEL_CHANNEL):
+        listener.execute(f'LISTEN "{name}"')
+    flow = Workflow()
+    first = flow.add(StepTask(task="named", payload={}), queue="first")
+    flow.add(StepTask(task="named", payload={}), after=[first], queue="later")
+    flow.add(StepTask(task="named", payload={}), queue="alone")
+    enqueued(engine, flow)
+    assert sorted(notifications_until_sentinel(listener, server.conninfo)) == [(channel, "alone"), (channel, "first")]
 
 
 def test_waiting_jobs_are_pending_never_due_and_load_as_python_values(engine: Engine) -> None:

@@ -99,7 +99,10 @@ def _record_new_jobs(session: Session) -> None:
     for obj in session.new:
         qt = queue_table_of(obj)
         if qt is not None:
-            queue = orm_attributes.instance_state(obj).dict.get("queue")
+            values = orm_attributes.instance_state(obj).dict
+            if values.get("waiting_on"):
+                continue  # a workflow's job that waits: the statement that releases it wakes its queue
+            queue = values.get("queue")
             if queue is None:
                 queue = default_queue(qt.table)
             _pending(session).add((qt.table, qt.channel, queue))
