@@ -278,23 +278,24 @@ def _statement_builders() -> set[str]:
 
 
 def _builders_the_worker_calls() -> set[str]:
-    """Every ``sql.<builder>(...)`` call in the operations layer, the one module that runs
-    the worker's statements (it imports sql as a module; tests/unit/test_structure.py
+    """Every ``sql.<builder>(...)`` call in the operations layer, the one package that runs
+    the worker's statements (its modules import sql as a module; tests/unit/test_structure.py
     checks that no service of the worker imports it)."""
-    tree = ast.parse((REPO / "sqla_queue" / "ops.py").read_text())
     called: set[str] = set()
-    aliases = {
-        alias.asname or alias.name
-        for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module is None and node.level == 1
-        for alias in node.names if alias.name == "sql"
-    }
-    assert aliases, "ops.py no longer imports sql as a module: the scan below finds nothing"
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases):
-            called.add(node.func.attr)
-        if isinstance(node, ast.ImportFrom) and node.module == "sql" and node.level == 1:
-            called.update(alias.name for alias in node.names)
+    for path in sorted((REPO / "sqla_queue" / "ops").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {
+            alias.asname or alias.name
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module is None and node.level == 2
+            for alias in node.names if alias.name == "sql"
+        }
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases):
+                called.add(node.func.attr)
+            if isinstance(node, ast.ImportFrom) and node.module == "sql" and node.level == 2:
+                called.update(alias.name for alias in node.names)
+    assert called, "no module of sqla_queue/ops/ imports sql as a module: the scan found nothing"
     return called & _statement_builders()
 
 

@@ -16,11 +16,11 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import DeclarativeBase
 
 from sqla_queue import TaskMixin
-from sqla_queue import ops as ops_module
 from sqla_queue import sql as q
 from sqla_queue.driver import AsyncDriver, DbConnection, Driver, WorkerStartError
 from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.ops import Claimed, ClaimRequest, QueueOps, SweepResult, TokenState
+from sqla_queue.ops import queue as ops_queue
 from sqla_queue.runtime import run_in_greenlet
 from sqla_queue.sql import ClaimToken
 
@@ -542,7 +542,7 @@ def test_the_requests_carry_what_their_caller_set(on: On) -> None:
 @pytest.fixture
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> int:
     """Two tokens a statement, so a handful of tokens spans several statements."""
-    monkeypatch.setattr(ops_module, "TOKENS_PER_STATEMENT", 2)
+    monkeypatch.setattr(ops_queue, "TOKENS_PER_STATEMENT", 2)
     return 2
 
 
@@ -589,7 +589,7 @@ def test_complete_then_claim_over_several_statements_completes_all_and_claims_on
 
 
 def test_a_heartbeat_of_thousands_of_tokens_spans_parts_and_extends_them_all(engine: Engine, on: On) -> None:
-    count = 2 * ops_module.TOKENS_PER_STATEMENT + 1
+    count = 2 * ops_queue.TOKENS_PER_STATEMENT + 1
     add(engine, count, queue="a")
     tokens = claim_directly(engine, "w/0.0", limit=count)
     _shorten_leases(engine)

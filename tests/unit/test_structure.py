@@ -217,8 +217,8 @@ def _sql_imports(module: str) -> list[str]:
 
 def test_the_scan_sees_imports_of_sql() -> None:
     """The checks below would pass on nothing if the scan missed these."""
-    assert "sql" in _sql_imports("sqla_queue.ops")  # from . import sql as q
-    assert "is_solitary" in _sql_imports("sqla_queue.ops")  # from .sql import ClaimToken, is_solitary
+    assert "sql" in _sql_imports("sqla_queue.ops.queue")  # from .. import sql as q
+    assert "is_solitary" in _sql_imports("sqla_queue.ops.queue")  # from ..sql import ClaimToken, is_solitary
     assert "cancel_jobs" in _sql_imports("sqla_queue.cancel")  # from .sql import _queue_names, cancel_jobs
     assert "sqla_queue.sql._notify" in _graph()["sqla_queue.driver"]  # a private module of the package
     assert len(WORKER_MODULES) >= 10, WORKER_MODULES
