@@ -3,8 +3,9 @@
     python benchmarks/async_enqueue.py [--quick] [--url URL]
 
 :func:`bench_async_enqueue` has the signature of ``benchmarks/run.py``'s benchmarks (an
-entry for its ``BENCHMARKS``) and uses its table, helpers and ``Row``. Run alone, it
-makes a scratch database the way ``run.py`` does and prints its rows.
+entry for its ``BENCHMARKS``) and uses the table, helpers and ``Row`` of
+``benchmarks/harness.py``. Run alone, it makes a scratch database the way ``run.py`` does
+and prints its rows.
 
 sqla_queue: an ``AsyncQueueSession`` per request on an ``AsyncEngine`` (psycopg 3 async),
 ``session.enqueue(job)`` and ``await session.commit()``, whose hook sends the NOTIFY.
@@ -26,17 +27,15 @@ import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import harness as bench
+import peers
 import psycopg
 from sqlalchemy import URL, Engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 from sqla_queue import AsyncQueueSession, enqueue_values
-
-HERE = Path(__file__).resolve().parent
 
 #: The ratio to the baseline the sync one-job enqueue is held to in run.py.
 TARGET = 0.8
@@ -45,36 +44,23 @@ ORM_TARGET = 0.9
 PGQUEUER_TARGET = 1.0
 
 
-def harness() -> ModuleType:
-    """``benchmarks/run.py``: the running program itself when it imported this module
-    (importing it again would run its imports again, in a loop), else imported."""
-    main = sys.modules.get("__main__")
-    if main is not None and Path(getattr(main, "__file__", "") or ".").resolve() == HERE / "run.py":
-        return main
-    sys.path.insert(0, str(HERE))
-    import run
-
-    return run
-
-
-def bench_async_enqueue(engine: Engine, url: URL, plan: Any) -> list[Any]:
+def bench_async_enqueue(engine: Engine, url: URL, plan: bench.Plan) -> list[bench.Row]:
     """Throughput in transactions per second: sqla_queue, baseline and the ORM reference.
 
-    ``plan`` is run.py's ``Plan`` (``enqueue_rounds``, ``enqueue_txns``); the result is
-    a list of run.py's ``Row``.
+    ``plan``: its ``enqueue_rounds`` and ``enqueue_txns``.
     """
-    bench = harness()
-    peers = bench.peers_module()
-    if peers is None:
-        return asyncio.run(_bench(bench, None, engine, url, plan))
+    if not peers.available(peers.PGQUEUER):
+        return asyncio.run(_bench(False, engine, url, plan))
     asyncio.run(peers.install(peers.PGQUEUER, url))
     try:
-        return asyncio.run(_bench(bench, peers, engine, url, plan))
+        return asyncio.run(_bench(True, engine, url, plan))
     finally:
         asyncio.run(peers.uninstall(peers.PGQUEUER, url))
 
 
-async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, url: URL, plan: Any) -> list[Any]:
+async def _bench(with_pgqueuer: bool, engine: Engine, url: URL, plan: bench.Plan) -> list[bench.Row]:
+    """Every side, in rounds; ``with_pgqueuer``: pgqueuer's enqueue beside them (its schema
+    installed)."""
     async_engine = create_async_engine(url.set(drivername="postgresql+psycopg"))
     factory = async_sessionmaker(async_engine, class_=AsyncQueueSession)
     plain = async_sessionmaker(async_engine, class_=AsyncSession)
@@ -137,7 +123,7 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
         return n / (time.perf_counter() - start)
 
     sides: list[Callable[[int], Awaitable[float]]] = [ours, base, plain_orm, fast_session, fast_begin, fast_autocommit]
-    if peers is not None:
+    if with_pgqueuer:
         pgq_conn, queries = await peers.pgqueuer_queries(url)
 
         async def pgqueuer(n: int) -> float:
@@ -158,7 +144,7 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
         await raw.close()
         await autocommit.close()
         await async_engine.dispose()
-        if peers is not None:
+        if with_pgqueuer:
             await pgq_conn.close()
             peers.reset_peer(peers.PGQUEUER, url)
         bench.reset(engine)
@@ -200,8 +186,8 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
     fast = f"{name}, fast path (await enqueue_values) on an autocommit AsyncConnection"
     for side, label in ((ours, name), (fast_autocommit, fast)):
         vs = f"{label} vs pgqueuer's Queries.enqueue (autocommit)"
-        if peers is None:
-            rows.append(bench.Row(vs, "—", f"pgqueuer not installed ({bench.PEERS_HINT})"))
+        if not with_pgqueuer:
+            rows.append(bench.Row(vs, "—", f"pgqueuer not installed ({peers.INSTALL_HINT})"))
         else:
             row = bench.throughput_row(vs, results[side], results[pgqueuer], "txn/s", PGQUEUER_TARGET)
             row.base += f" (pgqueuer {peers.version('pgqueuer')})"
@@ -212,7 +198,7 @@ async def _bench(bench: ModuleType, peers: ModuleType | None, engine: Engine, ur
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return int(harness().run_alone(bench_async_enqueue, __doc__, argv))
+    return bench.run_alone(bench_async_enqueue, __doc__, argv)
 
 
 if __name__ == "__main__":

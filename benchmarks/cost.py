@@ -6,7 +6,7 @@ The table of the per-job cost issue, every figure measured in the same run, in r
 whose order turns from round to round (medians), each with the CPU time per job of the
 processes that did the work (user + system; for processing, the worker processes only):
 
-- processing, no-op handler, jobs loaded beforehand (``run.py``'s ``run_processing``):
+- processing, no-op handler, jobs loaded beforehand (the harness's ``run_processing``):
   the raw loop at its best (one thread a process, ``RAW_BEST_BATCH`` rows a claim, and
   500), the matched raw loop (4 threads a process, 32 rows a claim: the Worker's
   defaults), the thread ``Worker`` at its defaults (1 and 2 processes) and the
@@ -33,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench  # benchmarks/run.py: the shared harness
+import async_processing
+import harness as bench  # benchmarks/harness.py: the shared harness
 from sqlalchemy import URL, Engine, create_engine, insert
 from sqlalchemy.orm import Session
 
@@ -45,7 +46,7 @@ DEFAULT_THREADS = 4
 
 def processing_runs(jobs: int) -> dict[str, tuple[str, bench.Processing, Callable[..., None] | None]]:
     """Label -> (kind, configuration, child) of every processing run."""
-    child = bench._async_processing()._async_child
+    child = async_processing.async_child
     runs: dict[str, tuple[str, bench.Processing, Callable[..., None] | None]] = {}
     for procs in (1, 2):
         for batch in (bench.RAW_BEST_BATCH, 500):

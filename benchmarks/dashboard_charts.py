@@ -24,7 +24,7 @@ statement the page runs, twice:
 It also times one worker's recording of a bucket full of jobs (a minute, a quarter of an
 hour): what declaring the activity table costs the workers, once a bucket.
 
-It reuses ``benchmarks/run.py``'s scratch database and table.
+It reuses ``benchmarks/harness.py``'s scratch database and table.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench
+import harness as bench
 from sqlalchemy import Engine, create_engine, func, select
 
 from sqla_queue import admin

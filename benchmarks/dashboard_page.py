@@ -12,7 +12,7 @@ throughput: the JSON API's overview) is timed too: it reads the whole table, as
 ``sqla-queue stats`` does. The overview page's charts have a benchmark of their own,
 ``dashboard_charts.py``.
 
-It reuses ``benchmarks/run.py``'s scratch database and table.
+It reuses ``benchmarks/harness.py``'s scratch database and table.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench
+import harness as bench
 from sqlalchemy import create_engine
 
 from sqla_queue import admin

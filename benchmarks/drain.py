@@ -9,7 +9,7 @@
 - **scaling**: 1, 2, 3 and 4 worker processes (``concurrency=4`` each) drain the same
   number of jobs; throughput must not collapse as processes are added.
 
-It reuses ``benchmarks/run.py``'s scratch database, table and process harness.
+It reuses ``benchmarks/harness.py``'s scratch database, table and process runner.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench
+import harness as bench
 from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.engine import URL
 

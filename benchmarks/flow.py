@@ -18,7 +18,7 @@ The achieved rate is the starts within the first ``RATE_WINDOWS`` whole seconds 
 the first start, over that time, from the rows' ``started_at`` (the target: within 5 %
 of the limit, never above it in strict mode).
 
-It reuses ``benchmarks/run.py``'s scratch database and process helpers.
+It reuses ``benchmarks/harness.py``'s scratch database and process helpers.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench
+import harness as bench
 from sqlalchemy import BigInteger, create_engine, make_url
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column

@@ -2,7 +2,7 @@
 
     python benchmarks/job_cost.py [--jobs N] [--side thread|async|raw ...] [--top K] [--url URL]
 
-Each side drains ``--jobs`` preloaded jobs (``run.py``'s table and loader) in this very
+Each side drains ``--jobs`` preloaded jobs (the harness's table and loader) in this very
 process, under ``cProfile`` timed by the thread's CPU clock (``time.thread_time``: the
 wall clock counts the waits, and a busy machine's), and prints the Python calls per job
 and the functions that took the most CPU per job (own, or ``--cumulative``), then the
@@ -13,7 +13,7 @@ functions called once a job or more:
   and the next claim, all on that thread), the profile taken in that thread;
 - ``async``: the ``AsyncWorker``, ``concurrency=1``, an ``async def`` no-op, the profile
   taken in the event loop's thread (its executor's greenlet and the loop);
-- ``raw``: the hand-written psycopg loop at its best batch (``run.py``'s
+- ``raw``: the hand-written psycopg loop at its best batch (the harness's
   ``RAW_BEST_BATCH`` rows a claim, one transaction each, then one completing UPDATE).
 
 Without ``--profile`` it only times: jobs/s, CPU µs per job of this process (user +
@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench  # benchmarks/run.py: the shared harness
+import harness as bench  # benchmarks/harness.py: the shared harness
 from sqlalchemy import URL, Engine, create_engine
 
 from sqla_queue import AsyncWorker, Worker
@@ -136,9 +136,9 @@ def run_raw(url: URL, jobs: int, profile: cProfile.Profile | None) -> float:
         start = time.perf_counter()
         cpu = time.thread_time()
         if profile is not None:
-            profile.runcall(bench._raw_processing_loop, conn, sql, params, "raw")
+            profile.runcall(bench.raw_processing_loop, conn, sql, params, "raw")
         else:
-            bench._raw_processing_loop(conn, sql, params, "raw")
+            bench.raw_processing_loop(conn, sql, params, "raw")
         JOB_THREAD_CPU["raw"] = time.thread_time() - cpu
         took = time.perf_counter() - start
     finally:

@@ -3,7 +3,7 @@
     python benchmarks/observers.py [--quick] [--url URL]
 
 :func:`bench_observers` has the signature of ``benchmarks/run.py``'s benchmarks and uses
-its table and process harness (``run_processing``): preloaded jobs, a no-op handler, the
+the table and process runner of ``benchmarks/harness.py`` (``run_processing``): preloaded jobs, a no-op handler, the
 real ``Worker`` in a fresh process, timed until no job is pending or running. The sides
 differ in one argument: no observer; ``observers=[Finished()]``, overriding ``finished``
 with nothing (what a metrics observer overrides: one event per job); and
@@ -17,31 +17,19 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
+import harness as bench
 from sqlalchemy import URL, Engine, create_engine, make_url
-
-HERE = Path(__file__).resolve().parent
 
 #: Throughput with the empty observer against none: at least this ratio.
 TARGET = 0.97
 
 
-def harness() -> Any:
-    main = sys.modules.get("__main__")
-    if main is not None and Path(getattr(main, "__file__", "") or ".").resolve() == HERE / "run.py":
-        return main
-    sys.path.insert(0, str(HERE))
-    import run
-
-    return run
-
-
 def _observed_child(
     kind: str, url_text: str, concurrency: int, batch: int, ready: Any, go: Any, stop: Any
 ) -> None:
-    """run.py's ``_processing_child`` for the Worker, with or without the empty observer."""
+    """The harness's ``_processing_child`` for the Worker, with or without the empty observer."""
     from sqla_queue import JobEvent, Worker, WorkerObserver
 
     class Finished(WorkerObserver):  # what a metrics observer overrides
@@ -55,7 +43,6 @@ def _observed_child(
         def started(self, event: JobEvent) -> None:
             pass
 
-    bench = harness()
     engine = create_engine(make_url(url_text), pool_size=concurrency + 3)
     options: dict[str, Any] = {"batch_size": batch} if batch else {}
     if kind == "observed":
@@ -75,8 +62,7 @@ def _observed_child(
     ready.put(cpu)
 
 
-def bench_observers(engine: Engine, url: URL, plan: Any) -> list[Any]:
-    bench = harness()
+def bench_observers(engine: Engine, url: URL, plan: bench.Plan) -> list[bench.Row]:
     rows = []
     for cfg in plan.processing[:3]:  # 1, 4 and 16 threads at default batch sizes
         kinds = ["plain", "finished", "observed"]
@@ -100,4 +86,4 @@ def bench_observers(engine: Engine, url: URL, plan: Any) -> list[Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(harness().run_alone(bench_observers, __doc__, sys.argv[1:]))
+    sys.exit(bench.run_alone(bench_observers, __doc__, sys.argv[1:]))

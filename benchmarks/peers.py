@@ -10,14 +10,14 @@ with an entrypoint, ``App.run_worker_async``). A peer that is not installed is s
 with a line saying so; ``pip install -e '.[bench]'`` installs both.
 
 Each measure runs sqla_queue and every peer in the same run, alternating sides and taking
-medians, as ``benchmarks/run.py`` does (whose helpers this script imports):
+medians, as ``benchmarks/run.py`` does (on the harness both share, ``benchmarks/harness.py``):
 
 - **processing**: N no-op jobs queued beforehand, the library's own worker in fresh
   processes (1, then 2), connected before the start signal and timed until no job is left
   to run. Each library is swept over a few of its own settings (sqla_queue: ``concurrency``
   with every other option at its default; pgqueuer: ``batch_size``; procrastinate:
   ``concurrency``) and the best median is reported with the setting that reached it, and
-  the CPU time its worker processes spent per job. ``run.py``'s hand-written psycopg loop
+  the CPU time its worker processes spent per job. The harness's hand-written psycopg loop
   at its best setting (one thread a process, swept over its batch) runs in the same
   rounds, and sqla_queue's best is also given as a ratio to it.
 - **enqueue, 1 job per transaction**: sqla_queue's ``QueueSession``, ``enqueue(job)``,
@@ -57,7 +57,7 @@ from sqlalchemy.orm import sessionmaker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench  # benchmarks/run.py: the shared harness
+import harness as bench  # benchmarks/harness.py: the shared harness
 
 from sqla_queue import QueueSession, enqueue_values
 
@@ -66,7 +66,7 @@ SQLA_FAST = "sqla_queue (enqueue_values)"
 PGQUEUER = "pgqueuer"
 PROCRASTINATE = "procrastinate"
 PEERS = (PGQUEUER, PROCRASTINATE)
-#: run.py's hand-written psycopg loop at its best setting (one thread a process), swept
+#: The harness's hand-written psycopg loop at its best setting (one thread a process), swept
 #: over its batch beside the libraries: the processing figures are also held to it.
 RAW_BEST = "raw psycopg"
 INSTALL_HINT = "pip install -e '.[bench]'"
@@ -91,7 +91,7 @@ class Plan:
     pickup_jobs: int = 200
     pickup_gap: float = 0.02
     timeout: float = 300
-    #: The raw loop's batches swept (run.py's ``RAW_BEST_BATCH`` first).
+    #: The raw loop's batches swept (the harness's ``RAW_BEST_BATCH`` first).
     raw_best_batches: tuple[int, ...] = (bench.RAW_BEST_BATCH,)
 
 
@@ -283,7 +283,7 @@ async def load_peer(side: str, url: URL, n: int) -> None:
 
 
 def peer_unfinished(side: str, conn: Any) -> bool:
-    """Any job still to run? Probes of the peer's own partial indexes, as run.py's are."""
+    """Any job still to run? Probes of the peer's own partial indexes, as the harness's are."""
     if side == PGQUEUER:  # a finished job is moved to pgqueuer_log
         sql = (
             "SELECT EXISTS (SELECT 1 FROM pgqueuer WHERE status = 'queued') "
@@ -325,7 +325,7 @@ def _wait_go(go: Any, stop: Any) -> bool:
 def _peer_processing_child(side: str, url_text: str, value: int, ready: Any, go: Any, stop: Any) -> None:
     """One peer worker process: connected, then told to go; runs until told to stop.
 
-    Reports its CPU time from the start signal to the stop signal, as run.py's children do."""
+    Reports its CPU time from the start signal to the stop signal, as the harness's children do."""
     url = make_url(url_text)
 
     async def pgqueuer_main() -> float:
@@ -426,7 +426,7 @@ def run_peer_processing(url: URL, side: str, value: int, processes: int, plan: P
 
 
 def run_sqla_processing(url: URL, engine: Engine, concurrency: int, processes: int, plan: Plan) -> tuple[float, float]:
-    """run.py's processing run of the real Worker, at default options but ``concurrency``."""
+    """The harness's processing run of the real Worker, at default options but ``concurrency``."""
     cfg = bench.Processing(processes, concurrency, 0, plan.jobs)
     return bench.run_processing(url, engine, "sqla_queue", cfg)
 
@@ -607,7 +607,7 @@ async def bench_pickup(url: URL, engine: Engine, sides: Sequence[str], plan: Pla
     procs = []
     for side in sides:
         if side == SQLA:
-            target, args = bench._pickup_child, ("sqla_queue", url_text, outs[side], ready, stop)
+            target, args = bench.pickup_child, ("sqla_queue", url_text, outs[side], ready, stop)
         else:
             target, args = _peer_pickup_child, (side, url_text, outs[side], ready, stop)
         procs.append(ctx.Process(target=target, args=args, daemon=True))

@@ -25,7 +25,7 @@ side by side in one run; every ratio below is of the same run.
   the same pending jobs in an otherwise empty table, the enqueue rate, and pruning in
   bounded batches while claims run.
 - ``processes``: worker processes 1-4 at default options against the baseline at the same
-  process count (``benchmarks/run.py``'s processing harness, on this cluster).
+  process count (``benchmarks/harness.py``'s processing runner, on this cluster).
 - ``settings``: the steady load (no held snapshot) beside ``--settings-finished`` (2M)
   finished rows for ``--settings-minutes`` (5), once per storage variant (the server's
   defaults, the recommended per-table autovacuum, and that with ``fillfactor`` 80): dead
@@ -59,8 +59,8 @@ from sqlalchemy.orm import Mapped, mapped_column
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import run as bench  # noqa: E402 - the harness's tables and helpers
-from run import Base, BenchJob, Order, Row, markdown, percentile, raw_connect, say  # noqa: E402
+import harness as bench  # noqa: E402 - the harness's tables and helpers
+from harness import Base, BenchJob, Order, Row, markdown, percentile, raw_connect, say  # noqa: E402
 
 from sqla_queue import JobMixin, QueueSession, Worker, enqueue_values  # noqa: E402
 from sqla_queue import sql as q  # noqa: E402

@@ -18,7 +18,7 @@ one runs at a time on otherwise idle workers; for each job, its ``started_at`` m
 parent's ``finished_at`` (the completion that released it, a moment before its
 commit), p50 and p99.
 
-It reuses ``benchmarks/run.py``'s scratch database and process helpers.
+It reuses ``benchmarks/harness.py``'s scratch database and process helpers.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run as bench
+import harness as bench
 from sqlalchemy import create_engine, make_url
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase
