@@ -20,12 +20,22 @@ import pytest
 from sqlalchemy import Engine, select, text
 
 from sqla_queue import Tasks
+from sqla_queue.driver import DbConnection
 from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.runtime import Event, sleep
+from sqla_queue.worker.config import check_options
+from sqla_queue.worker.context import WorkerContext
+from sqla_queue.worker.cursor import ClaimCursor
+from sqla_queue.worker.hooks import Hooks
+from sqla_queue.worker.ledger import Ledger
+from sqla_queue.worker.producer import Producer
+from sqla_queue.worker.stats import WorkerStats
+from sqla_queue.worker.work_signal import WorkSignal
 
 from .helpers import Server, wait_for, wait_for_counts
 from .models import Task
 from .proxy import CLAIM_MARKER, Link, proxied
+from .test_ops import on_driver
 from .workers import TASKS, Runtimes, add, all_status, job
 
 LEASE = 2.0
@@ -469,3 +479,72 @@ def test_a_job_whose_lease_expired_twice_in_a_row_runs_alone_in_its_worker(
     # Handed back unstarted: not counted (max_attempts grew with attempts), one run each.
     assert all(job(engine, i).max_attempts - job(engine, i).attempts == DEFAULT_MAX_ATTEMPTS - 1 for i in others)
     wait_for_counts(worker, done=9)
+
+
+#: The idle wait of the test below: each round without a wake-up lasts at least this.
+BLOCKED_POLL = 0.5
+
+
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+def test_while_a_solitary_job_is_held_an_idle_executor_waits_for_a_wake_up_even_with_a_claim_owed(
+    engine: Engine, Sessions: Any, kind: str
+) -> None:
+    """While the worker holds a solitary job, no claim may begin: an idle executor's
+    round (its claim, then its wait for work) must wait for a wake-up or the poll,
+    though a claim from the head is owed (a cursor claim found nothing since the last
+    one, and its time has come) and only a claim can pay it. Otherwise every round
+    would wake at once for it, claim nothing and go round again: on the event loop
+    without ever yielding, stalling the loop, the other jobs' ends the solitary job
+    waits for, and its own run (seconds, in a crash scenario, for a 0.3 s job).
+
+    The real producer and statements on each driver; the cursor's clock runs a minute
+    behind for its first two claims (its interval is a minute), so that the second is
+    a cursor claim however slow the machine, and its claim from the head is owed at
+    once when the clock catches up, instead of after the interval. Then, once the
+    solitary job is gone and the executors woken (as its executor does), the next
+    claim runs again and pays what is owed."""
+    quick = add(Sessions, "stamp")
+    config = check_options(concurrency=2, poll_interval=BLOCKED_POLL)
+    rounds: list[float] = []
+    with on_driver(kind, engine) as on:
+        ledger, signal = Ledger(), WorkSignal(config.concurrency)
+        stats = WorkerStats()
+        producer = Producer(WorkerContext(config, ledger, on.driver, on.ops(), signal, stats, "w", Hooks(stats)))
+        assert producer.cursor is not None
+        lag = [60.0]  # the cursor's clock behind time.monotonic(), for its first two claims
+        producer.cursor = ClaimCursor(60.0, lambda: time.monotonic() - lag[0])
+
+        def scenario(conn: DbConnection) -> None:
+            # The first claim looks for isolated jobs (none) and claims from the head.
+            first = producer.claim(conn, 1, "w/0.0")
+            assert [h.token.job_id for h in first] == quick
+            assert producer.claim(conn, 1, "w/0.0") == []  # a cursor claim: nothing
+            lag[0] = 0.0  # from now on the clock every claim reads
+            assert producer.cursor is not None
+            owed = producer.cursor.head_claim_at()
+            assert owed is not None and owed <= time.monotonic(), "no claim from the head owed"
+            # A job as a sweep leaves it after its lease expired twice in a row, announced.
+            (alone,) = add(Sessions, "stamp")
+            with engine.begin() as db:
+                db.execute(text(
+                    "UPDATE tasks SET (isolated, attempts, last_error) = "
+                    "(true, 2, 'lease expired again: worker w/0.0 did not finish attempt 2 of 20') WHERE id = :id"
+                ).bindparams(id=alone))
+            producer.look_for_isolated()
+            (solitary,) = producer.claim(conn, 1, "w/1.0")
+            assert solitary.token.job_id == alone and solitary.solitary and not ledger.claims_open
+            for _ in range(3):
+                began = time.monotonic()
+                assert producer.claim(conn, 1, "w/2.0") == []
+                producer.wait_for_work(conn)
+                rounds.append(time.monotonic() - began)
+            ledger.remove([solitary])
+            signal.wake(config.concurrency)  # what the solitary job's executor does
+            producer.wait_for_work(conn)  # woken: returns at once
+            assert producer.claim(conn, 1, "w/2.0") == []  # from the head: the owed claim is paid
+            assert producer.cursor.head_claim_at() is None
+
+        on(scenario)
+    # Each round waited for the poll: nothing woke it (a round that claims nothing and
+    # returns at once would go round thousands of times while the solitary job runs).
+    assert min(rounds) >= BLOCKED_POLL * 0.9, f"idle rounds under a solitary job took {rounds} s"

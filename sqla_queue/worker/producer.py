@@ -307,8 +307,19 @@ class Producer:
         return storable(f"{problem.what}: {describe_error(problem.error, limit)}", limit)
 
     def wait_for_work(self, conn: DbConnection) -> None:
-        """Nothing to claim: learn when the next delayed job falls due, then idle."""
+        """Nothing to claim: learn when the next delayed job falls due, then idle.
+
+        While no claim may begin (a solitary job held, the leases unhealthy), idle until
+        woken or the poll, and no sooner: a job due now, or a claim from the head owed
+        since before (:meth:`~.cursor.ClaimCursor.head_claim_at`, which only a claim
+        pays), would wake this executor at once to claim nothing, round after round. On
+        the event loop such a round never yields, so the loop, and the solitary job's
+        own run, would stall for as long as the next-due lookup's spacing. The end of
+        the solitary job, or the first healthy beat, wakes the executors."""
         signal = self.signal
+        if not self.ledger.claims_open:
+            signal.wait(self.config.poll_interval)
+            return
         if signal.generation != self._checked_generation:
             now = time.monotonic()
             if now < self._next_lookup:
