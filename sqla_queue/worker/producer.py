@@ -341,8 +341,12 @@ class Producer:
                     # Due already, yet the claim just missed it: another claim holds it, or
                     # it fell due a moment after ours. Look again shortly, not in a loop.
                     signal.wake_at(time.monotonic() + max(seconds, MISSED_DUE_PAUSE))
-        head_claim = None if self.cursor is None else self.cursor.head_claim_at()
-        if head_claim is not None:  # a job may wait before the claims' cursor
+        # A job may wait before the claims' cursor: wake for the claim from the head that
+        # finds it. Not while rows are passed over: every claim then starts at the head
+        # and tells the cursor nothing, so the claim owed would stay owed, and its time,
+        # past, would wake this executor at once after every claim that found nothing.
+        head_claim = None if self.cursor is None or self._skip else self.cursor.head_claim_at()
+        if head_claim is not None:
             signal.wake_at(head_claim)
         signal.wait(self.config.poll_interval)
 
