@@ -20,12 +20,22 @@ import pytest
 from sqlalchemy import Engine, select, text
 
 from sqla_queue import Tasks
+from sqla_queue.driver import DbConnection
 from sqla_queue.model import DEFAULT_MAX_ATTEMPTS
 from sqla_queue.runtime import Event, sleep
+from sqla_queue.worker.config import check_options
+from sqla_queue.worker.context import WorkerContext
+from sqla_queue.worker.cursor import ClaimCursor
+from sqla_queue.worker.hooks import Hooks
+from sqla_queue.worker.ledger import Ledger
+from sqla_queue.worker.producer import NEXT_DUE_PAUSE, Producer
+from sqla_queue.worker.stats import WorkerStats
+from sqla_queue.worker.work_signal import WorkSignal
 
 from .helpers import Server, wait_for, wait_for_counts
 from .models import Task
 from .proxy import CLAIM_MARKER, Link, proxied
+from .test_ops import On, on_driver
 from .workers import TASKS, Runtimes, add, all_status, job
 
 LEASE = 2.0
@@ -469,3 +479,132 @@ def test_a_job_whose_lease_expired_twice_in_a_row_runs_alone_in_its_worker(
     # Handed back unstarted: not counted (max_attempts grew with attempts), one run each.
     assert all(job(engine, i).max_attempts - job(engine, i).attempts == DEFAULT_MAX_ATTEMPTS - 1 for i in others)
     wait_for_counts(worker, done=9)
+
+
+#: The idle wait of the tests below: each round without a wake-up lasts at least this.
+BLOCKED_POLL = 0.5
+#: Seconds the idle rounds are counted over.
+WINDOW = 1.0
+
+
+def _producer(on: On, lag: list[float]) -> Producer:
+    """The worker's producer on ``on``'s driver, with a cursor whose clock runs ``lag[0]``
+    seconds behind ``time.monotonic()`` and whose interval is a minute: with a lag of a
+    minute, its claims after a claim from the head are cursor claims however slow the
+    machine, and once the lag is 0 the claim from the head they owe is due at once
+    (instead of after the interval)."""
+    config = check_options(concurrency=2, poll_interval=BLOCKED_POLL)
+    stats = WorkerStats()
+    producer = Producer(WorkerContext(
+        config, Ledger(), on.driver, on.ops(), WorkSignal(config.concurrency), stats, "w", Hooks(stats)
+    ))
+    assert producer.cursor is not None
+    producer.cursor = ClaimCursor(60.0, lambda: time.monotonic() - lag[0])
+    return producer
+
+
+def _owe_a_claim_from_the_head(producer: Producer, conn: DbConnection, quick: list[int]) -> None:
+    """Claim ``quick`` (from the head), then nothing by the cursor: a claim from the head is owed."""
+    assert [h.token.job_id for h in producer.claim(conn, 1, "w/0.0")] == quick
+    assert producer.claim(conn, 1, "w/0.0") == []
+
+
+def _idle_rounds(producer: Producer, conn: DbConnection, owner: str, n: int = 3) -> list[float]:
+    """``n`` rounds of an idle executor: its claim (which finds nothing), then its wait."""
+    rounds = []
+    for _ in range(n):
+        began = time.monotonic()
+        assert producer.claim(conn, 1, owner) == []
+        producer.wait_for_work(conn)
+        rounds.append(time.monotonic() - began)
+    return rounds
+
+
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+def test_while_a_solitary_job_is_held_an_idle_executor_waits_for_a_wake_up_even_with_a_claim_owed(
+    engine: Engine, Sessions: Any, kind: str
+) -> None:
+    """While the worker holds a solitary job, no claim may begin: an idle executor's
+    round (its claim, then its wait for work) must wait for a wake-up or the poll,
+    though a claim from the head is owed (a cursor claim found nothing since the last
+    one, and its time has come) and only a claim can pay it. Otherwise every round
+    would wake at once for it, claim nothing and go round again: on the event loop
+    without ever yielding, stalling the loop, the other jobs' ends the solitary job
+    waits for, and its own run (seconds, in a crash scenario, for a 0.3 s job).
+
+    The real producer and statements on each driver (see :func:`_producer` for its
+    cursor's clock). Then, once the solitary job is gone and the executors woken (as
+    its executor does), the next claim runs again and pays what is owed."""
+    quick = add(Sessions, "stamp")
+    lag = [60.0]
+    rounds: list[float] = []
+    with on_driver(kind, engine) as on:
+        producer = _producer(on, lag)
+        ledger, signal, cursor = producer.ledger, producer.signal, producer.cursor
+        assert cursor is not None
+
+        def scenario(conn: DbConnection) -> None:
+            _owe_a_claim_from_the_head(producer, conn, quick)  # the first looks for isolated jobs too
+            lag[0] = 0.0
+            owed = cursor.head_claim_at()
+            assert owed is not None and owed <= time.monotonic(), "no claim from the head owed"
+            # A job as a sweep leaves it after its lease expired twice in a row, announced.
+            (alone,) = add(Sessions, "stamp")
+            with engine.begin() as db:
+                db.execute(text(
+                    "UPDATE tasks SET (isolated, attempts, last_error) = "
+                    "(true, 2, 'lease expired again: worker w/0.0 did not finish attempt 2 of 20') WHERE id = :id"
+                ).bindparams(id=alone))
+            producer.look_for_isolated()
+            (solitary,) = producer.claim(conn, 1, "w/1.0")
+            assert solitary.token.job_id == alone and solitary.solitary and not ledger.claims_open
+            rounds.extend(_idle_rounds(producer, conn, "w/2.0"))
+            ledger.remove([solitary])
+            signal.wake(2)  # what the solitary job's executor does
+            producer.wait_for_work(conn)  # woken: returns at once
+            assert producer.claim(conn, 1, "w/2.0") == []  # from the head: the owed claim is paid
+            assert cursor.head_claim_at() is None
+
+        on(scenario)
+    # Each round waited for the poll: nothing woke it (a round that claims nothing and
+    # returns at once would go round thousands of times while the solitary job runs).
+    assert min(rounds) >= BLOCKED_POLL * 0.9, f"idle rounds under a solitary job took {rounds} s"
+
+
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+def test_while_a_row_is_passed_over_an_idle_executor_waits_for_a_wake_up_even_with_a_claim_owed(
+    engine: Engine, Sessions: Any, kind: str
+) -> None:
+    """While a row no claim can update is passed over, every claim starts at the head
+    and tells the cursor nothing, so a claim from the head owed before stays owed: an
+    idle executor must not wake at once for it after each claim that found nothing (a
+    claim on the database thousands of times a second, for as long as the row is
+    passed over), but wait for a wake-up, a due time or the poll."""
+    quick = add(Sessions, "stamp")
+    lag = [60.0]
+    rounds: list[float] = []
+    with on_driver(kind, engine) as on:
+        producer = _producer(on, lag)
+
+        def scenario(conn: DbConnection) -> None:
+            _owe_a_claim_from_the_head(producer, conn, quick)
+            (bad,) = add(Sessions, "stamp")
+            _install(engine, "trigger", bad)
+            try:
+                assert producer.claim(conn, 1, "w/0.0") == []  # a cursor claim fails on it: passed over
+                assert producer._skipped() == [bad]
+                lag[0] = 0.0
+                assert producer.cursor is not None
+                owed = producer.cursor.head_claim_at()
+                assert owed is not None and owed <= time.monotonic(), "no claim from the head owed"
+                began = time.monotonic()
+                while time.monotonic() - began < WINDOW:
+                    rounds.extend(_idle_rounds(producer, conn, "w/1.0", 1))
+            finally:
+                _remove(engine)
+
+        on(scenario)
+    # The row is due, so each lookup of the next due time finds it due already and the
+    # executor looks again shortly (NEXT_DUE_PAUSE): a few rounds per lookup, no more.
+    assert len(rounds) <= 3 * WINDOW / NEXT_DUE_PAUSE, (
+        f"{len(rounds)} idle rounds in {WINDOW} s while a row is passed over")

@@ -50,6 +50,7 @@ class Heartbeat(Service):
         self.owner = ctx.owner
         self.stats = ctx.stats
         self.ops = ctx.ops
+        self.signal = ctx.signal
         #: Every job's end passes its settle: a lost one too.
         self.completer = completer
         # Every executor claims under a name of its own, each starting with "{owner}/".
@@ -84,6 +85,7 @@ class Heartbeat(Service):
         if not self.ledger.healthy:
             log.info("heartbeat: the database answers again; claiming resumes")
             self.ledger.set_healthy(True)
+            self.signal.wake(self.config.concurrency)  # the executors idle until woken meanwhile
         self.stats.add("heartbeats")
 
     def _beat(self, held: list[Held], since: float | None) -> set[ClaimToken]:

@@ -397,6 +397,13 @@ class Ledger:
         """A solitary job is held: the worker claims nothing until it is done."""
         return self._solitary is not None
 
+    @property
+    def claims_open(self) -> bool:
+        """A claim may begin now: no solitary job is held, the leases are healthy and
+        the worker is not stopping (else :meth:`begin_claim` refuses, or the producer
+        does not ask)."""
+        return self._solitary is None and self._healthy and not self._closed
+
     # -- health ------------------------------------------------------------------------
 
     @property

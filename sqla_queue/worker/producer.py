@@ -307,8 +307,19 @@ class Producer:
         return storable(f"{problem.what}: {describe_error(problem.error, limit)}", limit)
 
     def wait_for_work(self, conn: DbConnection) -> None:
-        """Nothing to claim: learn when the next delayed job falls due, then idle."""
+        """Nothing to claim: learn when the next delayed job falls due, then idle.
+
+        While no claim may begin (a solitary job held, the leases unhealthy), idle until
+        woken or the poll, and no sooner: a job due now, or a claim from the head owed
+        since before (:meth:`~.cursor.ClaimCursor.head_claim_at`, which only a claim
+        pays), would wake this executor at once to claim nothing, round after round. On
+        the event loop such a round never yields, so the loop, and the solitary job's
+        own run, would stall for as long as the next-due lookup's spacing. The end of
+        the solitary job, or the first healthy beat, wakes the executors."""
         signal = self.signal
+        if not self.ledger.claims_open:
+            signal.wait(self.config.poll_interval)
+            return
         if signal.generation != self._checked_generation:
             now = time.monotonic()
             if now < self._next_lookup:
@@ -330,8 +341,12 @@ class Producer:
                     # Due already, yet the claim just missed it: another claim holds it, or
                     # it fell due a moment after ours. Look again shortly, not in a loop.
                     signal.wake_at(time.monotonic() + max(seconds, MISSED_DUE_PAUSE))
-        head_claim = None if self.cursor is None else self.cursor.head_claim_at()
-        if head_claim is not None:  # a job may wait before the claims' cursor
+        # A job may wait before the claims' cursor: wake for the claim from the head that
+        # finds it. Not while rows are passed over: every claim then starts at the head
+        # and tells the cursor nothing, so the claim owed would stay owed, and its time,
+        # past, would wake this executor at once after every claim that found nothing.
+        head_claim = None if self.cursor is None or self._skip else self.cursor.head_claim_at()
+        if head_claim is not None:
             signal.wake_at(head_claim)
         signal.wait(self.config.poll_interval)
 
