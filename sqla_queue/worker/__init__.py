@@ -84,14 +84,15 @@ class MetricsExporter(Protocol):
 
 
 #: How long stop() gives the hand-back of jobs, and then the services to end. Jobs are
-#: handed back in chunks (each commits on its own, so a stall costs only what is left),
-#: and a large number gets more time: releasing ten thousand rows takes seconds on a
-#: loaded server.
+#: handed back in chunks, each committed on its own within a deadline of its own (a
+#: second, and a millisecond a job): a stalled server costs one chunk's deadline, while a
+#: slow one that keeps up is not cut off half-way (ten thousand rows under the worst plan
+#: take several seconds on a loaded machine).
 _HAND_BACK_SECONDS = 1.0
 #: The deadline of ``until_idle``'s look at the table before it returns.
 _IDLE_CHECK_SECONDS = 2.0
 _HAND_BACK_CHUNK = 1000
-_HAND_BACK_PER_JOB = 0.0005
+_HAND_BACK_PER_JOB = 0.001
 _JOIN_SECONDS = 1.0
 #: How long stop() waits for the handlers it cancelled after the grace to end (their
 #: ``except`` and ``finally`` clauses), apart from the services' joins.
@@ -505,19 +506,20 @@ class Worker:
         log.info("worker %s stopped: %s", self.owner, self.stats)
 
     def _hand_back(self, held: list[Any], *, refund: bool) -> None:
-        """Release ``held`` on a connection of its own, in chunks, within a deadline of
-        a second plus a second per 2,000 jobs (what is not handed back by then returns
-        after its lease)."""
-        budget = _HAND_BACK_SECONDS + len(held) * _HAND_BACK_PER_JOB
+        """Release ``held`` on a connection of its own, in chunks of 1,000, each within
+        a deadline of a second plus a millisecond a job (what is not handed back when one
+        overruns returns after its lease)."""
+        chunks = [held[first:first + _HAND_BACK_CHUNK] for first in range(0, len(held), _HAND_BACK_CHUNK)]
+        deadlines = [_HAND_BACK_SECONDS + len(chunk) * _HAND_BACK_PER_JOB for chunk in chunks]
         left = [len(held)]
 
         def hand_back(conn: DbConnection) -> None:
-            for first in range(0, len(held), _HAND_BACK_CHUNK):
-                chunk = held[first:first + _HAND_BACK_CHUNK]
-                self._completer.release_now(conn, chunk, refund=refund)
+            for chunk, seconds in zip(chunks, deadlines, strict=True):
+                with self._driver.deadline(conn, seconds):
+                    self._completer.release_now(conn, chunk, refund=refund)
                 left[0] -= len(chunk)
 
-        failed = self._on_own_connection(hand_back, "hand back", budget)
+        failed = self._on_own_connection(hand_back, "hand back", sum(deadlines))
         if failed is not None:  # their leases will expire instead
             log.warning("worker %s: could not hand back %d of %d job(s) (%s); they return after their lease",
                         self.owner, left[0], len(held), failed)
