@@ -75,11 +75,7 @@ def drain(url: URL, engine: Engine, jobs: int, processes: int, concurrency: int 
         stop.set()
         reports = [ready.get(timeout=120) for _ in procs]
     finally:
-        stop.set()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+        bench.end_processes(procs, stop)
     cpu = sum(r[0] for r in reports)
     rss = max(r[1] for r in reports) // 1024
     return jobs / elapsed, cpu / jobs * 1e6, rss

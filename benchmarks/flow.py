@@ -129,11 +129,7 @@ def drain(url: URL, kind: str, jobs: int, processes: int) -> tuple[float, float]
         stop.set()
         cpu = sum(ready.get(timeout=60) for _ in procs)
     finally:
-        stop.set()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+        bench.end_processes(procs, stop)
     return jobs / elapsed, cpu / jobs * 1e6
 
 

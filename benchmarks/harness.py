@@ -382,6 +382,18 @@ def _processing_child(
     ready.put(cpu)
 
 
+def end_processes(procs: Sequence[Any], stop: Any) -> None:
+    """Tell the benchmark's processes to stop (``stop``, their event) and wait for each
+    for 30 s, killing (and reaping) one still alive then: a run never leaves a process
+    behind."""
+    stop.set()
+    for proc in procs:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
 def wait_ready(ready: Any, procs: Sequence[Any], timeout: float = 60) -> None:
     """Wait until every child said it is ready; fail fast if one died meanwhile."""
     deadline = time.monotonic() + timeout
@@ -478,11 +490,7 @@ def run_processing(
         stop.set()
         cpu = sum(ready.get(timeout=60) for _ in procs)
     finally:
-        stop.set()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+        end_processes(procs, stop)
     return cfg.jobs / elapsed, cpu / cfg.jobs * 1e6
 
 

@@ -416,12 +416,7 @@ def run_peer_processing(url: URL, side: str, value: int, processes: int, plan: P
         stop.set()
         cpu = sum(ready.get(timeout=60) for _ in procs)
     finally:
-        stop.set()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        bench.end_processes(procs, stop)
     return n / elapsed, cpu / n * 1e6
 
 

@@ -52,6 +52,7 @@ from harness import (
     Processing,
     Row,
     claim_sql,
+    end_processes,
     load_pending,
     machine_info,
     markdown,
@@ -404,11 +405,7 @@ def bench_pickup(engine: Engine, url: URL, plan: Plan) -> list[Row]:
                     latencies[kind].append((started - committed) * 1000)
                 time.sleep(plan.pickup_gap * random.uniform(0.5, 1.5))
     finally:
-        stop.set()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+        end_processes(procs, stop)
     rows = []
     for pct in (50, 95, 99):
         a = percentile(latencies["sqla_queue"], pct)
