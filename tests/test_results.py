@@ -40,7 +40,7 @@ from sqla_queue.model import results_channel
 from sqla_queue.ops import QueueOps
 from sqla_queue.sql._results import NOTIFY_IDS_MAX
 
-from .helpers import Server, table_of, wait_for
+from .helpers import Server, table_of, wait_for, wait_for_counts
 from .models import Effect, ResultTask, Task, TotalJob
 from .test_ops import on_driver
 
@@ -189,7 +189,7 @@ def test_a_handler_s_return_value_is_the_job_s_result_in_every_batch(
     with Session(engine) as session:
         assert [result(session, ResultTask, i) for i in ids[:60]] == [{"sum": n + 1} for n in range(60)]
         assert [result(session, ResultTask, i) for i in ids[60:]] == [None] * 5
-    assert worker.stats.done == 65
+    wait_for_counts(worker, done=65)  # a count follows its completion's commit
 
 
 def test_a_transactional_handler_s_result_commits_with_its_writes(
