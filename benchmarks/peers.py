@@ -660,12 +660,7 @@ async def bench_pickup(url: URL, engine: Engine, sides: Sequence[str], plan: Pla
     finally:
         for close in closers:
             await close()
-        stop.set()
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        bench.end_processes(procs, stop)
     result = {side: (bench.percentile(v, 50), bench.percentile(v, 99)) for side, v in latencies.items()}
     for side, (p50, p99) in result.items():
         bench.say(f"  pickup, {side}: p50 {p50:.2f} ms, p99 {p99:.2f} ms")

@@ -431,6 +431,16 @@ def test_slow_jobs_at_a_cold_start_spread_over_worker_processes(
 # -- 10. a job whose lease expired twice in a row -------------------------------------------------
 
 
+def isolate(engine: Engine, job_id: int) -> None:
+    """Leave job ``job_id`` as a sweep leaves one whose lease expired twice in a row: its
+    next attempt runs alone in its worker."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "UPDATE tasks SET (isolated, attempts, last_error) = "
+            "(true, 2, 'lease expired again: worker w/0.0 did not finish attempt 2 of 20') WHERE id = :id"
+        ).bindparams(id=job_id))
+
+
 def test_a_job_whose_lease_expired_twice_in_a_row_runs_alone_in_its_worker(
     engine: Engine, Sessions: Any, start_worker: Any, runtime: Runtimes
 ) -> None:
@@ -461,11 +471,7 @@ def test_a_job_whose_lease_expired_twice_in_a_row_runs_alone_in_its_worker(
             note(job, began)
 
     (alone,) = add(Sessions, "probe")
-    with engine.begin() as conn:
-        conn.execute(text(
-            "UPDATE tasks SET (isolated, attempts, last_error) = "
-            "(true, 2, 'lease expired again: worker w/0.0 did not finish attempt 2 of 20') WHERE id = :id"
-        ).bindparams(id=alone))
+    isolate(engine, alone)
     others = add(Sessions, "probe", 8)
     worker = start_worker(tasks, concurrency=4)
     wait_for(all_status(engine, [alone, *others], "done"), timeout=30, what="every job done")
@@ -550,11 +556,7 @@ def test_while_a_solitary_job_is_held_an_idle_executor_waits_for_a_wake_up_even_
             assert owed is not None and owed <= time.monotonic(), "no claim from the head owed"
             # A job as a sweep leaves it after its lease expired twice in a row, announced.
             (alone,) = add(Sessions, "stamp")
-            with engine.begin() as db:
-                db.execute(text(
-                    "UPDATE tasks SET (isolated, attempts, last_error) = "
-                    "(true, 2, 'lease expired again: worker w/0.0 did not finish attempt 2 of 20') WHERE id = :id"
-                ).bindparams(id=alone))
+            isolate(engine, alone)
             producer.look_for_isolated()
             (solitary,) = producer.claim(conn, 1, "w/1.0")
             assert solitary.token.job_id == alone and solitary.solitary and not ledger.claims_open
